@@ -1,0 +1,39 @@
+"""kvxfer: move LLM KV-cache blocks between inference workers with as few descriptors as the
+two sides' layouts allow.
+
+Quick start (two agents in one process, the in-process loopback backend)::
+
+    import numpy as np, kvxfer
+    prefill = kvxfer.Agent("prefill", backend="loopback")
+    decode = kvxfer.Agent("decode", backend="loopback")
+    prefill.register({"kv": np.zeros((64, 4096), np.uint8)})
+    decode.register({"kv": np.zeros((64, 4096), np.uint8)})
+    peer = decode.add_peer(prefill.metadata())
+    decode.read(peer, [0, 1], [5, 6]).wait(timeout=5)
+
+Importing kvxfer imports neither torch nor any transport library: backends are loaded from
+the ``kvxfer`` entry-point group when first used.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .agent import Agent, Peer
+from .backend import Backend, Capabilities
+from .errors import *  # noqa: F403
+from .hookspecs import hookimpl
+from .layout import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region, spec_diff
+from .memory import Allocation, DescriptorList, MemoryKind, Op
+from .metadata import AgentMetadata
+from .planner import Leg, TransferPlan, plan
+from .plugins import BackendStatus, available_backends
+from .transfer import Status, Transfer, TransferStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent", "Peer", "Backend", "Capabilities", "hookimpl", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec",
+    "Member", "PackedLayout", "Region", "spec_diff", "Allocation", "DescriptorList", "MemoryKind", "Op",
+    "AgentMetadata", "Leg", "TransferPlan", "plan", "BackendStatus", "available_backends", "Status", "Transfer",
+    "TransferStats", "errors", "__version__",
+] + list(errors.__all__)

@@ -1,0 +1,348 @@
+"""The Agent: the object a serving engine's connector holds.
+
+It owns one backend instance, the registered KV cache spec, the known peers and their
+prepared descriptor lists. All policy is here: metadata validation, peer generations,
+bounds (block ids are checked by the planner against the peer's validated spec, so no
+descriptor can leave the peer's registered memory), coalescing according to the backend's
+capabilities, batching limits, and deadlines (through :class:`~kvxfer.transfer.Transfer`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .backend import Backend
+from .errors import (
+    AgentClosedError,
+    KvxferError,
+    MetadataError,
+    SpecError,
+    StalePeerError,
+    UnknownPeerError,
+    UnsupportedError,
+)
+from .layout import Granularity, KVCacheSpec
+from .memory import MemoryKind, Op
+from .metadata import AgentMetadata
+from .planner import Leg, TransferPlan, plan
+from .plugins import get_backend_class, plugin_manager
+from .transfer import Transfer, TransferStats, _Post
+
+__all__ = ["Agent", "Peer"]
+
+_generation_clock = [0]
+
+
+def _new_generation() -> int:
+    """Strictly increasing within a process and across restarts (wall-clock nanoseconds)."""
+    g = max(time.time_ns(), _generation_clock[0] + 1) & ((1 << 63) - 1)
+    _generation_clock[0] = g
+    return g
+
+
+@dataclass
+class Peer:
+    """What the agent knows about one remote worker."""
+
+    name: str
+    generation: int
+    key: str  # the backend's name for it
+    spec: KVCacheSpec | None
+    prepared: dict[tuple[Granularity, MemoryKind], Any] = field(default_factory=dict)
+
+
+class Agent:
+    """Moves KV blocks between this worker and its peers through one backend.
+
+    ``Agent(name, backend="loopback", *, timeout=30.0, coalesce=None, **options)``: the
+    options go to the backend. ``coalesce=None`` merges contiguous runs in the planner only
+    for backends that do not merge runs themselves and prepare cheaply.
+    """
+
+    def __init__(self, name: str, backend: str = "loopback", *, timeout: float = 30.0,
+                 coalesce: bool | None = None, **options: Any) -> None:
+        # Validate the name exactly as peers will when they decode our metadata.
+        AgentMetadata(name, 1, backend, b"", None)
+        self.name = name
+        self.generation = _new_generation()
+        self.backend_name = backend
+        self.timeout = float(timeout)
+        cls = get_backend_class(backend)
+        self.backend: Backend = cls(name, **options)
+        caps = self.backend.capabilities
+        self._coalesce = (not caps.merges_runs and caps.cheap_prepare) if coalesce is None else bool(coalesce)
+        self.spec: KVCacheSpec | None = None
+        self._reg_handle: Any = None
+        self._local_prepared: dict[tuple[Granularity, MemoryKind], Any] = {}
+        self._peers: dict[str, Peer] = {}
+        self._inflight: set[Transfer] = set()
+        self._closed = False
+        plugin_manager().hook.kvxfer_agent_created(agent=self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        return f"<Agent {self.name!r} backend={self.backend_name!r} {state}>"
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(self, kv: Any = None, /, **options: Any) -> KVCacheSpec:
+        """Register a KV cache: a :class:`KVCacheSpec`, or ``{layer: tensor|array}``.
+
+        Discovery options (``replicated``, ``tp_rank``, ``tp_size``, ``layout``...) are passed
+        to :meth:`KVCacheSpec.from_tensors`. Returns the spec that peers will see.
+        """
+        self._check_open()
+        if self.spec is not None:
+            raise SpecError("a KV cache is already registered; deregister() it first")
+        if isinstance(kv, KVCacheSpec):
+            if options:
+                raise SpecError("discovery options apply only when registering tensors or arrays")
+            spec = kv
+        elif isinstance(kv, Mapping):
+            spec = KVCacheSpec.from_tensors(kv, **options)
+        else:
+            raise SpecError(f"register() takes a KVCacheSpec or a mapping of name -> tensor/array, "
+                            f"got {type(kv).__name__}")
+        kinds = {a.kind for a in spec.allocations}
+        unsupported = kinds - set(self.backend.capabilities.memory_kinds)
+        if unsupported:
+            raise UnsupportedError(f"backend {self.backend_name!r} cannot move "
+                                   f"{', '.join(sorted(k.value for k in unsupported))} memory")
+        self._reg_handle = self.backend.register(spec.allocations)
+        self.spec = spec
+        return spec
+
+    def deregister(self) -> None:
+        """Drop the registered cache and every list prepared over it."""
+        self._check_open()
+        if self.spec is None:
+            return
+        for t in list(self._inflight):
+            t.cancel()
+        for h in self._local_prepared.values():
+            self.backend.release_prepared(h)
+        self._local_prepared.clear()
+        self.backend.deregister(self._reg_handle)
+        self.spec = None
+        self._reg_handle = None
+
+    # -- peers ----------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """Versioned bytes a peer passes to :meth:`add_peer` (no pickle; validated there)."""
+        self._check_open()
+        return AgentMetadata(self.name, self.generation, self.backend_name, self.backend.local_metadata(),
+                             self.spec).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Add (or refresh) a peer from its metadata; returns its name.
+
+        A newer generation of a known peer means it restarted: the old connection and
+        every list prepared for it are dropped first. An older generation is refused.
+        """
+        self._check_open()
+        md = AgentMetadata.decode(metadata)
+        if md.backend != self.backend_name:
+            raise MetadataError(f"peer {md.name!r} uses backend {md.backend!r}; this agent uses "
+                                f"{self.backend_name!r}. Both sides must pick the same backend.")
+        if md.name == self.name and md.generation == self.generation:
+            raise MetadataError("an agent cannot add itself as a peer")
+        known = self._peers.get(md.name)
+        if known is not None:
+            if md.generation < known.generation:
+                raise StalePeerError(f"metadata for {md.name!r} is generation {md.generation}, older than the "
+                                     f"known {known.generation}; fetch fresh metadata")
+            if md.generation == known.generation:
+                if md.spec != known.spec:
+                    raise MetadataError(f"peer {md.name!r} sent a different spec under the same generation")
+                return known.name
+            self._drop_peer(known)
+        key = self.backend.add_remote(md.name, md.blob)
+        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec)
+        return md.name
+
+    def remove_peer(self, name: str) -> None:
+        self._check_open()
+        self._drop_peer(self._peer(name))
+
+    @property
+    def peers(self) -> dict[str, Peer]:
+        return dict(self._peers)
+
+    def _drop_peer(self, peer: Peer) -> None:
+        for h in peer.prepared.values():
+            try:
+                self.backend.release_prepared(h)
+            except KvxferError:
+                pass
+        peer.prepared.clear()
+        self.backend.remove_remote(peer.key)
+        self._peers.pop(peer.name, None)
+
+    def _peer(self, name: str) -> Peer:
+        peer = self._peers.get(name)
+        if peer is None:
+            raise UnknownPeerError(f"unknown peer {name!r}; add it with add_peer(metadata) first "
+                                   f"(known: {', '.join(sorted(self._peers)) or 'none'})")
+        return peer
+
+    # -- transfers ------------------------------------------------------------------------
+    def plan(self, peer: str, local_blocks: Any, remote_blocks: Any, op: Op | str = Op.READ) -> TransferPlan:
+        """The plan :meth:`read`/:meth:`write` would post (for inspection and benchmarks)."""
+        self._check_open()
+        p = self._peer(peer)
+        if self.spec is None:
+            raise SpecError("register a KV cache before transferring")
+        if p.spec is None:
+            raise SpecError(f"peer {peer!r} registered no KV cache")
+        return plan(self.spec, p.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce)
+
+    def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
+        """Pull the peer's ``remote_blocks`` into our ``local_blocks``."""
+        return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify)
+
+    def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
+        """Push our ``local_blocks`` into the peer's ``remote_blocks``."""
+        return self._transfer(Op.WRITE, peer, local_blocks, remote_blocks, notify)
+
+    def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
+                  notify: bytes | None) -> Transfer:
+        self._check_open()
+        caps = self.backend.capabilities
+        if op not in caps.ops:
+            raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
+        if notify is not None:
+            if not isinstance(notify, (bytes, bytearray)):
+                raise TypeError("notify must be bytes")
+            if not caps.notifications:
+                raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
+        t0 = time.perf_counter()
+        peer = self._peer(peer_name)
+        p = self.plan(peer_name, local_blocks, remote_blocks, op)
+        chunks = self._chunks(peer, p)
+        stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0)
+        single = len(chunks) == 1
+        posts: list[_Post] = []
+        started = time.perf_counter()
+        try:
+            for lp, li, rp, ri, cleanup in chunks:
+                handle = self.backend.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
+                posts.append(_Post(handle, cleanup=cleanup))
+        except BaseException:
+            for post in posts:
+                self.backend.release(post.handle)
+            for _, _, _, _, cleanup in chunks:
+                for fn in cleanup:
+                    fn()
+            raise
+        if not chunks and notify is not None:
+            single = False
+        on_done = None
+        if notify is not None and not single:
+            # Several posts may complete in any order: notify only once all data is visible.
+            msg, key = bytes(notify), peer.key
+            on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
+        t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, on_done=on_done, started=started,
+                     on_finish=self._inflight.discard)
+        self._inflight.add(t)
+        return t
+
+    def _chunks(self, peer: Peer, p: TransferPlan) -> list[tuple[Any, np.ndarray, Any, np.ndarray, list[Any]]]:
+        """Turn plan legs into backend posts, honouring ``max_descriptors``."""
+        out = []
+        limit = self.backend.capabilities.max_descriptors
+        for leg in p.legs:
+            cleanup: list[Any] = []
+            if leg.local_idx is None:  # coalesced: prepare the explicit lists for this transfer
+                ld, rd = p.explicit(leg)
+                lp = self.backend.prepare(None, ld)
+                rp = self.backend.prepare(peer.key, rd)
+                cleanup = [lambda h=lp: self.backend.release_prepared(h), lambda h=rp: self.backend.release_prepared(h)]
+                li = ri = np.arange(leg.descriptors, dtype=np.int32)
+            else:
+                lp = self._prepared_local(leg)
+                rp = self._prepared_remote(peer, leg)
+                li, ri = leg.local_idx, leg.remote_idx  # type: ignore[assignment]
+            n = leg.descriptors
+            if n == 0:
+                for fn in cleanup:
+                    fn()
+                continue
+            step = n if not limit else limit
+            for s in range(0, n, step):
+                last = s + step >= n
+                out.append((lp, li[s:s + step], rp, ri[s:s + step], cleanup if last else []))
+        return out
+
+    def _prepared_local(self, leg: Leg) -> Any:
+        key = (leg.local_granularity, leg.local_kind)
+        h = self._local_prepared.get(key)
+        if h is None:
+            assert self.spec is not None
+            h = self.backend.prepare(None, self._list(self.spec, *key))
+            self._local_prepared[key] = h
+        return h
+
+    def _prepared_remote(self, peer: Peer, leg: Leg) -> Any:
+        key = (leg.remote_granularity, leg.remote_kind)
+        h = peer.prepared.get(key)
+        if h is None:
+            assert peer.spec is not None
+            h = self.backend.prepare(peer.key, self._list(peer.spec, *key))
+            peer.prepared[key] = h
+        return h
+
+    def _list(self, spec: KVCacheSpec, gran: Granularity, kind: MemoryKind) -> Any:
+        # The strided form is much cheaper to prepare where the backend understands it.
+        return spec.descriptor_list(gran, kind, strided=self.backend.capabilities.strided_lists)
+
+    # -- notifications --------------------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        self._check_open()
+        self.backend.notify(self._peer(peer).key, bytes(message))
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call, keyed by the sending agent's name."""
+        self._check_open()
+        self.backend.progress()
+        return self.backend.drain_notifications()
+
+    def progress(self) -> None:
+        """Drive the backend once (needed by backends without their own progress thread)."""
+        self._check_open()
+        self.backend.progress()
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel what is in flight, drop peers, deregister and close the backend. Idempotent."""
+        if self._closed:
+            return
+        try:
+            for t in list(self._inflight):
+                t.cancel()
+            for peer in list(self._peers.values()):
+                try:
+                    self._drop_peer(peer)
+                except KvxferError:
+                    pass
+            if self.spec is not None:
+                self.deregister()
+        finally:
+            self._closed = True
+            self.backend.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosedError(f"agent {self.name!r} is closed; create a new Agent")

@@ -1,0 +1,134 @@
+"""The backend seam: what a transport implements, and nothing more.
+
+A backend registers allocations and moves descriptor lists. It never sees blocks, layers or
+members; validation, bounds, deadlines, cancellation, coalescing and whole-row packing all
+live in the core (:mod:`kvxfer.agent`, :mod:`kvxfer.planner`). That split is why a new
+transport is a few hundred lines and why every transport gets the same behaviour.
+
+Contract, in the order the core calls it::
+
+    b = MyBackend(agent_name, **options)
+    h = b.register(allocations)            # once per spec
+    blob = b.local_metadata()              # opaque bytes, shipped inside agent metadata
+    peer = b.add_remote(peer_name, blob)   # returns the key notifications use
+    lp = b.prepare(None, descs)            # local list, addressed by index later
+    rp = b.prepare(peer, descs)            # remote list (the core has bounds-checked it)
+    x = b.post(op, lp, lidx, rp, ridx, notification)   # lidx/ridx: numpy int32/int64
+    while not b.poll(x): ...               # raises a KvxferError subclass on failure
+    b.release(x)                           # also how the core cancels
+    b.notify(peer, msg); b.drain_notifications()
+    b.remove_remote(peer); b.deregister(h); b.close()
+
+``poll`` must never block for long; the core owns waiting and timeouts.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .memory import Allocation, DescriptorList, MemoryKind, Op
+
+__all__ = ["Backend", "Capabilities", "Prepared"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the core adapts to it instead of asking at run time.
+
+    ``merges_runs``: the backend merges consecutive contiguous descriptors itself, so the
+    planner does not coalesce. ``cheap_prepare``: preparing a list costs about as much as
+    storing it, so the core may prepare a fresh (coalesced) list per transfer.
+    ``max_descriptors``: the most descriptors one post takes (the core splits larger
+    plans). ``cross_process``: peers may live in other processes or hosts.
+    """
+
+    memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.DRAM})
+    ops: frozenset[Op] = frozenset({Op.READ, Op.WRITE})
+    notifications: bool = True
+    strided_lists: bool = False
+    merges_runs: bool = False
+    cheap_prepare: bool = True
+    max_descriptors: int | None = None
+    needs_progress: bool = False
+    cross_process: bool = True
+
+
+@dataclass
+class Prepared:
+    """A prepared descriptor list as the core keeps it: the backend's handle plus the list."""
+
+    handle: Any
+    descs: DescriptorList
+    peer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """Base class for transports. Subclasses set ``name`` and ``capabilities``."""
+
+    name: str = "abstract"
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, agent_name: str, **options: Any) -> None:
+        self.agent_name = agent_name
+        self.options = options
+
+    # memory
+    @abc.abstractmethod
+    def register(self, allocations: Sequence[Allocation]) -> Any:
+        """Register memory once; returns an opaque handle for :meth:`deregister`."""
+
+    @abc.abstractmethod
+    def deregister(self, handle: Any) -> None: ...
+
+    # peers
+    @abc.abstractmethod
+    def local_metadata(self) -> bytes:
+        """Opaque connection blob a peer passes to :meth:`add_remote`."""
+
+    @abc.abstractmethod
+    def add_remote(self, peer_name: str, blob: bytes) -> str:
+        """Connect to a peer; returns the key this backend uses for it."""
+
+    @abc.abstractmethod
+    def remove_remote(self, peer: str) -> None: ...
+
+    # descriptor lists
+    @abc.abstractmethod
+    def prepare(self, peer: str | None, descs: DescriptorList) -> Any:
+        """Prepare a list of local (``peer is None``) or the peer's memory for indexing."""
+
+    def release_prepared(self, prepared: Any) -> None:
+        """Free a prepared list. Default: nothing to free."""
+
+    # transfers
+    @abc.abstractmethod
+    def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+             notification: bytes | None) -> Any:
+        """Start moving ``local[local_idx[i]] <-> remote[remote_idx[i]]``; returns a handle."""
+
+    @abc.abstractmethod
+    def poll(self, xfer: Any) -> bool:
+        """True when done; False while pending; raises a :class:`~kvxfer.KvxferError` on failure."""
+
+    @abc.abstractmethod
+    def release(self, xfer: Any) -> None:
+        """Forget a transfer; if still pending, abort it (this is how the core cancels)."""
+
+    # notifications
+    @abc.abstractmethod
+    def notify(self, peer: str, message: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, keyed by peer agent name."""
+
+    def progress(self) -> None:
+        """Drive the transport once, for backends that need someone to (``needs_progress``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

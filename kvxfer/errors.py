@@ -1,0 +1,109 @@
+"""One exception hierarchy for everything kvxfer raises.
+
+Serving engines catch :class:`KvxferError` at the connector boundary and decide whether to
+retry, re-handshake or fail the request. Each subclass exists because callers react to it
+differently, and each message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvxferError",
+    "SpecError",
+    "LayoutMismatchError",
+    "BlockIdOutOfRangeError",
+    "BlockCountMismatchError",
+    "MetadataError",
+    "UnknownPeerError",
+    "StalePeerError",
+    "PeerDisconnectedError",
+    "TransferTimeoutError",
+    "TransferCancelledError",
+    "BackendError",
+    "BackendUnavailableError",
+    "UnknownBackendError",
+    "UnsupportedError",
+    "AgentClosedError",
+    "HandshakeError",
+]
+
+
+class KvxferError(Exception):
+    """Base of every error kvxfer raises on purpose."""
+
+
+class SpecError(KvxferError, ValueError):
+    """A geometry object was built with inconsistent values (caught at construction)."""
+
+
+class LayoutMismatchError(KvxferError):
+    """Two specs cannot be paired. ``diff`` lists ``(field, local, remote)`` per difference."""
+
+    def __init__(self, message: str, diff: list[tuple[str, object, object]] | None = None):
+        self.diff = list(diff or [])
+        if self.diff:
+            lines = "\n".join(f"  {f}: local={lv!r} remote={rv!r}" for f, lv, rv in self.diff)
+            message = f"{message}\n{lines}"
+        super().__init__(message)
+
+
+class BlockIdOutOfRangeError(KvxferError, IndexError):
+    """A block id is negative or not below the side's ``num_blocks``."""
+
+
+class BlockCountMismatchError(KvxferError, ValueError):
+    """Local and remote block lists have different lengths."""
+
+
+class MetadataError(KvxferError, ValueError):
+    """Peer metadata is malformed, too large, of an unknown version, or out of bounds.
+
+    Metadata arrives from the network, so this is raised instead of trusting it.
+    """
+
+
+class UnknownPeerError(KvxferError, KeyError):
+    """A transfer names a peer that was never added (or was removed)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StalePeerError(KvxferError):
+    """The peer restarted (new generation) or the metadata used is older than the known one."""
+
+
+class PeerDisconnectedError(KvxferError):
+    """The peer went away while a transfer was in flight."""
+
+
+class TransferTimeoutError(KvxferError, TimeoutError):
+    """A transfer did not complete before its deadline; it has been cancelled."""
+
+
+class TransferCancelledError(KvxferError):
+    """The transfer was cancelled by the caller."""
+
+
+class BackendError(KvxferError):
+    """The transport reported a failure that has no more specific kvxfer error."""
+
+
+class BackendUnavailableError(KvxferError, ImportError):
+    """A backend is known but cannot run here; the message carries the install command."""
+
+
+class UnknownBackendError(KvxferError, LookupError):
+    """No installed plugin registers a backend of that name."""
+
+
+class UnsupportedError(KvxferError):
+    """The backend does not support what was asked (memory kind, op, notifications...)."""
+
+
+class AgentClosedError(KvxferError):
+    """The agent was closed; create a new one."""
+
+
+class HandshakeError(KvxferError):
+    """The metadata side channel failed: refused, timed out, oversized or unauthenticated."""

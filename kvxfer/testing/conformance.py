@@ -1,0 +1,421 @@
+"""The conformance suite every backend runs: subclass, set ``backend``, collect with pytest.
+
+::
+
+    from kvxfer.testing import BackendConformance, TwoProcessConformance
+
+    class TestMyBackend(BackendConformance):
+        backend = "mybackend"
+        options = {}          # passed to Agent(..., **options)
+        memory = "DRAM"       # or "VRAM" to run the same tests on CUDA tensors
+
+    class TestMyBackendTwoProcesses(TwoProcessConformance):
+        backend = "mybackend"
+
+Every transfer test moves real bytes: sources hold random bytes, destinations the sentinel
+0xAA; each test checks the bytes that must have changed against an independent per-layer
+reference copy, and every other byte (other blocks, row padding, the source) for change.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from .. import Agent, KVCacheSpec
+from ..errors import (
+    AgentClosedError,
+    BlockCountMismatchError,
+    BlockIdOutOfRangeError,
+    KvxferError,
+    MetadataError,
+    PeerDisconnectedError,
+    StalePeerError,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
+from .buffers import SENTINEL, Cache, expected_after, make_cache
+
+GEOM = {"num_layers": 5, "page": 384}
+SRC_BLOCKS = [7, 3, 4, 5, 11, 0]
+DST_BLOCKS = [0, 9, 10, 11, 2, 5]
+
+
+class _Base:
+    backend: str = "loopback"
+    options: dict[str, Any] = {}
+    memory: str = "DRAM"
+    timeout: float = 20.0
+
+    @pytest.fixture(autouse=True)
+    def _skip_unavailable(self) -> None:
+        from ..plugins import available_backends
+
+        status = {s.name: s for s in available_backends()}
+        if self.backend not in status:
+            pytest.skip(f"backend {self.backend!r} is not installed")
+        if not status[self.backend].available:
+            pytest.skip(f"backend {self.backend!r} unavailable: {status[self.backend].reason}")
+        if self.memory == "VRAM":
+            torch = pytest.importorskip("torch")
+            if not torch.cuda.is_available():
+                pytest.skip("VRAM tests need a CUDA device")
+
+
+def _check(dst_before: np.ndarray, src: Cache, dst: Cache, dst_blocks: list[int], src_blocks: list[int],
+           dst_padding_before: np.ndarray, src_before: np.ndarray) -> None:
+    want = expected_after(dst_before, src.layer_pages(), dst_blocks, src_blocks)
+    got = dst.layer_pages()
+    moved = np.zeros(got.shape[1], dtype=bool)
+    moved[dst_blocks] = True
+    np.testing.assert_array_equal(got[:, moved], want[:, moved], err_msg="requested blocks differ from the source")
+    np.testing.assert_array_equal(got[:, ~moved], dst_before[:, ~moved], err_msg="blocks outside the request changed")
+    np.testing.assert_array_equal(dst.padding(), dst_padding_before, err_msg="row padding changed")
+    np.testing.assert_array_equal(src.layer_pages(), src_before, err_msg="the source changed")
+
+
+class BackendConformance(_Base):
+    """Two agents in one process."""
+
+    @pytest.fixture
+    def agents(self) -> Iterator[tuple[Agent, Agent]]:
+        a = Agent("prefill", backend=self.backend, timeout=self.timeout, **self.options)
+        b = Agent("decode", backend=self.backend, timeout=self.timeout, **self.options)
+        try:
+            yield a, b
+        finally:
+            b.close()
+            a.close()
+
+    def _caches(self, src_kind: str, dst_kind: str, replicated: bool = True) -> tuple[Cache, Cache]:
+        src = make_cache(src_kind, num_blocks=12, pad=32 if src_kind == "packed" else 0, memory=self.memory,
+                         seed=1234, **GEOM)
+        dst = make_cache(dst_kind, num_blocks=16, pad=96 if dst_kind == "packed" else 0, memory=self.memory, **GEOM)
+        return src, dst
+
+    # -- registration and metadata -----------------------------------------------------
+    def test_register_metadata_round_trip(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, _ = self._caches("packed", "packed")
+        spec = a.register(src.views, replicated=True)
+        assert len(spec.allocations) == 1 and len(spec.regions) == 1
+        md = a.metadata()
+        name = b.add_peer(md)
+        assert name == "prefill"
+        assert b.peers[name].spec == spec
+        assert KVCacheSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+        a.deregister()
+        assert a.spec is None
+        a.register(src.views, replicated=True)  # registering again after deregister works
+
+    def test_duplicate_add_peer_is_idempotent(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        md = a.metadata()
+        assert b.add_peer(md) == b.add_peer(md)
+
+    # -- transfers -----------------------------------------------------------------------
+    @pytest.mark.parametrize("src_kind,dst_kind", [("packed", "packed"), ("packed", "layers"),
+                                                   ("layers", "packed"), ("layers", "layers")])
+    @pytest.mark.parametrize("op", ["READ", "WRITE"])
+    def test_transfer_moves_exact_bytes(self, agents: tuple[Agent, Agent], src_kind: str, dst_kind: str,
+                                        op: str) -> None:
+        a, b = agents
+        src, dst = self._caches(src_kind, dst_kind)
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        if op == "READ":  # decode pulls from prefill
+            peer = b.add_peer(a.metadata())
+            t = b.read(peer, DST_BLOCKS, SRC_BLOCKS)
+        else:  # prefill pushes into decode
+            peer = a.add_peer(b.metadata())
+            t = a.write(peer, SRC_BLOCKS, DST_BLOCKS)
+        t.wait(self.timeout)
+        assert t.status.value == "DONE"
+        assert t.stats.nbytes == len(DST_BLOCKS) * GEOM["num_layers"] * GEOM["page"]
+        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+
+    def test_whole_rows_use_one_descriptor_per_block(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        peer = b.add_peer(a.metadata())
+        # Block ids chosen so that no two are consecutive on both sides: nothing can merge.
+        p = b.plan(peer, DST_BLOCKS, SRC_BLOCKS)
+        assert p.mode == "whole-row"
+        split = make_cache("layers", num_blocks=16, memory=self.memory, **GEOM)
+        c = Agent("decode2", backend=self.backend, timeout=self.timeout, **self.options)
+        try:
+            c.register(split.views, replicated=True)
+            q = c.plan(c.add_peer(a.metadata()), DST_BLOCKS, SRC_BLOCKS)
+            assert q.mode == "split"
+            assert q.nbytes == p.nbytes
+            assert p.descriptors < q.descriptors
+        finally:
+            c.close()
+
+    def test_head_split_members_move_per_member_between_ranks(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=False, tp_rank=0, tp_size=2)
+        b.register(dst.views, replicated=False, tp_rank=1, tp_size=2)
+        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        peer = b.add_peer(a.metadata())
+        assert b.plan(peer, DST_BLOCKS, SRC_BLOCKS).mode == "split"
+        b.read(peer, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
+        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+
+    def test_empty_request_completes(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        before = dst.layer_pages()
+        peer = b.add_peer(a.metadata())
+        t = b.read(peer, [], []).wait(self.timeout)
+        assert t.stats.descriptors == 0
+        np.testing.assert_array_equal(dst.layer_pages(), before)
+
+    # -- notifications -------------------------------------------------------------------
+    def _drain(self, agent: Agent, count: int = 1) -> dict[str, list[bytes]]:
+        import time
+
+        got: dict[str, list[bytes]] = {}
+        deadline = time.monotonic() + self.timeout
+        while sum(map(len, got.values())) < count and time.monotonic() < deadline:
+            for k, v in agent.notifications().items():
+                got.setdefault(k, []).extend(v)
+        return got
+
+    def test_notification_arrives_after_data(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "layers")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        t = a.write(peer, SRC_BLOCKS, DST_BLOCKS, notify=b"req-42 done")
+        got = self._drain(b)
+        assert got == {"prefill": [b"req-42 done"]}
+        # The notification is the receiver's signal that the bytes are there.
+        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+        t.wait(self.timeout)
+
+    def test_standalone_notify(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        a.notify(peer, b"hello")
+        a.notify(peer, b"world")
+        assert self._drain(b, 2) == {"prefill": [b"hello", b"world"]}
+
+    # -- errors --------------------------------------------------------------------------
+    def test_unknown_peer(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, _ = self._caches("packed", "packed")
+        b.register(src.views, replicated=True)
+        with pytest.raises(UnknownPeerError):
+            b.read("nobody", [0], [0])
+
+    def test_block_id_out_of_range_moves_nothing(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        before = dst.layer_pages()
+        peer = b.add_peer(a.metadata())
+        with pytest.raises(BlockIdOutOfRangeError):
+            b.read(peer, [0, 1], [0, src.num_blocks])
+        with pytest.raises(BlockIdOutOfRangeError):
+            b.read(peer, [0, -1], [0, 1])
+        with pytest.raises(BlockCountMismatchError):
+            b.read(peer, [0, 1], [0])
+        np.testing.assert_array_equal(dst.layer_pages(), before)
+
+    def test_closed_agent(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        peer = b.add_peer(a.metadata())
+        b.close()
+        b.close()  # idempotent
+        with pytest.raises(AgentClosedError):
+            b.read(peer, [0], [0])
+        with pytest.raises(AgentClosedError):
+            b.metadata()
+
+    def test_stale_generation_rejected_and_restart_replaces(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        old_md = a.metadata()
+        b.add_peer(old_md)
+        # "prefill" restarts: a new agent of the same name, new memory, newer generation.
+        a.close()
+        src2 = make_cache("packed", num_blocks=12, pad=32, memory=self.memory, seed=99, **GEOM)
+        a2 = Agent("prefill", backend=self.backend, timeout=self.timeout, **self.options)
+        try:
+            a2.register(src2.views, replicated=True)
+            b.add_peer(a2.metadata())
+            with pytest.raises(StalePeerError):
+                b.add_peer(old_md)
+            before, pad_before, src_before = dst.layer_pages(), dst.padding(), src2.layer_pages()
+            b.read("prefill", DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
+            _check(before, src2, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+        finally:
+            a2.close()
+
+    def test_corrupt_metadata_rejected(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, _ = self._caches("packed", "packed")
+        a.register(src.views, replicated=True)
+        md = a.metadata()
+        for bad in (b"", b"garbage", md[:-5], md.replace(b'"version":1', b'"version":9')):
+            with pytest.raises(MetadataError):
+                b.add_peer(bad)
+
+    def test_layout_mismatch_is_reported(self, agents: tuple[Agent, Agent]) -> None:
+        from ..errors import LayoutMismatchError
+
+        a, b = agents
+        src = make_cache("packed", num_blocks=8, num_layers=3, page=384, memory=self.memory, seed=1)
+        dst = make_cache("packed", num_blocks=8, num_layers=4, page=384, memory=self.memory)
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        peer = b.add_peer(a.metadata())
+        with pytest.raises(LayoutMismatchError, match="layer.3"):
+            b.read(peer, [0], [0])
+
+
+class TwoProcessConformance(_Base):
+    """The peer lives in another process (``python -m kvxfer.testing.peer``)."""
+
+    peer_timeout: float = 60.0
+
+    def _spawn(self, cache: str, seed: int | None, name: str = "remote") -> "_PeerProcess":
+        return _PeerProcess(self.backend, self.options, self.memory, cache, seed, name, self.peer_timeout)
+
+    @pytest.mark.parametrize("remote_kind,local_kind", [("packed", "packed"), ("packed", "layers")])
+    def test_read_from_other_process(self, remote_kind: str, local_kind: str) -> None:
+        peer = self._spawn(remote_kind, seed=7)
+        try:
+            dst = make_cache(local_kind, num_blocks=16, memory=self.memory, **GEOM)
+            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+                agent.register(dst.views, replicated=True)
+                before = dst.layer_pages()
+                name = agent.add_peer(peer.metadata)
+                agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
+                src_pages = peer.pages()
+                want = expected_after(before, src_pages, DST_BLOCKS, SRC_BLOCKS)
+                np.testing.assert_array_equal(dst.layer_pages(), want)
+        finally:
+            peer.close()
+
+    def test_write_with_notification(self) -> None:
+        peer = self._spawn("packed", seed=None)  # remote holds the sentinel
+        try:
+            src = make_cache("layers", num_blocks=12, memory=self.memory, seed=5, **GEOM)
+            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+                agent.register(src.views, replicated=True)
+                name = agent.add_peer(peer.metadata)
+                peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
+                before = peer.pages()
+                t = agent.write(name, SRC_BLOCKS, DST_BLOCKS, notify=b"pushed")
+                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
+                assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"pushed"]}
+                after = peer.pages()  # read only after the notification: data must be visible
+                np.testing.assert_array_equal(after, expected_after(before, src.layer_pages(), DST_BLOCKS, SRC_BLOCKS))
+                assert (peer.padding() == SENTINEL).all()
+                t.wait(self.timeout)
+        finally:
+            peer.close()
+
+    def test_dead_peer_is_reported_not_waited_on(self) -> None:
+        peer = self._spawn("packed", seed=3)
+        dst = make_cache("packed", num_blocks=16, memory=self.memory, **GEOM)
+        with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            agent.register(dst.views, replicated=True)
+            name = agent.add_peer(peer.metadata)
+            agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
+            peer.kill()
+            with pytest.raises(KvxferError) as info:
+                for _ in range(50):  # the first posts after a kill may still succeed on some transports
+                    agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
+            assert not isinstance(info.value, TransferTimeoutError), "a dead peer must be detected, not timed out"
+            assert isinstance(info.value, (PeerDisconnectedError, KvxferError))
+
+
+class _PeerProcess:
+    def __init__(self, backend: str, options: dict[str, Any], memory: str, cache: str, seed: int | None, name: str,
+                 timeout: float):
+        cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", backend, "--name", name, "--cache", cache,
+               "--memory", memory, "--blocks", "12", "--layers", str(GEOM["num_layers"]), "--page", str(GEOM["page"]),
+               "--pad", "32", "--options", json.dumps(options), "--replicated"]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        self.timeout = timeout
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        first = self._readline()
+        self.metadata = base64.b64decode(first["metadata"])
+
+    def _readline(self) -> dict[str, Any]:
+        import selectors
+
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(self.timeout):
+            self.kill()
+            raise TimeoutError("peer process did not answer in time")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"peer failed: {reply['error']}: {reply['message']}")
+        return reply
+
+    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._readline()
+
+    def pages(self) -> np.ndarray:
+        raw = base64.b64decode(self.call({"cmd": "pages"})["pages"])
+        return np.frombuffer(raw, np.uint8).reshape(GEOM["num_layers"], 12, GEOM["page"])
+
+    def padding(self) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(self.call({"cmd": "pages"})["padding"]), np.uint8)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.kill()

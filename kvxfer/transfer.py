@@ -1,0 +1,168 @@
+"""The transfer handle: poll, wait with a deadline, cancel, and stats.
+
+Deadlines and cancellation live here, not in backends, so every transport behaves the same:
+``wait`` never blocks longer than its timeout, a timed-out transfer is cancelled (its backend
+requests released) before :class:`~kvxfer.errors.TransferTimeoutError` is raised, and a
+backend failure is kept and re-raised by every later call.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    from .backend import Backend
+
+__all__ = ["Transfer", "TransferStats", "Status"]
+
+
+class Status(str, enum.Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+@dataclass
+class TransferStats:
+    """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds."""
+
+    descriptors: int
+    nbytes: int
+    posts: int
+    plan_seconds: float
+    seconds: float | None = None  # from the first post until DONE was observed
+
+    @property
+    def gbps(self) -> float | None:
+        if not self.seconds:
+            return None
+        return self.nbytes / self.seconds / 1e9
+
+
+@dataclass
+class _Post:
+    handle: Any
+    done: bool = False
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+
+class Transfer:
+    """One request in flight. Not thread-safe: poll it from the thread that created it."""
+
+    def __init__(self, backend: "Backend", posts: list[_Post], stats: TransferStats, *, default_timeout: float,
+                 on_done: Callable[[], None] | None = None, started: float | None = None,
+                 on_finish: Callable[["Transfer"], None] | None = None):
+        self._backend = backend
+        self._posts = posts
+        self.stats = stats
+        self._default_timeout = default_timeout
+        self._on_done = on_done
+        self._on_finish = on_finish
+        self._started = started if started is not None else time.perf_counter()
+        self._error: BaseException | None = None
+        self.status = Status.PENDING
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.status.value} {self.stats.descriptors} descriptors {self.stats.nbytes} bytes>"
+
+    # -- state machine --------------------------------------------------------------------
+    def done(self) -> bool:
+        """Poll once. True when complete; raises the transfer's error if it failed."""
+        if self.status is Status.DONE:
+            return True
+        if self.status is not Status.PENDING:
+            self._raise()
+        try:
+            pending = False
+            for p in self._posts:
+                if not p.done:
+                    p.done = bool(self._backend.poll(p.handle))
+                    pending |= not p.done
+        except KvxferError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a backend leaking a foreign exception is still a failure
+            from .errors import BackendError
+
+            err = BackendError(f"backend {self._backend.name!r} failed while polling: {exc!r}")
+            err.__cause__ = exc
+            self._fail(err)
+        if pending:
+            return False
+        self.stats.seconds = time.perf_counter() - self._started
+        self._release()
+        self.status = Status.DONE
+        try:
+            if self._on_done is not None:
+                self._on_done()
+        finally:
+            self._finish()
+        return True
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        """Block until done, at most ``timeout`` seconds (the agent's default when None)."""
+        limit = self._default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        spins = 0
+        while not self.done():
+            if time.monotonic() >= deadline:
+                self.cancel()
+                self._error = TransferTimeoutError(
+                    f"transfer of {self.stats.descriptors} descriptors did not finish within {limit:g} s; "
+                    "it was cancelled. Check that the peer is alive and progressing.")
+                self.status = Status.FAILED
+                self._raise()
+            spins += 1
+            # Spin first (GPU and shm transfers finish in microseconds), then back off so a
+            # slow network transfer does not burn a core the peer may need.
+            if spins > 64:
+                time.sleep(min(1e-3, 1e-6 * (spins - 64)))
+        return self
+
+    def cancel(self) -> None:
+        """Abort if still pending. A finished transfer stays DONE."""
+        if self.status is not Status.PENDING:
+            return
+        self._release()
+        self.status = Status.CANCELLED
+        self._error = TransferCancelledError("transfer was cancelled")
+        self._finish()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    # -- internals ------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        self._release()
+        self.status = Status.FAILED
+        self._error = exc
+        self._finish()
+        self._raise()
+
+    def _raise(self) -> None:
+        assert self._error is not None
+        raise self._error
+
+    def _release(self) -> None:
+        for p in self._posts:
+            try:
+                self._backend.release(p.handle)
+            except Exception:  # releasing is best effort; the status already says what happened
+                pass
+            for fn in p.cleanup:
+                try:
+                    fn()
+                except Exception:
+                    pass
+            p.cleanup.clear()
+
+    def _finish(self) -> None:
+        if self._on_finish is not None:
+            cb, self._on_finish = self._on_finish, None
+            cb(self)
