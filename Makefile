@@ -18,7 +18,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,bench,nixl,ucx]"
-	$(PIP) install -q ./tests/third_party_plugin
 	touch $(STAMP)
 
 test: venv
