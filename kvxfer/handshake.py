@@ -6,37 +6,39 @@ other's blob: decode needs prefill's to READ, prefill needs decode's to WRITE. O
 :class:`MetadataServer`; the other calls :func:`exchange` (send ours, get theirs) or
 :func:`fetch` (get theirs only). The server hands what clients sent to ``on_peer``.
 
-Why stdlib sockets and threads, not asyncio or pyzmq:
+Why stdlib sockets and blocking threads, not asyncio or pyzmq:
 
-* No new dependency. pyzmq is a compiled wheel that every connector would have to carry for a
-  handful of messages per peer pair, and its REQ/REP sockets hide exactly the things that
-  matter here (per-read deadlines, rejecting a length before allocating the payload).
-* Connectors are called from engine threads and want a plain blocking call. asyncio would need
-  its own loop in a thread anyway, and would fight with the engine's loop when there is one.
-* Traffic is tiny: one connection per peer pair, three round trips, a few KB to a few MB. A
-  thread per connection (bounded by ``max_connections``) is simple and cannot let one slow
-  client stall the others; each connection has its own deadline.
+* No new dependency for a handful of messages per peer pair. pyzmq is a compiled wheel every
+  connector would carry, and its REQ socket wedges after a lost reply unless it is recreated;
+  plain TCP with a 12-byte header gives exact control over deadlines and size limits.
+* Connectors call from engine threads and want a plain blocking call. asyncio would need a
+  loop of its own in a thread, and clashes with an engine loop that is already running.
+* One connection per peer pair, two round trips, a few KB to a few MB: a thread per
+  connection (at most ``max_connections``) is cheap, and with a deadline on each connection a
+  slow or hostile client only ever holds its own thread.
 
-Wire format: every message is a 12-byte header ``magic(4) version(1) type(1) reserved(2)
-length(4)``, big-endian, then ``length`` payload bytes. The header is validated (magic,
-version, known type, reserved == 0, length within bounds for that type) *before* the payload is
-read, so an oversized or hostile frame costs 12 bytes, not an allocation. No pickle: payloads
-are raw bytes and fixed-size fields.
+Wire format: each message is a 12-byte big-endian header ``magic(4) version(1) type(1)
+reserved(2) length(4)`` and ``length`` payload bytes. The header is validated (magic, version,
+known type, reserved == 0, length within the bound for that type) *before* the payload is read,
+so a hostile length costs 12 bytes, not an allocation. Payloads are raw bytes and fixed-size
+fields; nothing is pickled.
 
 Conversation (client C, server S)::
 
-    C -> S  HELLO      flags(1) client_nonce(32)         flags bit 0: C holds a token
-    S -> C  CHALLENGE  server_nonce(32) [server_tag(32)]
-    C -> S  EXCHANGE|FETCH  [client_tag(32)] metadata    (FETCH carries no metadata)
-    S -> C  REPLY      [reply_tag(32)] metadata
-    either  ERROR      code(1) utf-8 text                 then the sender closes
+    C -> S  HELLO           flags(1) client_nonce(32)       flags bit 0: C holds a token
+    S -> C  CHALLENGE       server_nonce(32) [server_tag(32)]
+    C -> S  EXCHANGE|FETCH  [client_tag(32)] metadata       FETCH carries no metadata
+    S -> C  REPLY           [reply_tag(32)] metadata
+    either  ERROR           code(1) utf-8 text              then the sender hangs up
 
-With a shared token, each tag is HMAC-SHA256(token, label | version | nonces | [metadata]) with
-fresh 32-byte nonces from both sides, so the token never crosses the wire, replays fail, and
-both sides prove knowledge of it: the server before the client reveals its metadata, the client
-before the server reveals its own. The tags also cover the metadata, so it cannot be altered in
-flight. A token on one side only, or two different tokens, ends in :class:`HandshakeAuthError`
-on both sides (the side that detects it sends an ERROR to the other).
+With a shared token each tag is HMAC-SHA256(token, label, version, both nonces[, metadata]),
+with fresh random nonces from both sides: the token never crosses the wire, a recorded
+conversation cannot be replayed, the server proves itself before the client sends its metadata
+and the client before the server sends its own, and the metadata cannot be altered in flight.
+It is not encrypted: whoever can read the network can read the metadata, backend connection
+blob included; keep the channel on a private network or in a tunnel where that matters. A
+token on one side only, or two different tokens, gives :class:`HandshakeAuthError` on both
+sides: whichever side detects it sends an ERROR frame to the other.
 """
 
 from __future__ import annotations
@@ -44,30 +46,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Callable, ClassVar, Union
+from collections.abc import Callable
+from typing import ClassVar
 
 from kvxfer.errors import HandshakeError
 
 __all__ = [
-    "MetadataServer",
-    "exchange",
-    "fetch",
-    "HandshakeError",
-    "HandshakeTimeoutError",
-    "HandshakeProtocolError",
-    "MessageTooLargeError",
-    "HandshakeAuthError",
-    "PeerRejectedError",
-    "ServerBusyError",
-    "DEFAULT_MAX_MESSAGE",
-    "encode_header",
-    "decode_header",
+    "MetadataServer", "exchange", "fetch", "encode_header", "decode_header",
+    "DEFAULT_MAX_MESSAGE", "HandshakeError", "HandshakeTimeoutError", "HandshakeProtocolError",
+    "MessageTooLargeError", "HandshakeAuthError", "PeerRejectedError", "ServerBusyError",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,48 +75,44 @@ TAG_SIZE = 32  # HMAC-SHA256
 DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024  # metadata is a few KB to a few MB
 MAX_ERROR_TEXT = 1024
 
-# Message types.
-HELLO, CHALLENGE, EXCHANGE, FETCH, REPLY, ERROR = 1, 2, 3, 4, 5, 6
+HELLO, CHALLENGE, EXCHANGE, FETCH, REPLY, ERROR = 1, 2, 3, 4, 5, 6  # message types
 _TYPE_NAMES = {HELLO: "HELLO", CHALLENGE: "CHALLENGE", EXCHANGE: "EXCHANGE", FETCH: "FETCH",
                REPLY: "REPLY", ERROR: "ERROR"}
+# Payload bounds of the fixed-size types; EXCHANGE and REPLY are bounded by max_message.
+_FIXED_MAX = {HELLO: 1 + NONCE_SIZE, CHALLENGE: NONCE_SIZE + TAG_SIZE, FETCH: TAG_SIZE,
+              ERROR: 1 + MAX_ERROR_TEXT}
 _FLAG_AUTH = 0x01
 
-Metadata = Union[bytes, Callable[[], bytes]]
+Metadata = bytes | Callable[[], bytes]
 
 
 class HandshakeTimeoutError(HandshakeError, TimeoutError):
     """The peer did not connect, send or read within the deadline."""
-
     code: ClassVar[int] = 1
 
 
 class HandshakeProtocolError(HandshakeError):
     """The peer sent bytes that are not this protocol (bad magic, version, type or length)."""
-
     code: ClassVar[int] = 2
 
 
 class MessageTooLargeError(HandshakeError):
     """A message exceeds ``max_message``; raise the limit on the side that rejected it."""
-
     code: ClassVar[int] = 3
 
 
 class HandshakeAuthError(HandshakeError):
     """Token missing on one side, or the two sides hold different tokens."""
-
     code: ClassVar[int] = 4
 
 
 class PeerRejectedError(HandshakeError):
     """The server's ``on_peer`` refused our metadata, or it could not produce its own."""
-
     code: ClassVar[int] = 5
 
 
 class ServerBusyError(HandshakeError):
     """The server already serves ``max_connections`` clients; retry shortly."""
-
     code: ClassVar[int] = 6
 
 
@@ -139,19 +129,6 @@ _ERRORS_BY_CODE: dict[int, type[HandshakeError]] = {
 def encode_header(msg_type: int, length: int) -> bytes:
     """Pack a frame header. Kept public so tests and other tools speak the same bytes."""
     return HEADER.pack(MAGIC, VERSION, msg_type, 0, length)
-
-
-def _max_payload(msg_type: int, max_message: int) -> int:
-    """The largest payload a well-formed frame of this type may carry."""
-    if msg_type == HELLO:
-        return 1 + NONCE_SIZE
-    if msg_type == CHALLENGE:
-        return NONCE_SIZE + TAG_SIZE
-    if msg_type == FETCH:
-        return TAG_SIZE
-    if msg_type == ERROR:
-        return 1 + MAX_ERROR_TEXT
-    return TAG_SIZE + max_message  # EXCHANGE, REPLY
 
 
 def decode_header(data: bytes, max_message: int = DEFAULT_MAX_MESSAGE) -> tuple[int, int]:
@@ -174,14 +151,14 @@ def decode_header(data: bytes, max_message: int = DEFAULT_MAX_MESSAGE) -> tuple[
         raise HandshakeProtocolError(f"unknown message type {msg_type}")
     if reserved != 0:
         raise HandshakeProtocolError(f"reserved header field is {reserved}, expected 0")
-    if length > _max_payload(msg_type, max_message):
-        if msg_type in (EXCHANGE, REPLY):
-            raise MessageTooLargeError(
-                f"{_TYPE_NAMES[msg_type]} of {length} bytes exceeds the limit of "
-                f"{_max_payload(msg_type, max_message)} (max_message={max_message}); raise "
-                "max_message on the receiving side if the metadata is legitimately this large")
+    if msg_type in _FIXED_MAX and length > _FIXED_MAX[msg_type]:
         raise HandshakeProtocolError(
             f"{_TYPE_NAMES[msg_type]} of {length} bytes is longer than that message allows")
+    if msg_type not in _FIXED_MAX and length > TAG_SIZE + max_message:
+        raise MessageTooLargeError(
+            f"{_TYPE_NAMES[msg_type]} of {length} bytes exceeds max_message={max_message} "
+            "(+32 for the tag); raise max_message on the receiving side if the metadata is "
+            "legitimately this large")
     return msg_type, length
 
 
@@ -198,22 +175,25 @@ class _Conn:
         return left
 
     def recv_exact(self, n: int, what: str) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        # Chunks, not a buffer of the announced size: memory follows what the peer really sent.
+        chunks: list[bytes] = []
+        got = 0
         while got < n:
             self.sock.settimeout(self._remaining(what))
             try:
-                k = self.sock.recv_into(view[got:], min(n - got, 1 << 20))
+                chunk = self.sock.recv(min(n - got, 1 << 20))
             except TimeoutError:
                 raise HandshakeTimeoutError(
                     f"timed out while {what} ({self.peer}): got {got} of {n} bytes") from None
             except OSError as exc:
-                raise HandshakeError(f"connection to {self.peer} failed while {what}: {exc}") from exc
-            if k == 0:
+                raise HandshakeError(
+                    f"connection to {self.peer} failed while {what}: {exc}") from exc
+            if not chunk:
                 raise HandshakeProtocolError(
                     f"{self.peer} closed the connection while {what} ({got} of {n} bytes)")
-            got += k
-        return bytes(buf)
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
 
     def recv_frame(self, expected: tuple[int, ...]) -> tuple[int, bytes]:
         """Read one frame; an ERROR frame from the peer is raised as the matching error."""
@@ -269,6 +249,24 @@ class _Conn:
         except OSError:
             pass
 
+    def hang_up(self, linger: float = 0.2, limit: int = 1 << 20) -> None:
+        """Close gently after an error: FIN, then discard what the peer still sends (bounded).
+
+        Closing with unread bytes queued makes the kernel send a reset, which can destroy the
+        ERROR frame before the peer reads it; a short, bounded drain avoids that.
+        """
+        end = time.monotonic() + linger
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while limit > 0 and (left := end - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                chunk = self.sock.recv(min(limit, 1 << 16))
+                if not chunk:
+                    break
+                limit -= len(chunk)
+        except OSError:
+            pass
+
 
 def _remote_error(payload: bytes, peer: str) -> HandshakeError:
     """Turn a peer's ERROR frame into our exception; its text is untrusted, so sanitize it."""
@@ -300,6 +298,14 @@ def _as_bytes(metadata: object, what: str) -> bytes:
     if not isinstance(metadata, (bytes, bytearray, memoryview)):
         raise TypeError(f"{what} must be bytes, got {type(metadata).__name__}")
     return bytes(metadata)
+
+
+def _check_size(data: bytes, limit: int, what: str = "our metadata") -> bytes:
+    if len(data) > limit:
+        raise MessageTooLargeError(
+            f"{what} is {len(data)} bytes, over max_message={limit}; raise max_message on "
+            "both sides")
+    return data
 
 
 # --------------------------------------------------------------------------- server
@@ -342,7 +348,7 @@ class MetadataServer:
         if callable(metadata):
             self._metadata_fn = metadata
         else:
-            self._static = self._checked(_as_bytes(metadata, "metadata"), max_message)
+            self._static = _check_size(_as_bytes(metadata, "metadata"), max_message)
         self._key = _key(token)
         self._on_peer, self._on_error = on_peer, on_error
         self._max_message, self._timeout = max_message, timeout
@@ -354,11 +360,18 @@ class MetadataServer:
             family, _, _, _, addr = socket.getaddrinfo(
                 host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
             self._sock = socket.socket(family, socket.SOCK_STREAM)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        except OSError as exc:
+            raise HandshakeError(f"cannot listen on {host}:{port}: {exc}") from exc
+        try:
+            if os.name != "nt":  # on Windows SO_REUSEADDR would let others steal the port
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind(addr)
             self._sock.listen(128)
         except OSError as exc:
+            self._sock.close()
             raise HandshakeError(f"cannot listen on {host}:{port}: {exc}") from exc
+        name = self._sock.getsockname()
+        self._address = (str(name[0]), int(name[1]))
         self._sock.setblocking(False)
         # A socketpair wakes the accept loop on close(), portably and without polling.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -372,8 +385,7 @@ class MetadataServer:
     @property
     def address(self) -> tuple[str, int]:
         """``(host, port)`` actually bound; give it to the peers."""
-        name = self._sock.getsockname()
-        return str(name[0]), int(name[1])
+        return self._address
 
     def close(self, grace: float = 1.0) -> None:
         """Stop accepting; give conversations in progress ``grace`` seconds, then abort them.
@@ -382,9 +394,10 @@ class MetadataServer:
         that closes as soon as it has the peer's metadata must not cut that peer's reply off.
         Idempotent.
         """
-        if self._closed.is_set():
-            return
-        self._closed.set()
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
         self._wake_w.send(b"\0")
         self._thread.join()
         with self._lock:
@@ -404,8 +417,9 @@ class MetadataServer:
         self.close()
 
     def __repr__(self) -> str:
-        host, port = self.address if not self._closed.is_set() else ("closed", 0)
-        return f"MetadataServer({host}:{port}, auth={'on' if self._key else 'off'})"
+        state = "closed" if self._closed.is_set() else "open"
+        host, port = self._address
+        return f"MetadataServer({host}:{port}, {state}, auth={'on' if self._key else 'off'})"
 
     def _accept_loop(self) -> None:
         while True:
@@ -420,17 +434,25 @@ class MetadataServer:
                     log.warning("metadata server failed to accept: %s", exc)
                     time.sleep(0.05)
                     continue
-                peer = f"client {addr[0]}:{addr[1]}"
-                if not self._slots.acquire(blocking=False):
-                    err = ServerBusyError(f"server busy, {peer} turned away; retry shortly")
-                    _Conn(conn, 0.0, peer, 0).send_error(err)
-                    conn.close()
-                    self._report(err)
-                    continue
-                with self._lock:
-                    self._conns.add(conn)
+                self._start(conn, f"client {addr[0]}:{addr[1]}")
+
+    def _start(self, conn: socket.socket, peer: str) -> None:
+        """Hand the connection to a thread of its own, or turn it away if none may start."""
+        if self._slots.acquire(blocking=False):
+            with self._lock:
+                self._conns.add(conn)
+            try:
                 threading.Thread(target=self._serve, args=(conn, peer),
                                  name=f"kvxfer-handshake {peer}", daemon=True).start()
+                return
+            except RuntimeError:  # the process cannot start more threads
+                with self._lock:
+                    self._conns.discard(conn)
+                self._slots.release()
+        err = ServerBusyError(f"server busy, {peer} turned away; retry shortly")
+        _Conn(conn, 0.0, peer, 0).send_error(err)
+        conn.close()
+        self._report(err)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         c = _Conn(conn, time.monotonic() + self._timeout, peer, self._max_message)
@@ -438,10 +460,12 @@ class MetadataServer:
             self._converse(c)
         except HandshakeError as exc:
             c.send_error(exc)
+            c.hang_up()
             self._report(exc)
         except Exception as exc:  # a bug here must not kill the server silently
             err = HandshakeError(f"internal error while serving {peer}: {exc!r}")
             c.send_error(err)
+            c.hang_up()
             self._report(err)
         finally:
             conn.close()
@@ -478,7 +502,7 @@ class MetadataServer:
             raise HandshakeAuthError(
                 f"{c.peer} failed to prove it holds our token: the two sides hold different "
                 "tokens")
-        self._checked(theirs, self._max_message, f"metadata from {c.peer}")
+        _check_size(theirs, self._max_message, f"metadata from {c.peer}")
         if msg_type == EXCHANGE and self._on_peer is not None:
             try:
                 self._on_peer(theirs)
@@ -497,15 +521,7 @@ class MetadataServer:
             value = _as_bytes(self._metadata_fn(), "the metadata callable's result")
         except Exception as exc:
             raise PeerRejectedError(f"server could not produce its metadata: {exc!r}") from exc
-        return self._checked(value, self._max_message)
-
-    @staticmethod
-    def _checked(data: bytes, limit: int, what: str = "our metadata") -> bytes:
-        if len(data) > limit:
-            raise MessageTooLargeError(
-                f"{what} is {len(data)} bytes, over max_message={limit}; raise max_message "
-                "on both sides")
-        return data
+        return _check_size(value, self._max_message)
 
     def _report(self, error: HandshakeError) -> None:
         if self._closed.is_set():
@@ -555,7 +571,7 @@ def fetch(
 def _request(host: str, port: int, msg_type: int, ours: bytes, token: str | bytes | None,
              timeout: float, max_message: int) -> bytes:
     key = _key(token)
-    MetadataServer._checked(ours, max_message)
+    _check_size(ours, max_message)
     deadline = time.monotonic() + timeout
     peer = f"server {host}:{port}"
     try:
@@ -597,4 +613,4 @@ def _client_converse(c: _Conn, msg_type: int, ours: bytes, key: bytes | None) ->
     if key is not None and not hmac.compare_digest(
             tag, _tag(key, b"kvxfer-reply", client_nonce, server_nonce, theirs)):
         raise HandshakeAuthError(f"REPLY from {c.peer} fails authentication (altered in flight?)")
-    return MetadataServer._checked(theirs, c.max_message, f"metadata from {c.peer}")
+    return _check_size(theirs, c.max_message, f"metadata from {c.peer}")
