@@ -122,9 +122,11 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise SpecError("kv_caches must be a non-empty mapping of name -> tensor")
     views: list[_View] = []
+    source: dict[str, str] = {}  # view name -> the kv_caches entry it came from
     for name, x in kv_caches.items():
         if not isinstance(name, str):
             raise SpecError(f"layer names must be strings, got {name!r}")
+        n0 = len(views)
         if isinstance(x, (tuple, list)):
             if len(x) != 2:
                 raise SpecError(f"{name}: a tuple must be (k, v)")
@@ -132,6 +134,7 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
         else:
             v = _describe(name, x)
             views += _split_kv(name, v, kv_dim) if kv_dim is not None else [v]
+        source.update((v.name, name) for v in views[n0:])
     for v in views:
         if len(v.shape) < 2:
             raise SpecError(f"{v.name}: need at least 2 dims (blocks first), shape is {v.shape}")
@@ -154,23 +157,26 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
     # Block-outermost storages: one packed region per (storage, stride); else one per view.
     packed: dict[tuple[int, int, int], list[_View]] = {}
     regions: list[Region] = []
-    block_outer = []
+    block_outer = True
     for v in views:
         ai = alloc_index[(v.kind, v.device, v.storage_ptr)]
         if v.shape[0] * v.strides[0] == v.storage_nbytes:
             packed.setdefault((ai, v.strides[0], v.shape[0]), []).append(v)
-            block_outer.append(True)
         else:
             off = v.ptr - v.storage_ptr
             regions.append(Region(ai, off, v.shape[0], PackedLayout(
                 v.strides[0], (Member(v.name, v.page_bytes, 0, is_rep(v.name)),))))
-            block_outer.append(False)
+            block_outer = False
     for (ai, stride, nb), group in packed.items():
         members = tuple(Member(v.name, v.page_bytes, v.ptr - v.storage_ptr, is_rep(v.name)) for v in group)
         regions.append(Region(ai, 0, nb, PackedLayout(stride, members)))
+        # A storage of its own per layer (even one holding that layer's K and V per block)
+        # is layer-outermost: block-outermost means one row holds several layers' pages.
+        if len(kv_caches) > 1 and len({source[v.name] for v in group}) < 2:
+            block_outer = False
 
     if layout is None:
-        layout = ("BL" if all(block_outer) else "LB") + _inner_order(views[0])
+        layout = ("BL" if block_outer else "LB") + _inner_order(views[0])
     elif layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     if block_tokens is None:

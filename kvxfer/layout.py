@@ -14,6 +14,7 @@ peers send specs over the network and a corrupt one must fail here, not inside a
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ MAX_REGIONS = 65536
 MAX_MEMBERS = 65536
 MAX_NAME = 256
 MAX_BLOCKS = 1 << 40
+#: Per-member descriptors a spec may imply (sum of blocks x members over regions). A peer
+#: claiming more would make every prepared list a memory bomb; 2^26 covers a 200k-block
+#: pool of a 160-member GQA cache.
+MAX_DESCRIPTORS = 1 << 26
 
 
 class Granularity(str, enum.Enum):
@@ -107,8 +112,9 @@ class PackedLayout:
                 raise SpecError(f"member {m.name}: offset {m.offset} + size {m.size} exceeds row stride {self.stride}")
         names = [m.name for m in members]
         if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise SpecError(f"duplicate member names in one region: {dup}")
+            # Counter, not names.count per name: a hostile spec may carry 65536 members.
+            dup = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+            raise SpecError(f"duplicate member names in one region: {_abbrev(dup)}")
         object.__setattr__(self, "members", members)
 
     @functools.cached_property
@@ -238,6 +244,9 @@ class KVCacheSpec:
         nb = {r.num_blocks for r in regions}
         if len(nb) != 1:
             raise SpecError(f"all regions must index the same number of blocks, got {sorted(nb)}")
+        implied = sum(r.num_blocks * len(r.members) for r in regions)
+        if implied > MAX_DESCRIPTORS:
+            raise SpecError(f"spec implies {implied} per-member descriptors, over the {MAX_DESCRIPTORS} limit")
         seen: set[str] = set()
         for i, r in enumerate(regions):
             if r.allocation >= len(allocs):

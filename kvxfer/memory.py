@@ -173,7 +173,7 @@ class DescriptorList:
     def from_dict(cls, d: Mapping[str, Any]) -> "DescriptorList":
         _expect_keys("descriptor list", d, {"kind", "columns", "data"})
         cols, data = d["columns"], d["data"]
-        if cols not in (3, 5) or not isinstance(data, list) or len(data) % cols:
+        if type(cols) is not int or cols not in (3, 5) or not isinstance(data, list) or len(data) % cols:
             raise SpecError("descriptor list: bad columns/data")
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64_MAX for x in data):
             raise SpecError("descriptor list: values must be unsigned 64-bit integers")

@@ -43,14 +43,18 @@ class AgentMetadata:
     version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise MetadataError(f"agent name {self.name!r} must match {_NAME.pattern}")
         if isinstance(self.generation, bool) or not isinstance(self.generation, int) or not 0 < self.generation < 1 << 63:
             raise MetadataError("generation must be a positive 63-bit integer")
-        if not isinstance(self.backend, str) or not _NAME.match(self.backend):
+        if not isinstance(self.backend, str) or not _NAME.fullmatch(self.backend):
             raise MetadataError(f"backend name {self.backend!r} is not valid")
         if not isinstance(self.blob, (bytes, bytearray)):
             raise MetadataError("backend blob must be bytes")
+        if self.spec is not None and not isinstance(self.spec, KVCacheSpec):
+            raise MetadataError("spec must be a KVCacheSpec or None")
+        if type(self.version) is not int or self.version < 1:
+            raise MetadataError("version must be a positive integer")
 
     def encode(self) -> bytes:
         doc = {
@@ -83,7 +87,8 @@ class AgentMetadata:
         if not isinstance(doc, dict):
             raise MetadataError("metadata must be a JSON object")
         version = doc.get("version")
-        if version != PROTOCOL_VERSION:
+        # type() check: True == 1 and 1.0 == 1 in Python, neither is a protocol version.
+        if type(version) is not int or version != PROTOCOL_VERSION:
             raise MetadataError(f"unsupported metadata version {version!r} (this kvxfer speaks {PROTOCOL_VERSION})")
         expected = {"version", "name", "generation", "backend", "blob", "spec"}
         if set(doc) != expected:

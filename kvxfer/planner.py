@@ -128,23 +128,42 @@ class TransferPlan:
         total = 0
         for leg in self.legs:
             la, ra = self.explicit(leg)
-            total += int(_run_starts(la.array, ra.array).sum())
+            total += int(_run_starts(la.array, ra.array, _alloc_starts(self.local_spec, leg.local_kind),
+                                     _alloc_starts(self.remote_spec, leg.remote_kind)).sum())
         return total
 
 
-def _run_starts(la: np.ndarray, ra: np.ndarray) -> np.ndarray:
+def _alloc_starts(spec: KVCacheSpec, kind: MemoryKind) -> np.ndarray:
+    """Start addresses of the spec's allocations of one kind.
+
+    Two storages can sit back to back in memory; a run must not cross from one registered
+    allocation into the next, or the merged descriptor spans two registrations. Allocations
+    of one kind and device never overlap, so two contiguous descriptors lie in different
+    allocations exactly when the second starts where an allocation starts.
+    """
+    return np.array(sorted({a.address for a in spec.allocations if a.kind is kind}), dtype=np.uint64)
+
+
+def _run_starts(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
+                rstarts: np.ndarray | None = None) -> np.ndarray:
     """Boolean mask: descriptor i starts a new run (not contiguous with i-1 on both sides)."""
     n = la.shape[0]
     starts = np.ones(n, dtype=bool)
     if n > 1:
         cont_l = (la[:-1, 0] + la[:-1, 1] == la[1:, 0]) & (la[:-1, 2] == la[1:, 2])
         cont_r = (ra[:-1, 0] + ra[:-1, 1] == ra[1:, 0]) & (ra[:-1, 2] == ra[1:, 2])
-        starts[1:] = ~(cont_l & cont_r)
+        cont = cont_l & cont_r
+        cand = np.flatnonzero(cont)  # only these can merge: check allocation boundaries there
+        for side, st in ((la, lstarts), (ra, rstarts)):
+            if st is not None and cand.size:
+                cont[cand[np.isin(side[cand + 1, 0], st)]] = False
+        starts[1:] = ~cont
     return starts
 
 
-def _coalesce(la: np.ndarray, ra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    starts = _run_starts(la, ra)
+def _coalesce(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
+              rstarts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    starts = _run_starts(la, ra, lstarts, rstarts)
     first = np.flatnonzero(starts)
     lengths = np.add.reduceat(la[:, 1], first) if la.shape[0] else la[:0, 1]
     lo, ro = la[first].copy(), ra[first].copy()
@@ -164,6 +183,37 @@ class _Seg:
     rgran: Granularity
     rbase: int
     size: int
+    # Where block 0's bytes sit on each side, and the block strides: what alias detection needs.
+    lplace: tuple[int, int, int] = (0, 0, 0)  # (device, address, stride)
+    rplace: tuple[int, int, int] = (0, 0, 0)
+
+
+def _drop_aliases(segs: list[_Seg]) -> list[_Seg]:
+    """Drop segments whose bytes another segment already moves to the same place.
+
+    Members that alias (a ring viewing each row from byte 0, or per-member regions over the
+    same pages) would otherwise move those bytes twice. Segment ``m`` is redundant when some
+    kept segment ``k`` with the same kinds, devices and strides on both sides contains ``m``'s
+    local bytes and maps them with the same displacement to the remote side: then copying
+    ``k`` already copies ``m`` for every block pair. Runs once per spec pair (cached).
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, s in enumerate(segs):
+        (ld, la, ls), (rd, ra, rs) = s.lplace, s.rplace
+        groups.setdefault((s.lkind, ld, ls, s.rkind, rd, rs, ra - la), []).append(i)
+    drop: set[int] = set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        idx.sort(key=lambda i: (segs[i].lplace[1], -segs[i].size))
+        end = -1
+        for i in idx:
+            e = segs[i].lplace[1] + segs[i].size
+            if e <= end:
+                drop.add(i)  # inside an earlier, kept segment
+            else:
+                end = e
+    return [s for i, s in enumerate(segs) if i not in drop]
 
 
 def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Seg], int, int]:
@@ -184,8 +234,13 @@ def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Seg], int, 
     lrow, rrow = local.list_bases(Granularity.ROWS), remote.list_bases(Granularity.ROWS)
     lmb, rmb = local.list_bases(Granularity.MEMBERS), remote.list_bases(Granularity.MEMBERS)
     segs: list[_Seg] = []
-    seen: set[tuple[int, ...]] = set()
     whole = split = 0
+
+    def place(spec: KVCacheSpec, ri: int, offset: int) -> tuple[int, int, int]:
+        r = spec.regions[ri]
+        a = spec.allocations[r.allocation]
+        return (a.device, a.address + r.offset + offset, r.block_stride)
+
     for li, lr in enumerate(local.regions):
         first = lr.members[0].name
         ri = rmem[first][0]
@@ -194,21 +249,17 @@ def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Seg], int, 
         if replicated and lr.layout.canonical == rr.layout.canonical:
             whole += 1
             segs.append(_Seg(local.region_kind(li), Granularity.ROWS, int(lrow[li]),
-                             remote.region_kind(ri), Granularity.ROWS, int(rrow[ri]), lr.layout.row_len))
+                             remote.region_kind(ri), Granularity.ROWS, int(rrow[ri]), lr.layout.row_len,
+                             place(local, li, lr.layout.row_start), place(remote, ri, rr.layout.row_start)))
             continue
         split += 1
         for mi, m in enumerate(lr.members):
             rri, rmi, rm = rmem[m.name]
             rreg = remote.regions[rri]
-            # Aliased members (same bytes on both sides) must not be moved twice.
-            alias = (lr.allocation, lr.offset + m.offset, lr.block_stride,
-                     rreg.allocation, rreg.offset + rm.offset, rreg.block_stride, m.size)
-            if alias in seen:
-                continue
-            seen.add(alias)
             segs.append(_Seg(local.region_kind(li), Granularity.MEMBERS, int(lmb[li]) + mi * lr.num_blocks,
                              remote.region_kind(rri), Granularity.MEMBERS, int(rmb[rri]) + rmi * rreg.num_blocks,
-                             m.size))
+                             m.size, place(local, li, m.offset), place(remote, rri, rm.offset)))
+    segs = _drop_aliases(segs)
     out = (segs, whole, split)
     local._cache[key] = (remote, out)
     return out
@@ -236,7 +287,8 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
         merged = []
         for leg in legs:
             la, ra = tmp.explicit(leg)
-            lo, ro = _coalesce(la.array, ra.array)
+            lo, ro = _coalesce(la.array, ra.array, _alloc_starts(local_spec, leg.local_kind),
+                               _alloc_starts(remote_spec, leg.remote_kind))
             merged.append(Leg(leg.local_granularity, leg.local_kind, leg.remote_granularity, leg.remote_kind,
                               None, None, lo[:, 1].astype(np.int64), DescriptorList(lo, leg.local_kind),
                               DescriptorList(ro, leg.remote_kind)))

@@ -198,12 +198,17 @@ def side_geoms(draw: st.DrawFn, model: Model, *, style: str | None = None,
         allocs.append((start, off + draw(st.integers(0, 4))))
         cursor = start + allocs[0][1]
     else:
+        sized = []
         for i, r in enumerate(regions):
             lead = draw(st.integers(0, 4))
             r.alloc, r.offset = i, lead
-            n = lead + r.stride * num_blocks + draw(st.integers(0, 4))
-            allocs.append((cursor, n))
-            cursor += n + draw(st.sampled_from([0, 0, 3]))
+            sized.append(lead + r.stride * num_blocks + draw(st.integers(0, 4)))
+        # Storages land in memory in any order, often back to back.
+        place = {}
+        for i in draw(st.permutations(range(len(regions)))):
+            place[i] = cursor
+            cursor += sized[i] + draw(st.sampled_from([0, 0, 3]))
+        allocs = [(place[i], sized[i]) for i in range(len(regions))]
     tp_size = draw(st.sampled_from([1, 2, 4]))
     tp_rank = draw(st.integers(0, tp_size - 1))
     return SideGeom(allocs, regions, num_blocks, tp_rank, tp_size, arena_bytes=cursor + 8)

@@ -127,7 +127,7 @@ def test_plans_move_exactly_the_requested_member_bytes(sc, seed: int, shuffle: i
 
     # Exact expectation: members copied one by one, plus the bytes between members of the
     # rows that moved whole. Everything else, including row padding, keeps the sentinel.
-    dst.arena = dst_before.copy()
+    dst.arena[:] = dst_before
     ref = reference_copy(src, dst, sb, db, names)
     whole_src = [rg.where(lg.regions[i].members[0].name)[0] if op is Op.READ else lg.regions[i] for i in whole]
     assert np.array_equal(got, with_extents(ref, src, dst, whole_src, sb, db))
@@ -135,7 +135,7 @@ def test_plans_move_exactly_the_requested_member_bytes(sc, seed: int, shuffle: i
     assert (got[untouched] == SENTINEL).all(), "bytes outside the requested rows changed"
 
     # The same memory described one region per member: a split plan, identical bytes.
-    dst.arena = dst_before.copy()
+    dst.arena[:] = dst_before
     ps = plan(lg.spec(split=True), rg.spec(split=True, shuffle=shuffle), lb, rb, op)
     assert ps.descriptors == len(lb) * len(model.names)
     apply_plan(ps, lg, rg)
@@ -172,7 +172,7 @@ def test_coalescing_merges_only_contiguous_runs_and_keeps_bytes(sc, seed: int) -
     dst0 = dst.arena.copy()
     apply_plan(plain, lg, rg)
     after_plain = dst.arena.copy()
-    dst.arena = dst0
+    dst.arena[:] = dst0
     apply_plan(merged, lg, rg)
     assert np.array_equal(dst.arena, after_plain)
 
@@ -257,21 +257,31 @@ def test_coalescing_consecutive_blocks_of_packed_rows() -> None:
 
 
 def test_coalescing_never_crosses_an_allocation_boundary() -> None:
-    """Two storages that happen to be adjacent in memory are still two registrations."""
+    """Two storages that happen to sit back to back in memory are still two registrations."""
     nb = 4
-    allocs = (Allocation(1 << 20, PAGE * nb), Allocation((1 << 20) + PAGE * nb, PAGE * nb))
-    regions = tuple(Region(i, 0, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),))) for i in range(2))
-    local = KVCacheSpec(allocs, regions)
+    a1 = 1 << 20  # layer.1's storage, then layer.0's right after it
+    a0 = a1 + PAGE * nb
+    local = KVCacheSpec((Allocation(a0, PAGE * nb), Allocation(a1, PAGE * nb)),
+                        tuple(Region(i, 0, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),)))
+                              for i in range(2)))
     remote = KVCacheSpec((Allocation(1 << 30, 2 * PAGE * nb),),
-                         tuple(Region(0, i * PAGE * nb, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),)))
-                               for i in range(2)))
-    # Block 3 of layer.0 ends where block 0 of layer.1 begins, on both sides.
-    p = plan(local, remote, [3, 0], [3, 0], coalesce=False)
-    assert p.descriptors == 4
-    merged = plan(local, remote, [3, 0], [3, 0], coalesce=True)
+                         (Region(0, PAGE * nb, nb, PackedLayout(PAGE, (Member("layer.0", PAGE, 0, True),))),
+                          Region(0, 0, nb, PackedLayout(PAGE, (Member("layer.1", PAGE, 0, True),)))))
+    # Pair (3, 3) then (0, 0): layer.1 of block 3 ends exactly where layer.0 of block 0
+    # begins on both sides, but locally that crosses from one allocation into the next.
+    blocks = ([3, 0], [3, 0])
+    p = plan(local, remote, *blocks)
+    assert p.descriptors == 4 and p.runs == 4
+    merged = plan(local, remote, *blocks, coalesce=True)
+    assert merged.descriptors == 4
     for leg in merged.legs:
         la, ra = merged.explicit(leg)
         assert inside_allocations(local, la.array) and inside_allocations(remote, ra.array)
+    # Within one allocation on both sides the same pattern does merge.
+    one = KVCacheSpec((Allocation(a1, 2 * PAGE * nb),),
+                      (Region(0, PAGE * nb, nb, PackedLayout(PAGE, (Member("layer.0", PAGE, 0, True),))),
+                       Region(0, 0, nb, PackedLayout(PAGE, (Member("layer.1", PAGE, 0, True),)))))
+    assert plan(one, remote, *blocks, coalesce=True).descriptors == 3
 
 
 def test_empty_block_lists_plan_nothing() -> None:
