@@ -69,16 +69,23 @@ class _Base:
                 pytest.skip("VRAM tests need a CUDA device")
 
 
-def _check(dst_before: np.ndarray, src: Cache, dst: Cache, dst_blocks: list[int], src_blocks: list[int],
-           dst_padding_before: np.ndarray, src_before: np.ndarray) -> None:
-    want = expected_after(dst_before, src.layer_pages(), dst_blocks, src_blocks)
-    got = dst.layer_pages()
-    moved = np.zeros(got.shape[1], dtype=bool)
-    moved[dst_blocks] = True
-    np.testing.assert_array_equal(got[:, moved], want[:, moved], err_msg="requested blocks differ from the source")
-    np.testing.assert_array_equal(got[:, ~moved], dst_before[:, ~moved], err_msg="blocks outside the request changed")
-    np.testing.assert_array_equal(dst.padding(), dst_padding_before, err_msg="row padding changed")
-    np.testing.assert_array_equal(src.layer_pages(), src_before, err_msg="the source changed")
+class _Snapshot:
+    """Destination and source bytes before a transfer, to check what changed and what did not."""
+
+    def __init__(self, src: Cache, dst: Cache):
+        self.src, self.dst = src, dst
+        self.dst_pages, self.dst_padding, self.src_pages = dst.layer_pages(), dst.padding(), src.layer_pages()
+
+    def check(self, dst_blocks: list[int], src_blocks: list[int]) -> None:
+        want = expected_after(self.dst_pages, self.src_pages, dst_blocks, src_blocks)
+        got = self.dst.layer_pages()
+        moved = np.zeros(got.shape[1], dtype=bool)
+        moved[dst_blocks] = True
+        np.testing.assert_array_equal(got[:, moved], want[:, moved], err_msg="requested blocks differ from the source")
+        np.testing.assert_array_equal(got[:, ~moved], self.dst_pages[:, ~moved],
+                                      err_msg="blocks outside the request changed")
+        np.testing.assert_array_equal(self.dst.padding(), self.dst_padding, err_msg="row padding changed")
+        np.testing.assert_array_equal(self.src.layer_pages(), self.src_pages, err_msg="the source changed")
 
 
 class BackendConformance(_Base):
@@ -100,6 +107,15 @@ class BackendConformance(_Base):
         dst = make_cache(dst_kind, num_blocks=16, pad=96 if dst_kind == "packed" else 0, memory=self.memory, **GEOM)
         return src, dst
 
+    def _registered(self, a: Agent, b: Agent, src_kind: str = "packed", dst_kind: str = "packed",
+                    **options: Any) -> tuple[Cache, Cache]:
+        """Caches for ``a`` (patterned source) and ``b`` (sentinel destination), registered."""
+        src, dst = self._caches(src_kind, dst_kind)
+        opts = {"replicated": True, **options}
+        a.register(src.views, **opts)
+        b.register(dst.views, **opts)
+        return src, dst
+
     # -- registration and metadata -----------------------------------------------------
     def test_register_metadata_round_trip(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
@@ -117,9 +133,7 @@ class BackendConformance(_Base):
 
     def test_duplicate_add_peer_is_idempotent(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         md = a.metadata()
         assert b.add_peer(md) == b.add_peer(md)
 
@@ -130,10 +144,8 @@ class BackendConformance(_Base):
     def test_transfer_moves_exact_bytes(self, agents: tuple[Agent, Agent], src_kind: str, dst_kind: str,
                                         op: str) -> None:
         a, b = agents
-        src, dst = self._caches(src_kind, dst_kind)
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
-        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        src, dst = self._registered(a, b, src_kind, dst_kind)
+        snap = _Snapshot(src, dst)
         if op == "READ":  # decode pulls from prefill
             peer = b.add_peer(a.metadata())
             t = b.read(peer, DST_BLOCKS, SRC_BLOCKS)
@@ -143,13 +155,11 @@ class BackendConformance(_Base):
         t.wait(self.timeout)
         assert t.status.value == "DONE"
         assert t.stats.nbytes == len(DST_BLOCKS) * GEOM["num_layers"] * GEOM["page"]
-        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+        snap.check(DST_BLOCKS, SRC_BLOCKS)
 
     def test_whole_rows_use_one_descriptor_per_block(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         peer = b.add_peer(a.metadata())
         # Block ids chosen so that no two are consecutive on both sides: nothing can merge.
         p = b.plan(peer, DST_BLOCKS, SRC_BLOCKS)
@@ -170,17 +180,15 @@ class BackendConformance(_Base):
         src, dst = self._caches("packed", "packed")
         a.register(src.views, replicated=False, tp_rank=0, tp_size=2)
         b.register(dst.views, replicated=False, tp_rank=1, tp_size=2)
-        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        snap = _Snapshot(src, dst)
         peer = b.add_peer(a.metadata())
         assert b.plan(peer, DST_BLOCKS, SRC_BLOCKS).mode == "split"
         b.read(peer, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
-        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+        snap.check(DST_BLOCKS, SRC_BLOCKS)
 
     def test_empty_request_completes(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         before = dst.layer_pages()
         peer = b.add_peer(a.metadata())
         t = b.read(peer, [], []).wait(self.timeout)
@@ -200,24 +208,20 @@ class BackendConformance(_Base):
 
     def test_notification_arrives_after_data(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "layers")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
-        before, pad_before, src_before = dst.layer_pages(), dst.padding(), src.layer_pages()
+        src, dst = self._registered(a, b, "packed", "layers")
+        snap = _Snapshot(src, dst)
         peer = a.add_peer(b.metadata())
         b.add_peer(a.metadata())
         t = a.write(peer, SRC_BLOCKS, DST_BLOCKS, notify=b"req-42 done")
         got = self._drain(b)
         assert got == {"prefill": [b"req-42 done"]}
         # The notification is the receiver's signal that the bytes are there.
-        _check(before, src, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+        snap.check(DST_BLOCKS, SRC_BLOCKS)
         t.wait(self.timeout)
 
     def test_standalone_notify(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         peer = a.add_peer(b.metadata())
         b.add_peer(a.metadata())
         a.notify(peer, b"hello")
@@ -234,9 +238,7 @@ class BackendConformance(_Base):
 
     def test_block_id_out_of_range_moves_nothing(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         before = dst.layer_pages()
         peer = b.add_peer(a.metadata())
         with pytest.raises(BlockIdOutOfRangeError):
@@ -249,9 +251,7 @@ class BackendConformance(_Base):
 
     def test_closed_agent(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         peer = b.add_peer(a.metadata())
         b.close()
         b.close()  # idempotent
@@ -262,9 +262,7 @@ class BackendConformance(_Base):
 
     def test_stale_generation_rejected_and_restart_replaces(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
-        src, dst = self._caches("packed", "packed")
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+        src, dst = self._registered(a, b)
         old_md = a.metadata()
         b.add_peer(old_md)
         # "prefill" restarts: a new agent of the same name, new memory, newer generation.
@@ -276,9 +274,9 @@ class BackendConformance(_Base):
             b.add_peer(a2.metadata())
             with pytest.raises(StalePeerError):
                 b.add_peer(old_md)
-            before, pad_before, src_before = dst.layer_pages(), dst.padding(), src2.layer_pages()
+            snap = _Snapshot(src2, dst)
             b.read("prefill", DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
-            _check(before, src2, dst, DST_BLOCKS, SRC_BLOCKS, pad_before, src_before)
+            snap.check(DST_BLOCKS, SRC_BLOCKS)
         finally:
             a2.close()
 
