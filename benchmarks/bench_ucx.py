@@ -1,0 +1,292 @@
+"""UCX backend vs NIXL vs raw ucxx: one DRAM READ request, two processes, same bytes.
+
+The decode side (initiator) pulls ``--rows`` rows of ``--row-bytes`` from the prefill side
+(target) in one request, ``--iters`` times; the first iteration is a warm-up and is not
+counted. Every mode verifies the bytes it received against the target's pattern once.
+
+Modes (each runs in fresh processes, so nixl's bundled UCX and the libucx wheel never share
+an address space):
+
+``ucx``        kvxfer_ucx.UcxBackend, default options (safe: shm/tcp, no CMA)
+``ucx-cma``    kvxfer_ucx.UcxBackend(cma=True): single-copy CMA, unsafe if the
+               peer dies mid-transfer (UCX aborts the reader; see DESIGN_NOTE.md)
+``ucx-peer``   kvxfer_ucx.UcxBackend(data_err_mode="peer"): UCX error handling on the data path
+``nixl``       the kvxfer NIXL backend when it exists, else raw nixl (UCX backend, no progress
+               thread, prepped lists + numpy indices: DESIGN section 8's fast path)
+``ucxx``       raw ucxx, two-sided: one tag message asks for the rows, the target answers with
+               one tag send per row into pre-posted receives
+
+Sized for a 2-core, 24 GiB machine: the default 300 x 4.5 MB rows are 1.35 GB per side.
+
+    .venv/bin/python benchmarks/bench_ucx.py                      # all modes, table on stdout
+    .venv/bin/python benchmarks/bench_ucx.py --modes ucx,nixl --rows 200 --iters 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+ROW_BYTES = 4_718_592  # 4.5 MiB: one packed MLA row of a 61-layer model (DESIGN section 1)
+UCX_OPTIONS: dict[str, dict[str, Any]] = {
+    "ucx": {},
+    "ucx-cma": {"cma": True},
+    "ucx-peer": {"data_err_mode": "peer"},
+}
+
+
+def pattern(nbytes: int) -> np.ndarray:
+    # A cheap, position-dependent pattern (uint64 counter) so misplaced rows are caught.
+    return np.arange(nbytes // 8, dtype=np.uint64).view(np.uint8)
+
+
+def _out() -> Any:
+    """Command channel on a private stdout copy; fd 1 goes to stderr (UCX may print on it)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return out
+
+
+def _say(out: Any, obj: dict[str, Any]) -> None:
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
+
+
+def _lines(stream: Any, idle: Callable[[], None]) -> Any:
+    """Yield stdin lines while calling ``idle`` (progress) between them."""
+    fd, pending = stream.fileno(), b""
+    while True:
+        idle()
+        r, _, _ = select.select([fd], [], [], 0.0002)
+        if not r:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield json.loads(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# target side
+
+def serve(mode: str, rows: int, row_bytes: int) -> None:
+    out = _out()
+    buf = pattern(rows * row_bytes)
+    addr = buf.ctypes.data
+    if mode.startswith("ucx") and mode != "ucxx":
+        from kvxfer import Allocation
+        from kvxfer_ucx.backend import UcxBackend
+
+        be = UcxBackend("target", **UCX_OPTIONS[mode])
+        be.register([Allocation(addr, buf.nbytes)])
+        _say(out, {"meta": base64.b64encode(be.local_metadata()).decode(), "addr": addr})
+        for msg in _lines(sys.stdin, be.progress):
+            if msg["cmd"] == "exit":
+                break
+        be.close()
+    elif mode == "nixl":
+        agent = _nixl_agent("target")
+        agent.register_memory([(addr, buf.nbytes, 0, "")], "DRAM")
+        _say(out, {"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": addr})
+        for msg in _lines(sys.stdin, lambda: agent.get_new_notifs()):
+            if msg["cmd"] == "exit":
+                break
+    elif mode == "ucxx":
+        import ucxx._lib.libucxx as u
+        from ucxx._lib.arr import Array
+
+        ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
+        worker = u.UCXWorker(ctx)
+        _say(out, {"meta": base64.b64encode(bytes(worker.address.tobytes())).decode(), "addr": addr})
+        ep = None
+        req_buf = np.zeros(2, dtype=np.int64)
+        views = [Array(buf[i * row_bytes:(i + 1) * row_bytes]) for i in range(rows)]
+        pending: list[Any] = []
+        recv = None
+        for msg in _lines(sys.stdin, worker.progress):
+            if msg["cmd"] == "exit":
+                break
+            if msg["cmd"] == "connect":
+                peer = u.UCXAddress.create_from_buffer(base64.b64decode(msg["addr"]))
+                ep = u.UCXEndpoint.create_from_worker_address(worker, peer, endpoint_error_handling=False)
+                _say(out, {"ok": True})
+            elif msg["cmd"] == "serve":  # serve one request: wait for it, answer, report
+                recv = ep.tag_recv(Array(req_buf), tag=u.UCXXTag(0), tag_mask=u.UCXXTagMaskFull)
+                while not recv.completed:
+                    worker.progress()
+                recv.check_error()
+                first, count = int(req_buf[0]), int(req_buf[1])
+                pending = [ep.tag_send(views[first + i], tag=u.UCXXTag(1 + i)) for i in range(count)]
+                while not all(r.completed for r in pending):
+                    worker.progress()
+                for r in pending:
+                    r.check_error()
+                _say(out, {"ok": True})
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+def _nixl_agent(name: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # No progress thread: on 2 cores its busy spin halved throughput (DESIGN section 8).
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# initiator side
+
+def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]:
+    child = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--rows", str(rows),
+                              "--row-bytes", str(row_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdin is not None and child.stdout is not None
+
+    def cmd(obj: dict[str, Any], reply: bool = True) -> dict[str, Any]:
+        child.stdin.write(json.dumps(obj) + "\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline()) if reply else {}
+
+    hello = json.loads(child.stdout.readline())
+    blob, raddr = base64.b64decode(hello["meta"]), int(hello["addr"])
+    buf = np.full(rows * row_bytes, 0xAA, dtype=np.uint8)
+    laddr = buf.ctypes.data
+    idx = np.arange(rows, dtype=np.int64)
+    offs = idx.astype(np.uint64) * np.uint64(row_bytes)
+    times: list[float] = []
+    post_times: list[float] = []
+    try:
+        if mode in UCX_OPTIONS:
+            from kvxfer import Allocation, DescriptorList, Op
+            from kvxfer_ucx.backend import UcxBackend
+
+            be = UcxBackend("initiator", **UCX_OPTIONS[mode])
+            be.register([Allocation(laddr, buf.nbytes)])
+            be.add_remote("target", blob)
+            z, n = np.zeros(rows, np.uint64), np.full(rows, row_bytes, np.uint64)
+            lp = be.prepare(None, DescriptorList(np.stack([laddr + offs, n, z], 1)))
+            rp = be.prepare("target", DescriptorList(np.stack([raddr + offs, n, z], 1)))
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                x = be.post(Op.READ, lp, idx, rp, idx, None)
+                t1 = time.perf_counter()
+                while not be.poll(x):
+                    pass
+                times.append(time.perf_counter() - t0)
+                post_times.append(t1 - t0)
+                be.release(x)
+            be.close()
+        elif mode == "nixl":
+            agent = _nixl_agent("initiator")
+            agent.register_memory([(laddr, buf.nbytes, 0, "")], "DRAM")
+            peer = agent.add_remote_agent(blob)
+            peer = peer.decode() if isinstance(peer, bytes) else peer
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(laddr + int(o), row_bytes, 0) for o in offs], "DRAM")
+            remote = agent.prep_xfer_dlist(peer, [(raddr + int(o), row_bytes, 0) for o in offs], "DRAM")
+            i32 = idx.astype(np.int32)
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                h = agent.make_prepped_xfer("READ", local, i32, remote, i32)
+                state = agent.transfer(h)
+                t1 = time.perf_counter()
+                while state != "DONE":
+                    state = agent.check_xfer_state(h)
+                    if state == "ERR":
+                        raise RuntimeError("nixl transfer failed")
+                times.append(time.perf_counter() - t0)
+                post_times.append(t1 - t0)
+                agent.release_xfer_handle(h)
+        elif mode == "ucxx":
+            import ucxx._lib.libucxx as u
+            from ucxx._lib.arr import Array
+
+            ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
+            worker = u.UCXWorker(ctx)
+            ep = u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(blob),
+                                                          endpoint_error_handling=False)
+            cmd({"cmd": "connect", "addr": base64.b64encode(bytes(worker.address.tobytes())).decode()})
+            views = [Array(buf[i * row_bytes:(i + 1) * row_bytes]) for i in range(rows)]
+            ask = np.array([0, rows], dtype=np.int64)
+            for _ in range(iters):
+                cmd({"cmd": "serve"}, reply=False)
+                t0 = time.perf_counter()
+                recvs = [ep.tag_recv(views[i], tag=u.UCXXTag(1 + i), tag_mask=u.UCXXTagMaskFull)
+                         for i in range(rows)]
+                s = ep.tag_send(Array(ask), tag=u.UCXXTag(0))
+                t1 = time.perf_counter()
+                while not (s.completed and all(r.completed for r in recvs)):
+                    worker.progress()
+                times.append(time.perf_counter() - t0)
+                post_times.append(t1 - t0)
+                for r in recvs:
+                    r.check_error()
+                json.loads(child.stdout.readline())
+        ok = bool(np.array_equal(buf, pattern(buf.nbytes)))
+    finally:
+        try:
+            cmd({"cmd": "exit"}, reply=False)
+            child.wait(timeout=30)
+        except Exception:
+            child.kill()
+    counted = times[1:] if len(times) > 1 else times
+    med = statistics.median(counted)
+    return {"mode": mode, "rows": rows, "row_bytes": row_bytes, "bytes": rows * row_bytes, "ok": ok,
+            "median_s": med, "gbps": rows * row_bytes / med / 1e9, "best_gbps": rows * row_bytes / min(counted) / 1e9,
+            "post_ms": 1e3 * statistics.median(post_times[1:] or post_times), "iters": len(counted)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="ucx,ucx-cma,ucx-peer,nixl,ucxx")
+    ap.add_argument("--rows", type=int, default=300)
+    ap.add_argument("--row-bytes", type=int, default=ROW_BYTES)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--serve")
+    ap.add_argument("--initiate")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per mode")
+    a = ap.parse_args()
+    if a.serve:
+        return serve(a.serve, a.rows, a.row_bytes)
+    if a.initiate:
+        out = _out()
+        _say(out, initiate(a.initiate, a.rows, a.row_bytes, a.iters))
+        return
+    results = []
+    for mode in a.modes.split(","):
+        p = subprocess.run([sys.executable, __file__, "--initiate", mode, "--rows", str(a.rows), "--row-bytes",
+                            str(a.row_bytes), "--iters", str(a.iters)], capture_output=True, text=True, timeout=600)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode or not lines:
+            results.append({"mode": mode, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]})
+        else:
+            results.append(json.loads(lines[-1]))
+        print(json.dumps(results[-1]) if a.json else _row(results[-1]), flush=True)
+    ref = next((r for r in results if r["mode"] == "nixl" and "gbps" in r), None)
+    if ref and not a.json:
+        for r in results:
+            if "gbps" in r:
+                print(f"{r['mode']:>9}: {r['gbps'] / ref['gbps']:.2f}x nixl")
+
+
+def _row(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['mode']:>9}  FAILED: {r['error']}"
+    return (f"{r['mode']:>9}  {r['rows']} x {r['row_bytes'] / 2**20:.1f} MiB  median {r['gbps']:.2f} GB/s  "
+            f"best {r['best_gbps']:.2f} GB/s  post {r['post_ms']:.2f} ms  bytes ok={r['ok']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,756 @@
+"""The UCX backend: one-sided RMA on libucp through ctypes.
+
+Shape of a transfer (see the package docstring for why this shape won the measurements)::
+
+    post:  one ucp_get_nbx / ucp_put_nbx per (coalesced) descriptor on the data endpoint,
+           requests freed at once (fire and forget), then one ucp_ep_flush_nbx
+    poll:  ucp_worker_progress; when the flush completes every byte is visible on both
+           sides; only then is the notification sent as an active message, so it can never
+           overtake the data
+    dead peer: a second, tiny endpoint per peer in error mode PEER carries notifications and
+           gets UCX's error callback when the peer process dies (TCP reset, or keepalive
+           timeout across hosts). The data endpoint stays in mode NONE so that UCX keeps its
+           fast shared-memory / CMA paths, which mode PEER gives up (measured: see
+           DESIGN_NOTE.md).
+
+Thread model: every libucp call happens under one lock; the worker runs in
+``UCS_THREAD_MODE_SERIALIZED`` so any thread may drive it, one at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import struct
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer.errors import (BackendError, KvxferError, MetadataError, PeerDisconnectedError, StalePeerError,
+                           TransferCancelledError, UnknownPeerError, UnsupportedError)
+
+from . import _libucp as L
+
+__all__ = ["UcxBackend"]
+
+BLOB_MAGIC = "kvxfer-ucx"
+BLOB_VERSION = 1
+MAX_BLOB = 16 << 20  # metadata from the network: bounded before json.loads
+MAX_ALLOCATIONS = 4096
+MAX_WORKER_ADDRESS = 1 << 16
+MAX_RKEY = 1 << 16
+MAX_NAME = 256
+#: Notifications ride an eager active message; larger payloads belong in KV memory.
+MAX_NOTIFICATION = 64 << 10
+AM_ID = 0x6B76  # "kv"
+#: Every transport the libucx wheel has for host memory, except CMA (see ``cma`` option).
+SAFE_TLS = "self,tcp,sysv,posix"
+_AM_HEADER = struct.Struct("<4sBxH")  # magic, kind, pad, sender-name length; name follows
+_AM_MAGIC = b"KVXN"
+_AM_NOTIFY = 1
+_U64 = (1 << 64) - 1
+
+_ERR_MODES = {"none": L.UCP_ERR_HANDLING_MODE_NONE, "peer": L.UCP_ERR_HANDLING_MODE_PEER}
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(value: Any, what: str, limit: int) -> bytes:
+    if not isinstance(value, str) or len(value) > 4 * limit // 3 + 4:
+        raise MetadataError(f"ucx metadata: {what} must be a base64 string of at most {limit} bytes")
+    try:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        raise MetadataError(f"ucx metadata: {what} is not valid base64") from None
+    if not raw:
+        raise MetadataError(f"ucx metadata: {what} is empty")
+    return raw
+
+
+def _uint(value: Any, what: str, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _U64:
+        raise MetadataError(f"ucx metadata: {what} must be an integer in [{lo}, 2**64)")
+    return value
+
+
+@dataclass
+class _Reg:
+    allocs: tuple[Allocation, ...]
+    memhs: list[int]
+    rkeys: list[bytes]
+
+
+@dataclass
+class _Peer:
+    """A connected peer: its endpoints, unpacked rkeys and registered spans (sorted by start)."""
+
+    name: str
+    data_ep: int
+    ctrl_ep: int
+    starts: np.ndarray  # uint64, sorted
+    ends: np.ndarray  # uint64
+    rkeys: np.ndarray  # uint64 rkey handles, same order
+    failed: int | None = None  # ucs_status from the error callback
+    closed: bool = False
+
+
+@dataclass
+class _Local:
+    addr: np.ndarray
+    nbytes: np.ndarray
+    descs: DescriptorList
+
+
+@dataclass
+class _Remote:
+    peer: _Peer
+    addr: np.ndarray
+    nbytes: np.ndarray
+    slot: np.ndarray  # index into peer.rkeys
+    descs: DescriptorList
+
+
+@dataclass
+class _Xfer:
+    peer: _Peer
+    flush: int | None  # request pointer, or None when the flush completed in place
+    notification: bytes | None
+    am: int | None = None
+    am_buffers: tuple[Any, ...] = ()
+    done: bool = False
+    error: KvxferError | None = None
+    released: bool = False
+    keepalive: list[Any] = field(default_factory=list)
+
+
+class UcxBackend(Backend):
+    """kvxfer transport on raw UCX (libucp) one-sided RMA. DRAM only.
+
+    Options:
+
+    ``tls``
+        value for ``UCX_TLS`` in this context only (e.g. ``"tcp"``); default: every
+        host transport except CMA (``SAFE_TLS``).
+    ``cma``
+        ``True`` adds UCX's CMA transport (single-copy ``process_vm_readv``) between
+        processes of one host: about 2x faster here, but UCX 1.21 **aborts this process**
+        if the peer dies in the middle of a copy. Default ``False``.
+    ``data_err_mode``
+        ``"none"`` (default, fast paths) or ``"peer"`` (UCX error handling on the data
+        endpoint too; slower on TCP/shm, see DESIGN_NOTE.md).
+    ``cancel_timeout``
+        seconds :meth:`release` keeps driving a still-pending transfer before giving up on
+        it. One-sided RMA cannot be recalled, so a cancelled transfer is drained (bounded)
+        rather than abandoned with bytes still moving; a dead peer is never waited on.
+    ``inline_budget``
+        seconds :meth:`post` may keep driving the worker to finish a transfer (and send its
+        notification) before returning; default 5 ms. Small transfers then complete inside
+        ``post`` as with NIXL's ``transfer()``, so a notification leaves even when the
+        caller waits for the peer before polling. Large transfers continue in :meth:`poll`.
+    ``ucx_config``
+        mapping of extra UCX config keys (without the ``UCX_`` prefix) to values.
+    """
+
+    name = "ucx"
+    capabilities = Capabilities(
+        memory_kinds=frozenset({MemoryKind.DRAM}),
+        notifications=True,
+        strided_lists=False,
+        merges_runs=False,
+        cheap_prepare=True,
+        max_descriptors=None,
+        needs_progress=True,
+        cross_process=True,
+    )
+
+    def __init__(self, agent_name: str, **options: Any) -> None:
+        super().__init__(agent_name, **options)
+        known = {"tls", "cma", "data_err_mode", "cancel_timeout", "inline_budget", "ucx_config"}
+        unknown = set(options) - known
+        if unknown:
+            raise BackendError(f"ucx backend: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        mode = options.get("data_err_mode", "none")
+        if mode not in _ERR_MODES:
+            raise BackendError(f"ucx backend: data_err_mode must be 'none' or 'peer', got {mode!r}")
+        self._data_err_mode = _ERR_MODES[mode]
+        self._cancel_timeout = float(options.get("cancel_timeout", 2.0))
+        self._inline_budget = float(options.get("inline_budget", 0.005))
+        if len(agent_name.encode()) > MAX_NAME:
+            raise BackendError(f"agent name longer than {MAX_NAME} bytes")
+        try:
+            self._lib = L.load()
+        except OSError as exc:
+            from kvxfer.errors import BackendUnavailableError
+
+            raise BackendUnavailableError(f"ucx backend: {exc}") from None
+        self._lock = threading.RLock()
+        self._closed = False
+        self._regs: dict[int, _Reg] = {}
+        self._next_reg = 1
+        self._bounds = np.zeros((0, 2), dtype=np.uint64)
+        self._peers: dict[str, _Peer] = {}
+        self._by_ep: dict[int, _Peer] = {}
+        self._inbox: dict[str, list[bytes]] = defaultdict(list)
+        self._zombies: list[int] = []  # requests we stopped waiting for; freed at close
+        self._sends: list[tuple[int, tuple[Any, ...], _Peer]] = []  # standalone notifications in flight
+        self._ctx = self._worker = 0
+        config: dict[str, str] = {str(k): str(v) for k, v in dict(options.get("ucx_config") or {}).items()}
+        if options.get("tls"):
+            config["TLS"] = str(options["tls"])
+        elif not options.get("cma", False) and "TLS" not in config:
+            # CMA aborts this process when the peer dies mid-copy (UCX 1.21, error mode NONE):
+            # left out unless asked for. See the package docstring.
+            config["TLS"] = SAFE_TLS
+        self._init_context(config)
+        # Callbacks must outlive every call that may invoke them: keep them on the instance.
+        self._err_cb = L.ucp_err_handler_cb_t(self._on_ep_error)
+        self._am_cb = L.ucp_am_recv_callback_t(self._on_am)
+        self._set_am_handler()
+        self._param = L.RequestParam()  # all-zero: no callback, default datatype
+        self._param_ref = ctypes.byref(self._param)
+        self._address = self._query_address()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _init_context(self, config: dict[str, str]) -> None:
+        lib = self._lib
+        cfg = ctypes.c_void_p()
+        lib.check("ucp_config_read", lib.ucp_config_read(None, None, ctypes.byref(cfg)))
+        try:
+            for key, value in config.items():
+                st = lib.ucp_config_modify(cfg, key.removeprefix("UCX_").encode(), value.encode())
+                if st != L.UCS_OK:
+                    raise BackendError(f"ucx backend: bad UCX config {key}={value!r}: {lib.status_string(st)}")
+            params = L.UcpParams(field_mask=L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME,
+                                 features=L.UCP_FEATURE_RMA | L.UCP_FEATURE_AM,
+                                 name=self.agent_name.encode()[:31])
+            ctx = ctypes.c_void_p()
+            lib.check("ucp_init", lib.ucp_init_version(L.API_MAJOR, L.API_MINOR, ctypes.byref(params), cfg,
+                                                       ctypes.byref(ctx)))
+        finally:
+            lib.ucp_config_release(cfg)
+        self._ctx = ctx.value
+        wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=1)  # SERIALIZED
+        worker = ctypes.c_void_p()
+        st = lib.ucp_worker_create(self._ctx, ctypes.byref(wp), ctypes.byref(worker))
+        if st != L.UCS_OK:
+            lib.ucp_cleanup(self._ctx)
+            raise BackendError(f"ucx backend: ucp_worker_create failed: {lib.status_string(st)}")
+        self._worker = worker.value
+
+    def _set_am_handler(self) -> None:
+        p = L.UcpAmHandlerParam(field_mask=(L.UCP_AM_HANDLER_PARAM_FIELD_ID | L.UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+                                            | L.UCP_AM_HANDLER_PARAM_FIELD_CB | L.UCP_AM_HANDLER_PARAM_FIELD_ARG),
+                                id=AM_ID, flags=L.UCP_AM_FLAG_WHOLE_MSG, cb=self._am_cb, arg=None)
+        self._lib.check("ucp_worker_set_am_recv_handler",
+                        self._lib.ucp_worker_set_am_recv_handler(self._worker, ctypes.byref(p)))
+
+    def _query_address(self) -> bytes:
+        attr = L.UcpWorkerAttr(field_mask=L.UCP_WORKER_ATTR_FIELD_ADDRESS)
+        self._lib.check("ucp_worker_query", self._lib.ucp_worker_query(self._worker, ctypes.byref(attr)))
+        try:
+            return ctypes.string_at(attr.address, attr.address_length)
+        finally:
+            self._lib.ucp_worker_release_address(self._worker, attr.address)
+
+    # -- callbacks (run inside ucp_worker_progress, under self._lock) ---------------------------
+    def _on_ep_error(self, arg: int | None, ep: int | None, status: int) -> None:
+        peer = self._by_ep.get(ep or 0)
+        if peer is not None and peer.failed is None:
+            peer.failed = int(status)
+
+    def _on_am(self, arg: int | None, header: int | None, header_len: int, data: int | None, length: int,
+               param: int | None) -> int:
+        try:
+            if header_len < _AM_HEADER.size or length > MAX_NOTIFICATION:
+                return L.UCS_OK
+            raw = ctypes.string_at(header, header_len)
+            magic, kind, nlen = _AM_HEADER.unpack_from(raw)
+            if magic != _AM_MAGIC or kind != _AM_NOTIFY or _AM_HEADER.size + nlen != header_len:
+                return L.UCS_OK
+            sender = raw[_AM_HEADER.size:].decode("utf-8", errors="replace")
+            self._inbox[sender].append(ctypes.string_at(data, length) if length else b"")
+        except Exception:  # an exception must never unwind into C
+            pass
+        return L.UCS_OK
+
+    # -- memory -------------------------------------------------------------------------------
+    def register(self, allocations: Sequence[Allocation]) -> int:
+        lib = self._lib
+        allocs = tuple(allocations)
+        for a in allocs:
+            if a.kind is not MemoryKind.DRAM:
+                raise UnsupportedError(
+                    f"ucx backend moves host memory (DRAM) only; got {a.kind.value} at {a.address:#x}. The "
+                    "libucx wheel's CUDA transports were not validated through this binding; use the nixl "
+                    "backend for GPU memory.")
+        memhs: list[int] = []
+        rkeys: list[bytes] = []
+        with self._lock:
+            self._check_open()
+            try:
+                for a in allocs:
+                    p = L.UcpMemMapParams(field_mask=(L.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | L.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                                                      | L.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE),
+                                          address=a.address, length=a.nbytes, memory_type=L.UCS_MEMORY_TYPE_HOST)
+                    memh = ctypes.c_void_p()
+                    lib.check("ucp_mem_map", lib.ucp_mem_map(self._ctx, ctypes.byref(p), ctypes.byref(memh)))
+                    memhs.append(memh.value)
+                    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+                    lib.check("ucp_rkey_pack", lib.ucp_rkey_pack(self._ctx, memh, ctypes.byref(buf), ctypes.byref(size)))
+                    rkeys.append(ctypes.string_at(buf, size.value))
+                    lib.ucp_rkey_buffer_release(buf)
+            except L.UcxStatusError as exc:
+                for m in memhs:
+                    lib.ucp_mem_unmap(self._ctx, m)
+                raise BackendError(f"ucx backend: registering memory failed: {exc}") from None
+            h = self._next_reg
+            self._next_reg += 1
+            self._regs[h] = _Reg(allocs, memhs, rkeys)
+            self._rebuild_bounds()
+        return h
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            reg = self._regs.pop(handle, None)
+            if reg is None:
+                return
+            for m in reg.memhs:
+                self._lib.ucp_mem_unmap(self._ctx, m)
+            self._rebuild_bounds()
+
+    def _rebuild_bounds(self) -> None:
+        rows = [(a.address, a.end) for r in self._regs.values() for a in r.allocs]
+        b = np.array(rows, dtype=np.uint64).reshape(-1, 2)
+        self._bounds = b[np.argsort(b[:, 0], kind="stable")]
+
+    # -- peers --------------------------------------------------------------------------------
+    def local_metadata(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            allocs = [[a.address, a.nbytes, _b64(rk)] for r in self._regs.values()
+                      for a, rk in zip(r.allocs, r.rkeys)]
+            doc = {"magic": BLOB_MAGIC, "version": BLOB_VERSION, "agent": self.agent_name,
+                   "ucx": ".".join(map(str, self._lib.version)), "worker": _b64(self._address),
+                   "allocations": allocs}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @staticmethod
+    def parse_blob(blob: bytes) -> tuple[str, bytes, list[tuple[int, int, bytes]]]:
+        """Validate a peer's blob: ``(agent, worker address, [(address, nbytes, rkey)])``.
+
+        The blob comes from the network: sizes are bounded before parsing, every field is
+        type-checked, spans must not wrap, and nothing is handed to UCX until it all passed.
+        """
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_BLOB:
+            raise MetadataError(f"ucx metadata must be bytes of at most {MAX_BLOB} bytes")
+        try:
+            doc = json.loads(bytes(blob))
+        except (ValueError, UnicodeDecodeError):
+            raise MetadataError("ucx metadata is not valid JSON") from None
+        if not isinstance(doc, dict) or doc.get("magic") != BLOB_MAGIC:
+            raise MetadataError("ucx metadata: not a kvxfer ucx blob (wrong magic); does the peer use backend 'ucx'?")
+        if doc.get("version") != BLOB_VERSION:
+            raise MetadataError(f"ucx metadata version {doc.get('version')!r} is not {BLOB_VERSION}; upgrade both sides")
+        expected = {"magic", "version", "agent", "ucx", "worker", "allocations"}
+        if set(doc) != expected:
+            raise MetadataError(f"ucx metadata: keys {sorted(doc)} differ from {sorted(expected)}")
+        agent = doc["agent"]
+        if not isinstance(agent, str) or not 0 < len(agent.encode()) <= MAX_NAME:
+            raise MetadataError("ucx metadata: agent must be a non-empty string")
+        worker = _unb64(doc["worker"], "worker address", MAX_WORKER_ADDRESS)
+        allocs = doc["allocations"]
+        if not isinstance(allocs, list) or len(allocs) > MAX_ALLOCATIONS:
+            raise MetadataError(f"ucx metadata: allocations must be a list of at most {MAX_ALLOCATIONS}")
+        out = []
+        for i, a in enumerate(allocs):
+            if not isinstance(a, list) or len(a) != 3:
+                raise MetadataError(f"ucx metadata: allocation {i} must be [address, nbytes, rkey]")
+            addr, n = _uint(a[0], f"allocation {i} address"), _uint(a[1], f"allocation {i} nbytes", lo=1)
+            if addr + n > _U64:
+                raise MetadataError(f"ucx metadata: allocation {i} wraps around the address space")
+            out.append((addr, n, _unb64(a[2], f"allocation {i} rkey", MAX_RKEY)))
+        return agent, worker, out
+
+    def add_remote(self, peer_name: str, blob: bytes) -> str:
+        agent, worker, allocs = self.parse_blob(blob)
+        if agent != peer_name:
+            raise MetadataError(f"ucx metadata names agent {agent!r}, expected {peer_name!r}")
+        with self._lock:
+            self._check_open()
+            if peer_name in self._peers:
+                self._drop_peer(self._peers.pop(peer_name))
+            addr_buf = ctypes.create_string_buffer(worker, len(worker))
+            data_ep = ctrl_ep = 0
+            rkeys: list[int] = []
+            try:
+                data_ep = self._ep_create(addr_buf, self._data_err_mode)
+                ctrl_ep = (self._ep_create(addr_buf, L.UCP_ERR_HANDLING_MODE_PEER)
+                           if self._data_err_mode == L.UCP_ERR_HANDLING_MODE_NONE else data_ep)
+                order = sorted(range(len(allocs)), key=lambda k: allocs[k][0])
+                for k in order:
+                    rk = ctypes.c_void_p()
+                    st = self._lib.ucp_ep_rkey_unpack(data_ep, allocs[k][2], ctypes.byref(rk))
+                    if st != L.UCS_OK:
+                        raise MetadataError(f"ucx metadata: allocation {k} rkey rejected by UCX: "
+                                            f"{self._lib.status_string(st)}")
+                    rkeys.append(rk.value)
+            except BaseException:
+                for rk in rkeys:
+                    self._lib.ucp_rkey_destroy(rk)
+                for ep in {data_ep, ctrl_ep} - {0}:
+                    self._close_ep(ep, force=True)
+                raise
+            starts = np.array([allocs[k][0] for k in order], dtype=np.uint64)
+            ends = starts + np.array([allocs[k][1] for k in order], dtype=np.uint64)
+            peer = _Peer(peer_name, data_ep, ctrl_ep, starts, ends, np.array(rkeys, dtype=np.uint64))
+            self._peers[peer_name] = peer
+            self._by_ep[data_ep] = peer
+            self._by_ep[ctrl_ep] = peer
+            # Start wiring the control endpoint up now (without waiting: the peer may be in this
+            # thread), so that UCX watches the connection before the first transfer.
+            req = self._lib.ucp_ep_flush_nbx(ctrl_ep, self._param_ref)
+            if req and not L.is_err_ptr(req):
+                self._sends.append((req, (), peer))
+        return peer_name
+
+    def _ep_create(self, addr_buf: Any, err_mode: int) -> int:
+        p = L.UcpEpParams(field_mask=(L.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | L.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE),
+                          address=ctypes.cast(addr_buf, ctypes.c_void_p), err_mode=err_mode)
+        if err_mode == L.UCP_ERR_HANDLING_MODE_PEER:
+            p.field_mask |= L.UCP_EP_PARAM_FIELD_ERR_HANDLER
+            p.err_handler = L.UcpErrHandler(self._err_cb, None)
+        ep = ctypes.c_void_p()
+        st = self._lib.ucp_ep_create(self._worker, ctypes.byref(p), ctypes.byref(ep))
+        if st != L.UCS_OK:
+            raise PeerDisconnectedError(f"ucx backend: cannot connect to peer: {self._lib.status_string(st)}")
+        return int(ep.value)
+
+    def _flush_ep(self, ep: int, deadline: float) -> int:
+        req = self._lib.ucp_ep_flush_nbx(ep, self._param_ref)
+        st = L.status_of_ptr(req)
+        while st == L.UCS_INPROGRESS:
+            self._lib.ucp_worker_progress(self._worker)
+            st = self._lib.ucp_request_check_status(req)
+            if st == L.UCS_INPROGRESS and time.monotonic() > deadline:
+                self._zombies.append(req)
+                return L.UCS_ERR_TIMED_OUT
+        if req and not L.is_err_ptr(req):
+            self._lib.ucp_request_free(req)
+        return st
+
+    def _close_ep(self, ep: int, force: bool) -> None:
+        p = L.RequestParam(op_attr_mask=L.UCP_OP_ATTR_FIELD_FLAGS, flags=L.UCP_EP_CLOSE_FLAG_FORCE if force else 0)
+        req = self._lib.ucp_ep_close_nbx(ep, ctypes.byref(p))
+        if L.status_of_ptr(req) == L.UCS_INPROGRESS:
+            deadline = time.monotonic() + 0.5
+            while self._lib.ucp_request_check_status(req) == L.UCS_INPROGRESS and time.monotonic() < deadline:
+                self._lib.ucp_worker_progress(self._worker)
+            if self._lib.ucp_request_check_status(req) == L.UCS_INPROGRESS:
+                self._zombies.append(req)
+            else:
+                self._lib.ucp_request_free(req)
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        if peer.closed:
+            return
+        peer.closed = True
+        for rk in peer.rkeys.tolist():
+            self._lib.ucp_rkey_destroy(rk)
+        # A dead peer cannot confirm a graceful close: force it. A live one gets a flush first.
+        alive = peer.failed is None
+        for ep in dict.fromkeys((peer.data_ep, peer.ctrl_ep)):
+            self._close_ep(ep, force=not alive or ep == peer.ctrl_ep)
+            self._by_ep.pop(ep, None)
+
+    def remove_remote(self, peer: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer, None)
+            if p is not None:
+                self._drop_peer(p)
+
+    def _peer(self, name: str) -> _Peer:
+        p = self._peers.get(name)
+        if p is None:
+            raise UnknownPeerError(f"ucx backend: unknown peer {name!r}; add it with add_remote first")
+        return p
+
+    def _raise_if_failed(self, peer: _Peer) -> None:
+        if peer.failed is not None:
+            raise PeerDisconnectedError(
+                f"ucx peer {peer.name!r} disconnected ({self._lib.status_string(peer.failed)}); remove it and add "
+                "it again once it is back")
+
+    # -- descriptor lists ---------------------------------------------------------------------
+    def prepare(self, peer: str | None, descs: DescriptorList) -> Any:
+        if descs.kind is not MemoryKind.DRAM:
+            raise UnsupportedError(f"ucx backend moves DRAM only, not {descs.kind.value}")
+        arr = descs.expand().array
+        addr, n = arr[:, 0], arr[:, 1]
+        with self._lock:
+            self._check_open()
+            if peer is None:
+                b = self._bounds
+                slot = self._inside(b[:, 0], b[:, 1], addr, n, f"agent {self.agent_name!r} (local)")
+                del slot
+                return _Local(addr, n, descs)
+            p = self._peer(peer)
+            slot = self._inside(p.starts, p.ends, addr, n, f"peer {peer!r}")
+            return _Remote(p, addr, n, slot, descs)
+
+    @staticmethod
+    def _inside(starts: np.ndarray, ends: np.ndarray, addr: np.ndarray, n: np.ndarray, who: str) -> np.ndarray:
+        """Index of the registered span holding each descriptor, or a typed error (vectorized).
+
+        A descriptor must lie inside one span: UCX would happily move bytes past a
+        registration's end when the peer's memory happens to be mapped there.
+        """
+        if not len(addr):
+            return np.zeros(0, dtype=np.int64)
+        if not len(starts):
+            raise BackendError(f"ucx backend: {who} has no registered memory")
+        pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+        p = np.maximum(pos, 0)
+        end = addr + n
+        ok = (pos >= 0) & (n > 0) & (end >= addr) & (end <= ends[p])
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise BackendError(f"ucx backend: descriptor {i} ({int(addr[i]):#x}, {int(n[i])} bytes) is outside the "
+                               f"memory registered by {who}; nothing was moved")
+        return p
+
+    # -- transfers ----------------------------------------------------------------------------
+    def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+             notification: bytes | None) -> _Xfer:
+        if not isinstance(local, _Local) or not isinstance(remote, _Remote):
+            raise BackendError("ucx backend: post needs a local and a remote list prepared by this backend")
+        if notification is not None and len(notification) > MAX_NOTIFICATION:
+            raise UnsupportedError(f"ucx notifications are limited to {MAX_NOTIFICATION} bytes")
+        li = np.asarray(local_idx, dtype=np.int64)
+        ri = np.asarray(remote_idx, dtype=np.int64)
+        if li.shape != ri.shape or li.ndim != 1:
+            raise BackendError("ucx backend: local and remote index arrays must be 1-D and of equal length")
+        if len(li) and (li.min() < 0 or ri.min() < 0 or li.max() >= len(local.addr) or ri.max() >= len(remote.addr)):
+            raise BackendError("ucx backend: descriptor index out of range of the prepared list")
+        la, ln = local.addr[li], local.nbytes[li]
+        ra, rn = remote.addr[ri], remote.nbytes[ri]
+        if not np.array_equal(ln, rn):
+            i = int(np.flatnonzero(ln != rn)[0])
+            raise BackendError(f"ucx backend: pair {i} moves {int(ln[i])} local bytes but {int(rn[i])} remote bytes")
+        peer = remote.peer
+        with self._lock:
+            self._check_open()
+            if peer.closed or self._peers.get(peer.name) is not peer:
+                raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added since this list was "
+                                     "prepared; prepare it again")
+            self._raise_if_failed(peer)
+            rk = peer.rkeys[remote.slot[ri]]
+            fn = self._lib.ucp_get_nbx if op is Op.READ else self._lib.ucp_put_nbx
+            self._issue(fn, peer, la.tolist(), ln.tolist(), ra.tolist(), rk.tolist())
+            flush = self._lib.ucp_ep_flush_nbx(peer.data_ep, self._param_ref)
+            if flush and L.is_err_ptr(flush):
+                self._raise_status(peer, L.status_of_ptr(flush), "ucp_ep_flush_nbx")
+            x = _Xfer(peer, flush or None, notification)
+            # Small transfers usually finish within a few progress calls: finish them here, so
+            # the notification leaves even if the caller drains before it polls (as with NIXL,
+            # whose transfer() often completes inline). Bounded: never waits on the peer.
+            deadline = time.monotonic() + self._inline_budget
+            try:
+                while not self._advance(x) and peer.failed is None and time.monotonic() < deadline:
+                    self._lib.ucp_worker_progress(self._worker)
+            except KvxferError as exc:
+                x.error = exc
+            return x
+
+    def _issue(self, fn: Any, peer: _Peer, la: list[int], ln: list[int], ra: list[int], rk: list[int]) -> None:
+        """The one Python loop per descriptor: a ctypes call each (about a microsecond).
+
+        Requests are freed at once: UCX keeps a freed request until it completes, and the
+        flush that follows completes only after every one of them. Error pointers abort.
+        """
+        ep, param, free, lim = peer.data_ep, self._param_ref, self._lib.ucp_request_free, (1 << 64) + L.UCS_ERR_LAST
+        for a, n, r, k in zip(la, ln, ra, rk):
+            req = fn(ep, a, n, r, k, param)
+            if req:
+                if req >= lim:
+                    self._raise_status(peer, L.status_of_ptr(req), fn.__name__)
+                free(req)
+
+    def _raise_status(self, peer: _Peer | None, status: int, call: str) -> None:
+        if peer is not None and status in L.PEER_GONE_STATUSES:
+            peer.failed = peer.failed or status
+            self._raise_if_failed(peer)
+        raise BackendError(f"ucx backend: {call} failed: {self._lib.status_string(status)}")
+
+    def poll(self, xfer: Any) -> bool:
+        x: _Xfer = xfer
+        if x.error is not None:
+            raise x.error
+        if x.done:
+            return True
+        if x.released:
+            raise TransferCancelledError("ucx backend: transfer was released")
+        with self._lock:
+            self._check_open()
+            self._lib.ucp_worker_progress(self._worker)
+            try:
+                return self._advance(x)
+            except KvxferError as exc:
+                x.error = exc
+                raise
+
+    def _advance(self, x: _Xfer) -> bool:
+        lib = self._lib
+        if x.peer.failed is not None:
+            self._raise_if_failed(x.peer)
+        if x.flush is not None:
+            st = lib.ucp_request_check_status(x.flush)
+            if st == L.UCS_INPROGRESS:
+                return False
+            lib.ucp_request_free(x.flush)
+            x.flush = None
+            if st != L.UCS_OK:
+                self._raise_status(x.peer, st, "flush")
+        if x.notification is not None:
+            # The flush completed: the data is visible on both sides, so the notification
+            # may go now and can never be seen before the bytes.
+            x.am, x.am_buffers = self._send_am(x.peer, x.notification)
+            x.notification = None
+        if x.am is not None:
+            st = lib.ucp_request_check_status(x.am)
+            if st == L.UCS_INPROGRESS:
+                return False
+            lib.ucp_request_free(x.am)
+            x.am, x.am_buffers = None, ()
+            if st != L.UCS_OK:
+                self._raise_status(x.peer, st, "notification send")
+        x.done = True
+        return True
+
+    def release(self, xfer: Any) -> None:
+        x: _Xfer = xfer
+        if x.released:
+            return
+        x.released = True
+        with self._lock:
+            if self._closed:
+                return
+            pending = [r for r in (x.flush, x.am) if r is not None]
+            if not pending:
+                return
+            # RMA cannot be recalled: drive the worker (bounded) until the flush settles, so
+            # that "released" means "no longer touching memory". A dead peer is not waited on.
+            deadline = time.monotonic() + self._cancel_timeout
+            for req in pending:
+                while (x.peer.failed is None and time.monotonic() < deadline
+                       and self._lib.ucp_request_check_status(req) == L.UCS_INPROGRESS):
+                    self._lib.ucp_worker_progress(self._worker)
+                if self._lib.ucp_request_check_status(req) == L.UCS_INPROGRESS:
+                    self._lib.ucp_request_cancel(self._worker, req)
+                    self._zombies.append(req)
+                else:
+                    self._lib.ucp_request_free(req)
+            x.flush = x.am = None
+
+    # -- notifications --------------------------------------------------------------------------
+    def _send_am(self, peer: _Peer, message: bytes) -> tuple[int | None, tuple[Any, ...]]:
+        name = self.agent_name.encode()
+        header = ctypes.create_string_buffer(_AM_HEADER.pack(_AM_MAGIC, _AM_NOTIFY, len(name)) + name)
+        body = ctypes.create_string_buffer(bytes(message), len(message))
+        p = L.RequestParam(op_attr_mask=L.UCP_OP_ATTR_FIELD_FLAGS,
+                           flags=L.UCP_AM_SEND_FLAG_EAGER | L.UCP_AM_SEND_FLAG_COPY_HEADER)
+        req = self._lib.ucp_am_send_nbx(peer.data_ep, AM_ID, header, len(header) - 1, body, len(message),
+                                        ctypes.byref(p))
+        if req and L.is_err_ptr(req):
+            self._raise_status(peer, L.status_of_ptr(req), "ucp_am_send_nbx")
+        return (req or None), (header, body)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        if len(message) > MAX_NOTIFICATION:
+            raise UnsupportedError(f"ucx notifications are limited to {MAX_NOTIFICATION} bytes")
+        with self._lock:
+            self._check_open()
+            p = self._peer(peer)
+            self._raise_if_failed(p)
+            req, bufs = self._send_am(p, message)
+            if req is not None:
+                # Never block here: the peer may need to progress before the send completes
+                # (it may even live in this thread). Reaped by progress()/poll().
+                self._sends.append((req, bufs, p))
+
+    def _reap_sends(self) -> None:
+        keep = []
+        for req, bufs, p in self._sends:
+            st = self._lib.ucp_request_check_status(req)
+            if st == L.UCS_INPROGRESS and p.failed is None and not p.closed:
+                keep.append((req, bufs, p))
+            elif st == L.UCS_INPROGRESS:
+                self._lib.ucp_request_cancel(self._worker, req)
+                self._zombies.append(req)
+            else:
+                self._lib.ucp_request_free(req)
+        self._sends = keep
+
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            if not self._closed:
+                self._progress_locked()
+            out, self._inbox = dict(self._inbox), defaultdict(list)
+        return out
+
+    def progress(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._progress_locked()
+
+    def _progress_locked(self) -> None:
+        for _ in range(64):
+            if not self._lib.ucp_worker_progress(self._worker):
+                break
+        if self._sends:
+            self._reap_sends()
+
+    # -- teardown -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            from kvxfer.errors import AgentClosedError
+
+            raise AgentClosedError("ucx backend is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._sends:  # give queued notifications a bounded chance to leave
+                deadline = time.monotonic() + 1.0
+                while self._sends and time.monotonic() < deadline:
+                    self._lib.ucp_worker_progress(self._worker)
+                    self._reap_sends()
+            for p in list(self._peers.values()):
+                self._drop_peer(p)
+            for req, _, _ in self._sends:
+                self._zombies.append(req)
+            self._sends.clear()
+            self._peers.clear()
+            for h in list(self._regs):
+                self.deregister(h)
+            for req in self._zombies:
+                self._lib.ucp_request_free(req)
+            self._zombies.clear()
+            self._closed = True
+            self._lib.ucp_worker_destroy(self._worker)
+            self._lib.ucp_cleanup(self._ctx)
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        try:
+            if not getattr(self, "_closed", True) and getattr(self, "_worker", 0):
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,105 @@
+"""A UCX backend peer in its own process, driven by JSON lines on stdin/stdout.
+
+Used by tests/test_ucx.py (two-process and killed-peer tests) and benchmarks/bench_ucx.py.
+It registers one host buffer, prints its backend metadata, then keeps driving the worker
+(the backend needs progress on both sides for some transports) while answering commands:
+
+    {"cmd": "add", "name": ..., "blob": b64}  -> {"ok": true}
+    {"cmd": "dump", "offset": o, "nbytes": n} -> {"data": b64}
+    {"cmd": "fill", "byte": v}                 -> {"ok": true}
+    {"cmd": "notifs"}                          -> {"notifs": {peer: [b64, ...]}}
+    {"cmd": "write", "peer": p, "pairs": [[local_off, remote_addr, n], ...], "notify": b64|null}
+                                                -> {"ok": true} once the transfer is done
+    {"cmd": "exit"}
+
+Usage: python tests/ucx_peer.py NAME NBYTES PATTERN_SEED|aa [option=value ...]
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import sys
+import time
+
+import numpy as np
+
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic bytes both sides can recompute."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def main() -> None:
+    name, nbytes, fill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    options: dict = {k: (v == "1" if k == "cma" else v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+    from kvxfer_ucx.backend import UcxBackend
+
+    # UCX may print diagnostics on fd 1 (UCX_PROTO_INFO, warnings): keep the command channel
+    # on a private copy of stdout and point fd 1 at stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    buf = np.full(nbytes, 0xAA, dtype=np.uint8) if fill == "aa" else pattern(nbytes, int(fill))
+    be = UcxBackend(name, **options)
+    addr = buf.ctypes.data
+    be.register([Allocation(addr, nbytes, MemoryKind.DRAM)])
+
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    say({"meta": base64.b64encode(be.local_metadata()).decode(), "address": addr, "pid": os.getpid()})
+    stdin = sys.stdin.buffer
+    pending = b""
+    while True:
+        be.progress()
+        r, _, _ = select.select([stdin], [], [], 0.0005)
+        if not r:
+            continue
+        chunk = os.read(stdin.fileno(), 1 << 20)
+        if not chunk:
+            break
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "exit":
+                be.close()
+                say({"ok": True})
+                return
+            if cmd == "add":
+                be.add_remote(msg["name"], base64.b64decode(msg["blob"]))
+                say({"ok": True})
+            elif cmd == "dump":
+                o, n = msg.get("offset", 0), msg.get("nbytes", nbytes)
+                say({"data": base64.b64encode(buf[o:o + n].tobytes()).decode()})
+            elif cmd == "fill":
+                buf[:] = msg["byte"]
+                say({"ok": True})
+            elif cmd == "notifs":
+                got = be.drain_notifications()
+                say({"notifs": {k: [base64.b64encode(m).decode() for m in v] for k, v in got.items()}})
+            elif cmd == "write":
+                pairs = np.array(msg["pairs"], dtype=np.uint64).reshape(-1, 3)
+                local = be.prepare(None, DescriptorList(np.stack([addr + pairs[:, 0], pairs[:, 2],
+                                                                  np.zeros(len(pairs), np.uint64)], 1)))
+                remote = be.prepare(msg["peer"], DescriptorList(np.stack([pairs[:, 1], pairs[:, 2],
+                                                                          np.zeros(len(pairs), np.uint64)], 1)))
+                idx = np.arange(len(pairs), dtype=np.int64)
+                note = base64.b64decode(msg["notify"]) if msg.get("notify") else None
+                x = be.post(Op.WRITE, local, idx, remote, idx, note)
+                deadline = time.monotonic() + 30
+                while not be.poll(x):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("write did not finish")
+                be.release(x)
+                say({"ok": True})
+
+
+if __name__ == "__main__":
+    main()
