@@ -77,6 +77,7 @@ class Agent:
         self._coalesce = (not caps.merges_runs and caps.cheap_prepare) if coalesce is None else bool(coalesce)
         self.spec: KVCacheSpec | None = None
         self._reg_handle: Any = None
+        self._registered_before = False
         self._local_prepared: dict[tuple[Granularity, MemoryKind], Any] = {}
         self._peers: dict[str, Peer] = {}
         self._inflight: set[Transfer] = set()
@@ -118,6 +119,11 @@ class Agent:
             raise UnsupportedError(f"backend {self.backend_name!r} cannot move "
                                    f"{', '.join(sorted(k.value for k in unsupported))} memory")
         self._reg_handle = self.backend.register(spec.allocations)
+        if self._registered_before:
+            # New memory behind the same name: peers must drop the lists they prepared over
+            # the old one, which is exactly what a new generation tells them.
+            self.generation = _new_generation()
+        self._registered_before = True
         self.spec = spec
         return spec
 

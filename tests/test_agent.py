@@ -193,3 +193,21 @@ def test_vram_refused_by_dram_only_backend() -> None:
                 a.register(spec)
     finally:
         faults.uninstall()
+
+
+def test_reregistration_is_a_new_generation() -> None:
+    """Peers must re-prepare after a worker swaps its memory: the generation says so."""
+    old = make_cache("packed", num_blocks=6, seed=1, **GEOM)
+    new = make_cache("packed", num_blocks=6, seed=2, **GEOM)
+    dst = make_cache("packed", num_blocks=6, **GEOM)
+    with kvxfer.Agent("p") as a, kvxfer.Agent("d") as b:
+        a.register(old.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        b.add_peer(a.metadata())
+        b.read("p", [0], [1]).wait(5)
+        a.deregister()
+        a.register(new.views, replicated=True)
+        b.add_peer(a.metadata())  # newer generation: replaces the peer and its prepared lists
+        b.read("p", [2], [3]).wait(5)
+        np.testing.assert_array_equal(dst.layer_pages()[:, 0], old.layer_pages()[:, 1])
+        np.testing.assert_array_equal(dst.layer_pages()[:, 2], new.layer_pages()[:, 3])
