@@ -204,12 +204,14 @@ class Agent:
     def plan(self, peer: str, local_blocks: Any, remote_blocks: Any, op: Op | str = Op.READ) -> TransferPlan:
         """The plan :meth:`read`/:meth:`write` would post (for inspection and benchmarks)."""
         self._check_open()
-        p = self._peer(peer)
+        return self._plan(self._peer(peer), local_blocks, remote_blocks, Op(op))
+
+    def _plan(self, peer: Peer, local_blocks: Any, remote_blocks: Any, op: Op) -> TransferPlan:
         if self.spec is None:
             raise SpecError("register a KV cache before transferring")
-        if p.spec is None:
-            raise SpecError(f"peer {peer!r} registered no KV cache")
-        return plan(self.spec, p.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce)
+        if peer.spec is None:
+            raise SpecError(f"peer {peer.name!r} registered no KV cache")
+        return plan(self.spec, peer.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce)
 
     def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
         """Pull the peer's ``remote_blocks`` into our ``local_blocks``."""
@@ -232,7 +234,7 @@ class Agent:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
         peer = self._peer(peer_name)
-        p = self.plan(peer_name, local_blocks, remote_blocks, op)
+        p = self._plan(peer, local_blocks, remote_blocks, op)
         chunks = self._chunks(peer, p)
         stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0)
         single = len(chunks) == 1
@@ -282,7 +284,10 @@ class Agent:
                 for fn in cleanup:
                     fn()
                 continue
-            step = n if not limit else limit
+            if not limit or n <= limit:  # the common case: one post for the whole leg
+                out.append((lp, li, rp, ri, cleanup))
+                continue
+            step = limit
             for s in range(0, n, step):
                 last = s + step >= n
                 out.append((lp, li[s:s + step], rp, ri[s:s + step], cleanup if last else []))

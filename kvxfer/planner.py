@@ -28,15 +28,27 @@ __all__ = ["plan", "TransferPlan", "Leg", "as_block_ids"]
 
 
 def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
-    """Validate block ids once, at the API boundary, as an int64 array."""
-    arr = np.asarray(blocks)
+    """Validate block ids once, at the API boundary, as a 1-D integer array.
+
+    This runs on every transfer, so the common case (an int64/int32 numpy array) skips the
+    conversions; anything else goes through ``np.asarray`` once.
+    """
+    arr = blocks if type(blocks) is np.ndarray else np.asarray(blocks)
     if arr.ndim != 1:
         arr = arr.reshape(-1)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise BlockIdOutOfRangeError(f"{side} block ids must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
+    kind = arr.dtype.kind
+    if kind not in "iu":
+        if arr.size:
+            raise BlockIdOutOfRangeError(f"{side} block ids must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    elif kind == "u" or arr.dtype.itemsize > 8:
+        arr = arr.astype(np.int64)  # uint64 ids past 2**63 wrap negative and are refused below
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        if arr.size <= 64:  # numpy reductions cost more than the work on a handful of ids
+            vals = arr.tolist()
+            lo, hi = min(vals), max(vals)
+        else:
+            lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= num_blocks:
             bad = lo if lo < 0 else hi
             raise BlockIdOutOfRangeError(
@@ -44,32 +56,49 @@ def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
     return arr
 
 
-@dataclass(frozen=True)
 class Leg:
     """One backend post: index arrays into one local and one remote prepared list.
 
     A plan has one leg per ``(local kind, local granularity, remote kind, remote granularity)``
-    it touches; the common cases have exactly one. When the plan was coalesced the leg
-    carries explicit descriptor lists instead (``local_idx``/``remote_idx`` are ``None``).
+    it touches; the common cases have exactly one. Descriptors are in block-major order:
+    block ``i``'s pieces (``sizes``), then block ``i+1``'s. When the plan was coalesced the
+    leg carries explicit descriptor lists instead (``local_idx``/``remote_idx`` are ``None``).
     """
 
-    local_granularity: Granularity
-    local_kind: MemoryKind
-    remote_granularity: Granularity
-    remote_kind: MemoryKind
-    local_idx: np.ndarray | None
-    remote_idx: np.ndarray | None
-    lengths: np.ndarray
-    local_descs: DescriptorList | None = None
-    remote_descs: DescriptorList | None = None
+    __slots__ = ("local_granularity", "local_kind", "remote_granularity", "remote_kind", "local_idx",
+                 "remote_idx", "sizes", "blocks", "local_descs", "remote_descs", "descriptors", "nbytes")
+
+    def __init__(self, local_granularity: Granularity, local_kind: MemoryKind, remote_granularity: Granularity,
+                 remote_kind: MemoryKind, local_idx: np.ndarray | None, remote_idx: np.ndarray | None,
+                 sizes: np.ndarray, blocks: int, local_descs: DescriptorList | None = None,
+                 remote_descs: DescriptorList | None = None, block_bytes: int | None = None) -> None:
+        self.local_granularity = local_granularity
+        self.local_kind = local_kind
+        self.remote_granularity = remote_granularity
+        self.remote_kind = remote_kind
+        self.local_idx = local_idx
+        self.remote_idx = remote_idx
+        self.sizes = sizes
+        self.blocks = blocks
+        self.local_descs = local_descs
+        self.remote_descs = remote_descs
+        # Plain attributes, computed once: every transfer reads them.
+        self.descriptors: int = len(local_descs) if local_descs is not None else blocks * int(sizes.shape[0])
+        if local_descs is not None:
+            self.nbytes: int = local_descs.nbytes
+        else:
+            self.nbytes = blocks * (int(sizes.sum()) if block_bytes is None else block_bytes)
+
+    def __repr__(self) -> str:
+        return (f"Leg({self.local_kind.value}/{self.local_granularity.value} <-> "
+                f"{self.remote_kind.value}/{self.remote_granularity.value}, {self.descriptors} descriptors)")
 
     @property
-    def descriptors(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.lengths.sum())
+    def lengths(self) -> np.ndarray:
+        """Bytes of every descriptor, in order."""
+        if self.local_descs is not None:
+            return self.local_descs.lengths.astype(np.int64)
+        return np.tile(self.sizes, self.blocks)
 
 
 class TransferPlan:
@@ -88,18 +117,12 @@ class TransferPlan:
         self.whole_row_regions = whole_rows
         self.split_regions = split_rows
         self.coalesced = coalesced
+        self.descriptors = sum(leg.descriptors for leg in legs)
+        self.nbytes = sum(leg.nbytes for leg in legs)
 
     def __repr__(self) -> str:
         return (f"TransferPlan({self.op.value}, {self.descriptors} descriptors, {self.nbytes} bytes, "
                 f"{len(self.legs)} leg(s), whole-row regions={self.whole_row_regions}, split={self.split_regions})")
-
-    @property
-    def descriptors(self) -> int:
-        return sum(leg.descriptors for leg in self.legs)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(leg.nbytes for leg in self.legs)
 
     @property
     def mode(self) -> str:
@@ -216,7 +239,7 @@ def _drop_aliases(segs: list[_Seg]) -> list[_Seg]:
     return [s for i, s in enumerate(segs) if i not in drop]
 
 
-def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Seg], int, int]:
+def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Group], int, int]:
     """Decide, per local region, whole rows or split members (cached per spec pair)."""
     # Keyed by identity (hashing a 100-member spec per plan would cost more than planning);
     # the remote object is kept in the entry so its id cannot be reused while cached.
@@ -260,8 +283,37 @@ def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Seg], int, 
                              remote.region_kind(rri), Granularity.MEMBERS, int(rmb[rri]) + rmi * rreg.num_blocks,
                              m.size, place(local, li, m.offset), place(remote, rri, rm.offset)))
     segs = _drop_aliases(segs)
-    out = (segs, whole, split)
+    out = (_groups(segs, local.num_blocks, remote.num_blocks), whole, split)
     local._cache[key] = (remote, out)
+    return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The segments of one leg as arrays, built once per spec pair (not per transfer)."""
+
+    key: tuple[Granularity, MemoryKind, Granularity, MemoryKind]
+    lbase: np.ndarray
+    rbase: np.ndarray
+    sizes: np.ndarray
+    dtype: type
+    block_bytes: int
+
+
+def _groups(segs: Sequence[_Seg], lblocks: int, rblocks: int) -> list[_Group]:
+    by_key: dict[tuple[Any, ...], list[_Seg]] = {}
+    for s in segs:
+        by_key.setdefault((s.lgran, s.lkind, s.rgran, s.rkind), []).append(s)
+    out = []
+    for key, group in by_key.items():
+        lbase = np.array([s.lbase for s in group], dtype=np.int64)
+        rbase = np.array([s.rbase for s in group], dtype=np.int64)
+        # int32 indices (what NIXL wants) whenever every index of both lists fits.
+        fits = max(int(lbase.max()) + lblocks, int(rbase.max()) + rblocks) < np.iinfo(np.int32).max
+        dtype = np.int32 if fits else np.int64
+        sizes = np.array([s.size for s in group], dtype=np.int64)
+        out.append(_Group(key, lbase.astype(dtype), rbase.astype(dtype),  # type: ignore[arg-type]
+                          sizes, dtype, int(sizes.sum())))
     return out
 
 
@@ -280,8 +332,8 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     if lb.shape[0] != rb.shape[0]:
         raise BlockCountMismatchError(
             f"local and remote block lists differ in length ({lb.shape[0]} vs {rb.shape[0]}); pair every block")
-    segs, whole, split = _pairing(local_spec, remote_spec)
-    legs = _legs(segs, lb, rb)
+    groups, whole, split = _pairing(local_spec, remote_spec)
+    legs = _legs(groups, lb, rb)
     if coalesce:
         tmp = TransferPlan(local_spec, remote_spec, op, legs, whole, split, False)
         merged = []
@@ -290,30 +342,21 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
             lo, ro = _coalesce(la.array, ra.array, _alloc_starts(local_spec, leg.local_kind),
                                _alloc_starts(remote_spec, leg.remote_kind))
             merged.append(Leg(leg.local_granularity, leg.local_kind, leg.remote_granularity, leg.remote_kind,
-                              None, None, lo[:, 1].astype(np.int64), DescriptorList(lo, leg.local_kind),
+                              None, None, leg.sizes, leg.blocks, DescriptorList(lo, leg.local_kind),
                               DescriptorList(ro, leg.remote_kind)))
         legs = tuple(merged)
     return TransferPlan(local_spec, remote_spec, op, legs, whole, split, coalesce)
 
 
-def _legs(segs: Sequence[_Seg], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg, ...]:
-    groups: dict[tuple[Any, ...], list[_Seg]] = {}
-    for s in segs:
-        groups.setdefault((s.lgran, s.lkind, s.rgran, s.rkind), []).append(s)
+def _legs(groups: Sequence[_Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg, ...]:
+    n = int(lb.shape[0])
     legs = []
-    n = lb.shape[0]
-    idx_dtype = np.int32
-    for (lg, lk, rg, rk), group in groups.items():
-        lbase = np.fromiter((s.lbase for s in group), dtype=np.int64, count=len(group))
-        rbase = np.fromiter((s.rbase for s in group), dtype=np.int64, count=len(group))
-        size = np.fromiter((s.size for s in group), dtype=np.int64, count=len(group))
-        # Block-major order: all of block i's pieces, then block i+1's. Keeps each side's
-        # accesses moving forward through memory.
-        li = (lb[:, None] + lbase[None, :]).reshape(-1)
-        ri = (rb[:, None] + rbase[None, :]).reshape(-1)
-        if li.size and max(int(li.max()), int(ri.max())) >= np.iinfo(np.int32).max:
-            idx_dtype = np.int64
-        lengths = np.broadcast_to(size[None, :], (n, len(group))).reshape(-1)
-        legs.append(Leg(lg, lk, rg, rk, li.astype(idx_dtype, copy=False), ri.astype(idx_dtype, copy=False),
-                        lengths))
+    for g in groups:
+        lbi, rbi = lb.astype(g.dtype, copy=False), rb.astype(g.dtype, copy=False)
+        if g.lbase.shape[0] == 1:  # whole rows: one descriptor per block
+            li, ri = lbi + g.lbase[0], rbi + g.rbase[0]
+        else:  # block-major: all of block i's pieces, then block i+1's
+            li = (lbi[:, None] + g.lbase[None, :]).reshape(-1)
+            ri = (rbi[:, None] + g.rbase[None, :]).reshape(-1)
+        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes))
     return tuple(legs)

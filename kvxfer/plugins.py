@@ -85,7 +85,7 @@ class BackendStatus:
 
 def _importable(module: str) -> bool:
     if module in sys.modules:
-        return True
+        return sys.modules[module] is not None  # None marks a module blocked from import
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
