@@ -52,9 +52,19 @@ class _Prepared:
 
 
 @dataclass
+class _Note:
+    """A notification waiting for its device copy; the *receiver* releases it when the copy is done."""
+
+    sender: str
+    message: bytes
+    event: Any = None
+    cancelled: bool = False
+
+
+@dataclass
 class _Xfer:
     event: Any = None  # torch.cuda.Event for device copies
-    notify: tuple["LoopbackBackend", str, bytes] | None = None
+    note: _Note | None = None
     done: bool = False
     keepalive: list[Any] = field(default_factory=list)
 
@@ -81,6 +91,7 @@ class LoopbackBackend(Backend):
         self._epoch = 0
         self._peers: dict[str, LoopbackBackend] = {}
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
+        self._pending: list[_Note] = []  # behind device copies still running, in post order
         self._inbox_lock = threading.Lock()
         self._closed = False
         self._stream: Any = None
@@ -184,9 +195,11 @@ class LoopbackBackend(Backend):
         else:
             x.event, x.keepalive = self._device_copy(dst, dkind, src, skind)
         if notification is not None:
-            x.notify = (peer, self.agent_name, bytes(notification))
-            if x.done:
-                self._deliver(x)
+            # Delivered by the receiver once the data is visible, so the receiver never
+            # depends on the initiator polling (as with a real one-sided transport).
+            x.note = _Note(self.agent_name, bytes(notification), x.event)
+            with peer._inbox_lock:
+                peer._pending.append(x.note)
         return x
 
     def _device_copy(self, dst: np.ndarray, dkind: MemoryKind, src: np.ndarray, skind: MemoryKind) -> tuple[Any, list[Any]]:
@@ -207,20 +220,12 @@ class LoopbackBackend(Backend):
             ev.record(self._stream)
         return ev, keep
 
-    def _deliver(self, x: _Xfer) -> None:
-        if x.notify is not None:
-            peer, sender, msg = x.notify
-            with peer._inbox_lock:
-                peer._inbox[sender].append(msg)
-            x.notify = None
-
     def poll(self, xfer: _Xfer) -> bool:
         if not xfer.done:
             if not xfer.event.query():
                 return False
             xfer.done = True
             xfer.keepalive.clear()
-        self._deliver(xfer)
         return True
 
     def release(self, xfer: _Xfer) -> None:
@@ -228,17 +233,22 @@ class LoopbackBackend(Backend):
             # A device copy cannot be recalled once queued: wait for it so no copy outlives
             # the memory it targets, and drop the notification.
             xfer.event.synchronize()
-        xfer.notify = None
+            if xfer.note is not None:
+                xfer.note.cancelled = True
         xfer.keepalive.clear()
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         p = self._live_peer(peer)
-        with p._inbox_lock:
-            p._inbox[self.agent_name].append(bytes(message))
+        with p._inbox_lock:  # queued behind earlier transfers' notifications: order is kept
+            p._pending.append(_Note(self.agent_name, bytes(message)))
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
         with self._inbox_lock:
+            while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+                note = self._pending.pop(0)
+                if not note.cancelled:
+                    self._inbox[note.sender].append(note.message)
             out = dict(self._inbox)
             self._inbox.clear()
         return out
