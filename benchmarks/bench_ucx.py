@@ -5,21 +5,34 @@ The decode side (initiator) pulls ``--rows`` rows of ``--row-bytes`` from the pr
 counted. Every mode verifies the bytes it received against the target's pattern once.
 
 Modes (each runs in fresh processes, so nixl's bundled UCX and the libucx wheel never share
-an address space):
+an address space). Seam level (the backend object, one descriptor per row):
 
-``ucx``        kvxfer_ucx.UcxBackend, default options (safe: shm/tcp, no CMA)
-``ucx-cma``    kvxfer_ucx.UcxBackend(cma=True): single-copy CMA, unsafe if the
-               peer dies mid-transfer (UCX aborts the reader; see DESIGN_NOTE.md)
-``ucx-peer``   kvxfer_ucx.UcxBackend(data_err_mode="peer"): UCX error handling on the data path
-``nixl``       the kvxfer NIXL backend when it exists, else raw nixl (UCX backend, no progress
-               thread, prepped lists + numpy indices: DESIGN section 8's fast path)
+``ucx``        kvxfer_ucx.UcxBackend, default options: the same-host copy path
+               (process_vm_readv; what post() does not finish continues inside poll())
+``ucx-thread`` the same with copy_thread=True: the rest continues on a worker thread
+``ucx-rma``    UcxBackend(same_host_copy=False): UCX RMA over shm/tcp, no CMA (the old default)
+``ucx-cma``    UcxBackend(same_host_copy=False, cma=True): UCX's CMA, unsafe if the peer dies
+               mid-transfer (UCX aborts the reader; see DESIGN_NOTE.md)
+``ucx-peer``   UcxBackend(same_host_copy=False, data_err_mode="peer"): UCX error handling on
+               the data path
+``nixl-raw``   raw nixl (UCX backend, no progress thread, prepped lists + numpy indices:
+               DESIGN section 8's fast path)
 ``ucxx``       raw ucxx, two-sided: one tag message asks for the rows, the target answers with
                one tag send per row into pre-posted receives
+
+Agent level (``kvxfer.Agent(...).read(peer, blocks, blocks).wait()``: planner, bounds checks
+and the seam included; the rows are registered as a packed cache of 73,728-byte layer pages):
+
+``agent-ucx``       kvxfer.Agent(backend="ucx"), defaults
+``agent-ucx-thread`` kvxfer.Agent(backend="ucx", copy_thread=True)
+``agent-ucx-rma``   kvxfer.Agent(backend="ucx", same_host_copy=False)
+``agent-nixl``      kvxfer.Agent(backend="nixl"), defaults: the NIXL backend the 0.8x target is
+                    measured against
 
 Sized for a 2-core, 24 GiB machine: the default 300 x 4.5 MB rows are 1.35 GB per side.
 
     .venv/bin/python benchmarks/bench_ucx.py                      # all modes, table on stdout
-    .venv/bin/python benchmarks/bench_ucx.py --modes ucx,nixl --rows 200 --iters 4
+    .venv/bin/python benchmarks/bench_ucx.py --modes ucx,agent-nixl --rows 200 --iters 4
 """
 
 from __future__ import annotations
@@ -38,11 +51,28 @@ from typing import Any, Callable
 import numpy as np
 
 ROW_BYTES = 4_718_592  # 4.5 MiB: one packed MLA row of a 61-layer model (DESIGN section 1)
+PAGE = 73_728  # one MLA layer page: 64 tokens x 576 bf16 channels
 UCX_OPTIONS: dict[str, dict[str, Any]] = {
     "ucx": {},
-    "ucx-cma": {"cma": True},
-    "ucx-peer": {"data_err_mode": "peer"},
+    "ucx-thread": {"copy_thread": True},
+    "ucx-rma": {"same_host_copy": False},
+    "ucx-cma": {"same_host_copy": False, "cma": True},
+    "ucx-peer": {"same_host_copy": False, "data_err_mode": "peer"},
 }
+AGENT_MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "agent-ucx": ("ucx", {}),
+    "agent-ucx-thread": ("ucx", {"copy_thread": True}),
+    "agent-ucx-rma": ("ucx", {"same_host_copy": False}),
+    "agent-nixl": ("nixl", {}),
+}
+
+
+def _agent_cache(buf: np.ndarray, rows: int, row_bytes: int) -> dict[str, np.ndarray]:
+    """The rows as a packed cache: ``row_bytes // PAGE`` layer views of ``(rows, PAGE)``."""
+    if row_bytes % PAGE:
+        raise SystemExit(f"agent modes need --row-bytes to be a multiple of {PAGE}")
+    r = buf.reshape(rows, row_bytes)
+    return {f"layer.{i}": r[:, i * PAGE:(i + 1) * PAGE] for i in range(row_bytes // PAGE)}
 
 
 def pattern(nbytes: int) -> np.ndarray:
@@ -86,7 +116,18 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
     out = _out()
     buf = pattern(rows * row_bytes)
     addr = buf.ctypes.data
-    if mode.startswith("ucx") and mode != "ucxx":
+    if mode in AGENT_MODES:
+        import kvxfer
+
+        backend, opts = AGENT_MODES[mode]
+        agent = kvxfer.Agent("target", backend=backend, **opts)
+        agent.register(_agent_cache(buf, rows, row_bytes), replicated=True)
+        _say(out, {"meta": base64.b64encode(agent.metadata()).decode(), "addr": addr})
+        for msg in _lines(sys.stdin, agent.progress):
+            if msg["cmd"] == "exit":
+                break
+        agent.close()
+    elif mode in UCX_OPTIONS:
         from kvxfer import Allocation
         from kvxfer_ucx.backend import UcxBackend
 
@@ -97,7 +138,7 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
             if msg["cmd"] == "exit":
                 break
         be.close()
-    elif mode == "nixl":
+    elif mode == "nixl-raw":
         agent = _nixl_agent("target")
         agent.register_memory([(addr, buf.nbytes, 0, "")], "DRAM")
         _say(out, {"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": addr})
@@ -168,8 +209,27 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
     offs = idx.astype(np.uint64) * np.uint64(row_bytes)
     times: list[float] = []
     post_times: list[float] = []
+    path = ""
     try:
-        if mode in UCX_OPTIONS:
+        if mode in AGENT_MODES:
+            import kvxfer
+
+            backend, opts = AGENT_MODES[mode]
+            agent = kvxfer.Agent("initiator", backend=backend, **opts)
+            agent.register(_agent_cache(buf, rows, row_bytes), replicated=True)
+            name = agent.add_peer(blob)
+            if backend == "ucx":
+                path = agent.backend.peer_path(name)[0]  # type: ignore[attr-defined]
+            blocks = np.arange(rows, dtype=np.int64)
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                t = agent.read(name, blocks, blocks)
+                t1 = time.perf_counter()
+                t.wait(120)
+                times.append(time.perf_counter() - t0)
+                post_times.append(t1 - t0)
+            agent.close()
+        elif mode in UCX_OPTIONS:
             from kvxfer import Allocation, DescriptorList, Op
             from kvxfer_ucx.backend import UcxBackend
 
@@ -179,6 +239,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
             z, n = np.zeros(rows, np.uint64), np.full(rows, row_bytes, np.uint64)
             lp = be.prepare(None, DescriptorList(np.stack([laddr + offs, n, z], 1)))
             rp = be.prepare("target", DescriptorList(np.stack([raddr + offs, n, z], 1)))
+            path = be.peer_path("target")[0]
             for _ in range(iters):
                 t0 = time.perf_counter()
                 x = be.post(Op.READ, lp, idx, rp, idx, None)
@@ -189,7 +250,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
                 post_times.append(t1 - t0)
                 be.release(x)
             be.close()
-        elif mode == "nixl":
+        elif mode == "nixl-raw":
             agent = _nixl_agent("initiator")
             agent.register_memory([(laddr, buf.nbytes, 0, "")], "DRAM")
             peer = agent.add_remote_agent(blob)
@@ -243,14 +304,14 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
             child.kill()
     counted = times[1:] if len(times) > 1 else times
     med = statistics.median(counted)
-    return {"mode": mode, "rows": rows, "row_bytes": row_bytes, "bytes": rows * row_bytes, "ok": ok,
+    return {"mode": mode, "path": path, "rows": rows, "row_bytes": row_bytes, "bytes": rows * row_bytes, "ok": ok,
             "median_s": med, "gbps": rows * row_bytes / med / 1e9, "best_gbps": rows * row_bytes / min(counted) / 1e9,
             "post_ms": 1e3 * statistics.median(post_times[1:] or post_times), "iters": len(counted)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="ucx,ucx-cma,ucx-peer,nixl,ucxx")
+    ap.add_argument("--modes", default="ucx,ucx-thread,ucx-rma,ucx-cma,nixl-raw,ucxx,agent-ucx,agent-ucx-thread,agent-ucx-rma,agent-nixl")
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--row-bytes", type=int, default=ROW_BYTES)
     ap.add_argument("--iters", type=int, default=6)
@@ -274,17 +335,19 @@ def main() -> None:
         else:
             results.append(json.loads(lines[-1]))
         print(json.dumps(results[-1]) if a.json else _row(results[-1]), flush=True)
-    ref = next((r for r in results if r["mode"] == "nixl" and "gbps" in r), None)
-    if ref and not a.json:
+    ref = next((r for r in results if r["mode"] == "agent-nixl" and "gbps" in r), None)
+    raw = next((r for r in results if r["mode"] == "nixl-raw" and "gbps" in r), None)
+    if (ref or raw) and not a.json:
         for r in results:
             if "gbps" in r:
-                print(f"{r['mode']:>9}: {r['gbps'] / ref['gbps']:.2f}x nixl")
+                vs = [f"{r['gbps'] / x['gbps']:.2f}x {x['mode']}" for x in (ref, raw) if x]
+                print(f"{r['mode']:>14}: {', '.join(vs)}")
 
 
 def _row(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"{r['mode']:>9}  FAILED: {r['error']}"
-    return (f"{r['mode']:>9}  {r['rows']} x {r['row_bytes'] / 2**20:.1f} MiB  median {r['gbps']:.2f} GB/s  "
+        return f"{r['mode']:>14}  FAILED: {r['error']}"
+    return (f"{r['mode']:>14}  {r['path'] or '-':>14}  {r['rows']} x {r['row_bytes'] / 2**20:.1f} MiB  median {r['gbps']:.2f} GB/s  "
             f"best {r['best_gbps']:.2f} GB/s  post {r['post_ms']:.2f} ms  bytes ok={r['ok']}")
 
 

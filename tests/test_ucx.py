@@ -33,6 +33,7 @@ L = pytest.importorskip("kvxfer_ucx._libucp")
 if L.find_libucp() is None:
     pytest.skip("libucp.so not found (pip install 'kvxfer[ucx]')", allow_module_level=True)
 
+from kvxfer_ucx import _samehost as SH  # noqa: E402
 from kvxfer_ucx.backend import UcxBackend  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -135,15 +136,22 @@ def test_missing_libucp_is_reported_with_install_hint() -> None:
 # ---------------------------------------------------------------------------------------------
 # one process, two backends
 
-@pytest.fixture
-def pair() -> Iterator[tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray]]:
-    a, b = UcxBackend("prefill"), UcxBackend("decode")
+PATHS = {"copy": None, "rma": False}  # same_host_copy option per path
+PATH_NAMES = {"copy": "same-host-copy", "rma": "ucx-rma"}
+
+
+@pytest.fixture(params=["copy", "rma"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray]]:
+    """Two backends in this process, on the same-host copy path or on UCX RMA."""
+    opt = PATHS[request.param]
+    a, b = UcxBackend("prefill", same_host_copy=opt), UcxBackend("decode", same_host_copy=opt)
     src = pattern(64 * 1024, 1)
     dst = np.full(64 * 1024, SENT, dtype=np.uint8)
     a.register([Allocation(src.ctypes.data, src.nbytes)])
     b.register([Allocation(dst.ctypes.data, dst.nbytes)])
     b.add_remote("prefill", a.local_metadata())
     a.add_remote("decode", b.local_metadata())
+    assert b.peer_path("prefill")[0] == a.peer_path("decode")[0] == PATH_NAMES[request.param]
     try:
         yield a, b, src, dst
     finally:
@@ -294,6 +302,281 @@ def test_unknown_and_stale_peers(pair: tuple[UcxBackend, UcxBackend, np.ndarray,
 
 
 # ---------------------------------------------------------------------------------------------
+# the same-host copy path (process_vm_readv / process_vm_writev)
+
+@pytest.fixture
+def copy_pair() -> Iterator[tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray]]:
+    """prefill holds a 4 MiB pattern, decode 4 MiB of sentinel; both on the copy path."""
+    a, b = UcxBackend("prefill"), UcxBackend("decode", copy_chunk=64 << 10)
+    src = pattern(4 << 20, 11)
+    dst = np.full(4 << 20, SENT, dtype=np.uint8)
+    a.register([Allocation(src.ctypes.data, src.nbytes)])
+    b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+    b.add_remote("prefill", a.local_metadata())
+    a.add_remote("decode", b.local_metadata())
+    assert b.peer_path("prefill")[0] == "same-host-copy", b.peer_path("prefill")
+    try:
+        yield a, b, src, dst
+    finally:
+        b.close()
+        a.close()
+
+
+def scattered(n: int, seed: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` non-overlapping (src offset, dst offset, size) triples, sizes 1..300, shuffled."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 301, n).astype(np.uint64)
+    slot = span // n
+    assert slot >= 301
+    so = rng.permutation(n).astype(np.uint64) * np.uint64(slot)
+    do = rng.permutation(n).astype(np.uint64) * np.uint64(slot) + np.uint64(3)
+    return so, do, sizes
+
+
+def expected_scatter(dst_before: np.ndarray, src: np.ndarray, so: np.ndarray, do: np.ndarray,
+                     sizes: np.ndarray) -> np.ndarray:
+    want = dst_before.copy()
+    for s_, d_, n_ in zip(so.tolist(), do.tolist(), sizes.tolist()):  # test oracle, not the code under test
+        want[d_:d_ + n_] = src[s_:s_ + n_]
+    return want
+
+
+class CallLog:
+    """Wraps CopyJob._call: records iovec counts; optionally forces partial transfers."""
+
+    def __init__(self, partial: bool = False) -> None:
+        self.counts: list[int] = []
+        self.short = 0
+        self.partial = partial
+        self.real = SH.CopyJob._call
+
+    def __call__(self, job: SH.CopyJob, liov: int, lcnt: int, riov: int, rcnt: int) -> int:
+        assert lcnt == rcnt and 0 < lcnt <= SH.IOV_MAX
+        self.counts.append(lcnt)
+        if not self.partial:
+            return self.real(job, liov, lcnt, riov, rcnt)
+        # Hand the kernel at most 3 iovecs, the last one cut in half: a short count that ends
+        # inside an iovec, which the job must resume from exactly.
+        k = min(lcnt, 3)
+        lv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * k)).from_address(liov)).reshape(k, 2).copy()
+        rv = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * k)).from_address(riov)).reshape(k, 2).copy()
+        if lv[-1, 1] > 1:
+            lv[-1, 1] //= 2
+            rv[-1, 1] = lv[-1, 1]
+        self.short += 1
+        return self.real(job, lv.ctypes.data, k, rv.ctypes.data, k)
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+@pytest.mark.parametrize("partial", [False, True], ids=["batched", "forced-partial"])
+def test_copy_path_many_descriptors(copy_pair: tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray], op: Op,
+                                    partial: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3,000 scattered descriptors (> IOV_MAX): several syscalls of at most 1,024 iovecs; with
+    forced short counts (also inside an iovec) every byte still lands exactly once."""
+    a, b, src, dst = copy_pair
+    b._copy_chunk = SH.DEFAULT_CHUNK  # so that IOV_MAX, not the byte chunk, bounds each batch
+    log = CallLog(partial)
+    monkeypatch.setattr(SH.CopyJob, "_call", lambda job, *args: log(job, *args))
+    so, do, sizes = scattered(3000, 4, src.nbytes)
+    before_src, before_dst = src.copy(), dst.copy()
+    idx = np.arange(len(sizes))
+    if op is Op.READ:  # decode pulls prefill's src into its dst
+        lp = b.prepare(None, descs(dst.ctypes.data, do, sizes))
+        rp = b.prepare("prefill", descs(src.ctypes.data, so, sizes))
+        drive(a, xfer=b.post(op, lp, idx, rp, idx, None), owner=b)
+    else:  # prefill pushes its src into decode's dst
+        lp = a.prepare(None, descs(src.ctypes.data, so, sizes))
+        rp = a.prepare("decode", descs(dst.ctypes.data, do, sizes))
+        drive(b, xfer=a.post(op, lp, idx, rp, idx, None), owner=a)
+    np.testing.assert_array_equal(dst, expected_scatter(before_dst, src, so, do, sizes))
+    np.testing.assert_array_equal(src, before_src)
+    if partial:
+        assert log.short > 1 and max(log.counts) > 3  # the job kept offering full batches
+    else:
+        assert len(log.counts) >= 3 and max(log.counts) == SH.IOV_MAX
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_copy_path_splits_large_descriptors(copy_pair: tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray],
+                                            op: Op) -> None:
+    """One 3 MiB descriptor with copy_chunk=64 KiB: split into pieces, same bytes, with a
+    notification that the target sees only after all of them."""
+    a, b, src, dst = copy_pair
+    n, so, do = 3 << 20, 4093, 517
+    if op is Op.READ:
+        lp = b.prepare(None, descs(dst.ctypes.data, [do], [n]))
+        rp = b.prepare("prefill", descs(src.ctypes.data, [so], [n]))
+        x, owner, target, sender = b.post(op, lp, np.arange(1), rp, np.arange(1), b"big"), b, a, "decode"
+    else:
+        a2 = UcxBackend("prefill2", copy_chunk=64 << 10)
+        a2.register([Allocation(src.ctypes.data, src.nbytes)])
+        a2.add_remote("decode", b.local_metadata())
+        b.add_remote("prefill2", a2.local_metadata())
+        lp = a2.prepare(None, descs(src.ctypes.data, [so], [n]))
+        rp = a2.prepare("decode", descs(dst.ctypes.data, [do], [n]))
+        x, owner, target, sender = a2.post(op, lp, np.arange(1), rp, np.arange(1), b"big"), a2, b, "prefill2"
+    got: list[bytes] = []
+    deadline = time.monotonic() + 20
+    done = False
+    while not (done and got):
+        done = done or owner.poll(x)
+        msgs = target.drain_notifications().get(sender, [])
+        if msgs:
+            np.testing.assert_array_equal(dst[do:do + n], src[so:so + n])  # data before notification
+            got += msgs
+        assert time.monotonic() < deadline
+    owner.release(x)
+    assert got == [b"big"]
+    assert (dst[:do] == SENT).all() and (dst[do + n:] == SENT).all()
+    if op is Op.WRITE:
+        b.remove_remote("prefill2")
+        a2.close()
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "poll"])
+def test_copy_path_release_stops_copying(thread: bool) -> None:
+    """release() of a running copy returns only once nothing more is written, and later
+    polls report the cancellation; a finished prefix stays, the rest keeps its sentinel."""
+    n = 96 << 20
+    src = pattern(n, 2)
+    dst = np.full(n, SENT, dtype=np.uint8)
+    a = UcxBackend("prefill")
+    b = UcxBackend("decode", copy_chunk=256 << 10, copy_thread=thread, inline_budget=0.0, copy_budget=0.0)
+    try:
+        a.register([Allocation(src.ctypes.data, n)])
+        b.register([Allocation(dst.ctypes.data, n)])
+        b.add_remote("prefill", a.local_metadata())
+        lp = b.prepare(None, descs(dst.ctypes.data, [0], [n]))
+        rp = b.prepare("prefill", descs(src.ctypes.data, [0], [n]))
+        x = b.post(Op.READ, lp, np.arange(1), rp, np.arange(1), None)
+        if not thread:
+            assert not b.poll(x)  # one 256 KiB syscall per poll with a zero budget
+        b.release(x)
+        snapshot = dst.copy()
+        time.sleep(0.05)
+        np.testing.assert_array_equal(dst, snapshot)  # nothing moves after release
+        moved = int(np.flatnonzero(snapshot != SENT).max(initial=-1)) + 1
+        assert moved < n, "the copy finished before it could be cancelled"
+        np.testing.assert_array_equal(snapshot[:moved], src[:moved])
+        with pytest.raises(Exception):
+            b.poll(x)
+    finally:
+        b.close()
+        a.close()
+
+
+def _tamper(blob: bytes, **host: Any) -> bytes:
+    doc = json.loads(blob)
+    doc["host"] = None if host.get("none") else {**doc["host"], **host}
+    return json.dumps(doc).encode()
+
+
+def test_copy_path_fallbacks_and_forcing() -> None:
+    """Which peers get the copy path, and why not; auto falls back, True refuses."""
+    a = UcxBackend("prefill")
+    others: list[UcxBackend] = []
+    try:
+        blob = a.local_metadata()
+        token = base64.b64encode(b"\0" * SH.TOKEN_BYTES).decode()
+        cases = {
+            "off here": (UcxBackend("d1", same_host_copy=False), blob, "same_host_copy=False"),
+            "off there": (UcxBackend("d2"), _tamper(blob, none=True), "does not offer"),
+            "other host": (UcxBackend("d3"), _tamper(blob, boot_id="00000000-dead"), "another host"),
+            "other pidns": (UcxBackend("d4"), _tamper(blob, pidns="pid:[1]"), "PID namespace"),
+            "wrong process": (UcxBackend("d5"), _tamper(blob, token=token), "token mismatch"),
+        }
+        v1 = json.loads(blob)
+        del v1["host"]
+        v1["version"] = 1
+        cases["version-1 blob"] = (UcxBackend("d6"), json.dumps(v1).encode(), "does not offer")
+        for what, (b, peer_blob, why) in cases.items():
+            others.append(b)
+            b.add_remote("prefill", peer_blob)
+            path, reason = b.peer_path("prefill")
+            assert path == "ucx-rma" and why in reason, (what, reason)
+        # forced on: a same-host peer that fails the probe is an error, not a silent fallback
+        forced = UcxBackend("d7", same_host_copy=True)
+        others.append(forced)
+        with pytest.raises(BackendError, match="token mismatch"):
+            forced.add_remote("prefill", _tamper(blob, token=token))
+        forced.add_remote("prefill", _tamper(blob, boot_id="elsewhere"))  # other host: RMA is the only way
+        assert forced.peer_path("prefill")[0] == "ucx-rma"
+        forced.add_remote("prefill", blob)
+        assert forced.peer_path("prefill")[0] == "same-host-copy"
+        with pytest.raises(BackendError, match="same_host_copy"):
+            UcxBackend("d8", same_host_copy="yes")
+    finally:
+        for b in others:
+            b.close()
+        a.close()
+
+
+def test_copy_errno_mapping() -> None:
+    """ESRCH is a dead peer; EPERM says why and how to fall back; EFAULT names the cause."""
+    import errno
+
+    assert isinstance(SH.map_errno(errno.ESRCH, "read", "p", 7), PeerDisconnectedError)
+    eperm = SH.map_errno(errno.EPERM, "read", "p", 7)
+    assert type(eperm) is BackendError
+    assert "ptrace" in str(eperm) and "Yama" in str(eperm) and "same_host_copy=False" in str(eperm)
+    efault = SH.map_errno(errno.EFAULT, "write", "p", 7)
+    assert type(efault) is BackendError and "unmapped" in str(efault)
+
+
+def test_copy_path_unmapped_remote_is_typed_error() -> None:
+    """A peer advertising memory it no longer maps: EFAULT becomes BackendError, no crash."""
+    import mmap
+
+    m = mmap.mmap(-1, 1 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    a, b = UcxBackend("prefill"), UcxBackend("decode")
+    dst = np.full(1 << 20, SENT, dtype=np.uint8)
+    try:
+        a.register([Allocation(base, 1 << 20)])
+        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        b.add_remote("prefill", a.local_metadata())
+        lp = b.prepare(None, descs(dst.ctypes.data, [0], [4096]))
+        rp = b.prepare("prefill", descs(base, [0], [4096]))
+        a.deregister(1)
+        import gc
+
+        gc.collect()
+        m.close()  # only possible once no buffer export remains
+    except BufferError:
+        pytest.skip("mmap still exported")
+    try:
+        x = b.post(Op.READ, lp, np.arange(1), rp, np.arange(1), None)
+        with pytest.raises(BackendError, match="unmapped"):
+            b.poll(x)
+        b.release(x)
+        assert (dst == SENT).all()
+    finally:
+        b.close()
+        a.close()
+
+
+def test_host_metadata_is_validated() -> None:
+    b = UcxBackend("x")
+    try:
+        good = json.loads(b.local_metadata())
+        host = good["host"]
+        bad_hosts: list[Any] = [[], {**host, "extra": 1}, {**host, "pid": 0}, {**host, "pid": True},
+                                {**host, "pid": 1 << 40}, {**host, "boot_id": ""}, {**host, "boot_id": 5},
+                                {**host, "hostname": "h" * 300}, {**host, "token": "AAAA"},
+                                {**host, "token": "%%"}, {**host, "token_addr": -1}, {**host, "token_addr": 0}]
+        for h in bad_hosts:
+            with pytest.raises(MetadataError):
+                b.add_remote("x", json.dumps({**good, "host": h}).encode())
+        no_host = {k: v for k, v in good.items() if k != "host"}
+        with pytest.raises(MetadataError):  # version 2 requires the key (null to opt out)
+            b.add_remote("x", json.dumps(no_host).encode())
+        with pytest.raises(MetadataError):  # version 1 must not carry it
+            b.add_remote("x", json.dumps({**good, "version": 1}).encode())
+    finally:
+        b.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # two processes
 
 class Peer:
@@ -334,14 +617,17 @@ class Peer:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_read_write_notify() -> None:
+@pytest.mark.parametrize("path", ["copy", "rma"])
+def test_two_processes_read_write_notify(path: str) -> None:
     n = 1 << 20
-    peer = Peer("prefill", n, "5")
-    local = UcxBackend("decode")
+    opt = PATHS[path]
+    peer = Peer("prefill", n, "5", *([] if opt is None else [f"same_host_copy={int(opt)}"]))
+    local = UcxBackend("decode", same_host_copy=opt)
     try:
         dst = np.full(n, SENT, dtype=np.uint8)
         local.register([Allocation(dst.ctypes.data, n)])
         local.add_remote("prefill", peer.blob)
+        assert local.peer_path("prefill")[0] == PATH_NAMES[path], local.peer_path("prefill")
         assert peer.cmd(local, cmd="add", name="decode", blob=base64.b64encode(local.local_metadata()).decode())["ok"]
         src = pattern(n, 5)
         # READ two spans (one of them misaligned) from the other process
@@ -382,15 +668,20 @@ def test_two_processes_read_write_notify() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("path,options", [("copy", {}), ("copy", {"copy_thread": True}), ("rma", {})],
+                         ids=["copy-poll", "copy-thread", "rma"])
 @pytest.mark.parametrize("when", ["idle", "mid-transfer"])
-def test_killed_peer_is_reported_within_deadline(when: str) -> None:
+def test_killed_peer_is_reported_within_deadline(when: str, path: str, options: dict[str, Any]) -> None:
+    """SIGKILL the peer: a typed PeerDisconnectedError, and this process survives (the
+    same-host copy gets ESRCH from the kernel, where UCX's CMA would abort us)."""
     n = 64 << 20
     peer = Peer("prefill", n, "3")
-    local = UcxBackend("decode")
+    local = UcxBackend("decode", same_host_copy=PATHS[path], copy_chunk=1 << 20, **options)
     try:
         dst = np.full(n, SENT, dtype=np.uint8)
         local.register([Allocation(dst.ctypes.data, n)])
         local.add_remote("prefill", peer.blob)
+        assert local.peer_path("prefill")[0] == PATH_NAMES[path]
         rows = 64
         lp = local.prepare(None, descs(dst.ctypes.data, np.arange(rows) << 20, [1 << 20] * rows))
         rp = local.prepare("prefill", descs(peer.address, np.arange(rows) << 20, [1 << 20] * rows))
@@ -438,14 +729,34 @@ except ImportError:  # pragma: no cover - older core
 if BackendConformance is not None:
 
     class TestUcxConformance(BackendConformance):
-        """Both agents in one process. ``Transfer.wait`` polls only the initiator, so the
-        target must not need progress: CMA is truly one-sided, and within one process a peer
+        """Both agents in one process, defaults: the same-host copy path (pid == our own).
+        ``Transfer.wait`` polls only the initiator; the copy path needs no target progress."""
+
+        backend = "ucx"
+        options: dict[str, Any] = {}
+
+    class TestUcxConformanceCma(BackendConformance):
+        """One process over UCX itself: CMA is one-sided too, and within one process a peer
         cannot die on its own, so CMA's abort-on-dead-peer cannot happen here."""
 
         backend = "ucx"
-        options: dict[str, Any] = {"cma": True}
+        options: dict[str, Any] = {"cma": True, "same_host_copy": False}
 
 
     class TestUcxTwoProcesses(TwoProcessConformance):
+        """Defaults: the same-host copy path."""
+
         backend = "ucx"
         options: dict[str, Any] = {}
+
+    class TestUcxTwoProcessesCopyThread(TwoProcessConformance):
+        """Same-host copy finished by the worker thread."""
+
+        backend = "ucx"
+        options: dict[str, Any] = {"copy_thread": True}
+
+    class TestUcxTwoProcessesRma(TwoProcessConformance):
+        """Fast path off: UCX RMA (shm/TCP) as for peers on other hosts."""
+
+        backend = "ucx"
+        options: dict[str, Any] = {"same_host_copy": False}

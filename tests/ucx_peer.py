@@ -36,7 +36,8 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def main() -> None:
     name, nbytes, fill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    options: dict = {k: (v == "1" if k == "cma" else v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+    bools = {"cma", "same_host_copy", "copy_thread"}
+    options: dict = {k: (v == "1" if k in bools else v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
     from kvxfer_ucx.backend import UcxBackend
 
     # UCX may print diagnostics on fd 1 (UCX_PROTO_INFO, warnings): keep the command channel
