@@ -13,7 +13,7 @@ through ``Agent.read(...).wait()``: planning, bounds checks and the backend seam
 Every run is verified: per-block checksums of the destination against the source's, and the
 destination blocks outside the request must still hold the 0xAA sentinel.
 
-Usage (the exact commands used for the results are in NIXL_RESULTS.md)::
+Usage (the exact commands used for the results are in BENCHMARKS.md (NIXL section))::
 
     python benchmarks/bench_nixl.py --memory DRAM --blocks 128            # CPU box
     python benchmarks/bench_nixl.py --memory VRAM --local-gpu 0 --remote-gpu 1   # NVLink

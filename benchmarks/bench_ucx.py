@@ -12,7 +12,7 @@ an address space). Seam level (the backend object, one descriptor per row):
 ``ucx-thread`` the same with copy_thread=True: the rest continues on a worker thread
 ``ucx-rma``    UcxBackend(same_host_copy=False): UCX RMA over shm/tcp, no CMA (the old default)
 ``ucx-cma``    UcxBackend(same_host_copy=False, cma=True): UCX's CMA, unsafe if the peer dies
-               mid-transfer (UCX aborts the reader; see DESIGN_NOTE.md)
+               mid-transfer (UCX aborts the reader; see CONTRIBUTING.md)
 ``ucx-peer``   UcxBackend(same_host_copy=False, data_err_mode="peer"): UCX error handling on
                the data path
 ``nixl-raw``   raw nixl (UCX backend, no progress thread, prepped lists + numpy indices:

@@ -43,7 +43,7 @@ The fast path and nothing slower:
 Progress thread (option ``progress_thread``, default **off**)
 ------------------------------------------------------------
 NIXL's progress thread busy-spins a whole core (the Python wrapper sets its delay to 0).
-Measured with ``benchmarks/bench_nixl.py`` (details in ``benchmarks/NIXL_RESULTS.md``):
+Measured with ``benchmarks/bench_nixl.py`` (details in ``benchmarks/BENCHMARKS.md (NIXL section)``):
 
 * 2-core CPU box, DRAM, two processes, 256 x 4.5 MB rows: 5.9 GB/s without the thread,
   1.8 GB/s with it (spinning threads starve the threads that move the bytes).

@@ -21,7 +21,7 @@ same); ``same_host_copy=False`` skips that. EPERM (Yama, containers) falls back 
 auto mode and is a :class:`~kvxfer.errors.BackendError` saying so with ``same_host_copy=True``.
 
 Measured (2-core VM, two processes, READ of 200 rows of 4.5 MiB DRAM, two runs; table and
-command in ``benchmarks/UCX_RESULTS.md``), through ``kvxfer.Agent``: this backend with
+command in ``BENCHMARKS.md``), through ``kvxfer.Agent``: this backend with
 defaults 5.64 / 5.49 GB/s against the NIXL backend's 5.41 / 5.33 GB/s (1.04x / 1.03x), i.e. the
 >= 0.8x target of issue 5 is met with the safe default. Earlier measurements that chose the
 binding:

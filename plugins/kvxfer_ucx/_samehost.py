@@ -3,7 +3,7 @@
 Why this exists: between two processes of one host, UCX's only single-copy transport for
 host memory is CMA, and UCX 1.21 *aborts the surviving process* when a CMA peer dies in the
 middle of a copy (error mode ``none``), while error mode ``peer`` pushes RMA onto software
-emulation over TCP (see ``DESIGN_NOTE.md``). The kernel call underneath CMA is harmless by
+emulation over TCP (see ``CONTRIBUTING.md``). The kernel call underneath CMA is harmless by
 itself: when the peer is gone it returns ``-1``/``ESRCH``. Calling it ourselves gives the
 same single copy with a typed error instead of an abort.
 

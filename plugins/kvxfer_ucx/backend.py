@@ -11,7 +11,7 @@ Shape of a transfer (see the package docstring for why this shape won the measur
            gets UCX's error callback when the peer process dies (TCP reset, or keepalive
            timeout across hosts). The data endpoint stays in mode NONE so that UCX keeps its
            fast shared-memory / CMA paths, which mode PEER gives up (measured: see
-           DESIGN_NOTE.md).
+           CONTRIBUTING.md).
 
 Same-host peers (the default, ``same_host_copy=None``): when the peer's metadata shows the same
 ``boot_id``, hostname and PID namespace, and reading a random token from the peer's memory
@@ -203,7 +203,7 @@ class UcxBackend(Backend):
         if the peer dies in the middle of a copy. Default ``False``.
     ``data_err_mode``
         ``"none"`` (default, fast paths) or ``"peer"`` (UCX error handling on the data
-        endpoint too; slower on TCP/shm, see DESIGN_NOTE.md).
+        endpoint too; slower on TCP/shm, see CONTRIBUTING.md).
     ``cancel_timeout``
         seconds :meth:`release` keeps driving a still-pending transfer before giving up on
         it. One-sided RMA cannot be recalled, so a cancelled transfer is drained (bounded)
@@ -231,7 +231,7 @@ class UcxBackend(Backend):
         ``inline_budget`` continues inside :meth:`poll`, at most ``copy_budget`` seconds per
         call (default 5 ms), so it moves only while someone polls, like UCX's software RMA.
         ``True``: it continues on a worker thread, so bytes move while the caller does other
-        work; measured no faster for callers that wait (see ``benchmarks/UCX_RESULTS.md``).
+        work; measured no faster for callers that wait (see ``BENCHMARKS.md``).
     ``copy_chunk``
         most bytes one fast-path syscall moves (default 8 MiB, about 2 ms): the granularity at
         which budgets and cancellation are honoured.
