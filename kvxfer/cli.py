@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ def _backends(_: argparse.Namespace) -> int:
     return 0
 
 
-def plan_table(tokens: int, presets: Sequence[str] | None = None, seed: int = 0) -> list[dict[str, object]]:
+def plan_table(tokens: int, presets: Sequence[str] | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Descriptors for one request, whole rows against per-layer regions, per preset."""
     from .planner import plan
     from .presets import PRESETS
@@ -51,7 +51,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"{'preset':<8} {'remote':<11} {'blocks':>7} {'descriptors':>12} {'GB':>7} {'plan ms':>8}")
     for r in rows:
         print(f"{r['preset']:<8} {r['peer']:<11} {r['blocks']:>7} {r['descriptors']:>12,} "
-              f"{int(r['bytes']) / 1e9:>7.2f} {float(r['plan_ms']):>8.3f}")  # type: ignore[arg-type]
+              f"{r['bytes'] / 1e9:>7.2f} {r['plan_ms']:>8.3f}")
     return 0
 
 

@@ -207,7 +207,7 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
     """
     if isinstance(spans, tuple) and len(spans) == 3 and all(isinstance(s, (int, np.integer)) for s in spans):
         spans = [spans]  # type: ignore[list-item]
-    spans = [tuple(int(x) for x in s) for s in spans]  # type: ignore[union-attr]
+    spans = [(int(s[0]), int(s[1]), int(s[2])) for s in spans]  # type: ignore[index]
     if layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     is_rep = _replication(replicated)

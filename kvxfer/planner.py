@@ -247,7 +247,6 @@ def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Group], int
     hit = local._cache.get(key)
     if hit is not None and hit[0] is remote:
         return hit[1]
-    lmem = {m.name: (ri, mi, m) for ri, r in enumerate(local.regions) for mi, m in enumerate(r.members)}
     rmem = {m.name: (ri, mi, m) for ri, r in enumerate(remote.regions) for mi, m in enumerate(r.members)}
     diff = spec_diff(local, remote)
     bad = [d for d in diff if d[0] == "members" or d[0].startswith("members[") and d[0].endswith(".size")]
@@ -352,7 +351,8 @@ def _legs(groups: Sequence[_Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg
     n = int(lb.shape[0])
     legs = []
     for g in groups:
-        lbi, rbi = lb.astype(g.dtype, copy=False), rb.astype(g.dtype, copy=False)
+        lbi: np.ndarray = lb.astype(g.dtype, copy=False)
+        rbi: np.ndarray = rb.astype(g.dtype, copy=False)
         if g.lbase.shape[0] == 1:  # whole rows: one descriptor per block
             li, ri = lbi + g.lbase[0], rbi + g.rbase[0]
         else:  # block-major: all of block i's pieces, then block i+1's

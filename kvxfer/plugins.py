@@ -18,12 +18,15 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
 from . import hookspecs
 from .errors import BackendUnavailableError, KvxferError, UnknownBackendError
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 __all__ = ["BackendInfo", "BackendStatus", "available_backends", "get_backend_class", "plugin_manager",
            "reset_plugins"]
@@ -55,7 +58,7 @@ class BackendInfo:
                 return f"availability check failed: {exc}"
         return None
 
-    def load(self) -> type:
+    def load(self) -> type[Backend]:
         reason = self.unavailable_reason()
         if reason:
             hint = f"; install it with: {self.install}" if self.install else ""
@@ -166,7 +169,7 @@ def available_backends() -> list[BackendStatus]:
     return sorted(out, key=lambda s: s.name)
 
 
-def get_backend_class(name: str) -> type:
+def get_backend_class(name: str) -> type[Backend]:
     reg = registry()
     if name not in reg:
         known = ", ".join(sorted(reg)) or "none"

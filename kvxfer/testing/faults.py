@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import Backend, Capabilities, DescriptorList, Op, hookimpl
+from .. import Backend, DescriptorList, Op, hookimpl
 from ..errors import PeerDisconnectedError
 from ..memory import Allocation
 from ..plugins import get_backend_class, plugin_manager, reset_plugins
