@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from docpaths import leaves, replaced
+
 from kvxfer import (Allocation, DescriptorList, Granularity, KVCacheSpec, Member, MemoryKind, PackedLayout, Region,
                     SpecError)
 
@@ -206,38 +208,15 @@ def test_spec_round_trips_through_json() -> None:
         assert type(obj).from_dict(json.loads(json.dumps(obj.to_dict()))) == obj
 
 
-def _mutations(d: object, path: tuple = ()) -> list[tuple[tuple, object]]:
-    """Every (path, value) leaf and container in a nested dict/list."""
-    out = [(path, d)]
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out += _mutations(v, path + (k,))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            out += _mutations(v, path + (i,))
-    return out
-
-
-def _set(d: object, path: tuple, value: object) -> object:
-    if not path:
-        return value
-    d = copy.deepcopy(d)
-    cur = d
-    for k in path[:-1]:
-        cur = cur[k]  # type: ignore[index]
-    cur[path[-1]] = value  # type: ignore[index]
-    return d
-
-
 JUNK = [None, True, False, -1, 0, 1 << 70, 1.5, float("inf"), "", "x", [], [1], {}, {"a": 1}, [[[[]]]]]
 
 
 def test_from_dict_rejects_every_single_field_corruption_with_spec_error() -> None:
     base = spec().to_dict()
-    paths = [p for p, _ in _mutations(base)]
+    paths = [p for p, _ in leaves(base)]
     for path in paths:
         for junk in JUNK:
-            bad = _set(base, path, junk)
+            bad = replaced(base, path, junk)
             try:
                 KVCacheSpec.from_dict(bad)  # type: ignore[arg-type]
             except SpecError:
@@ -248,7 +227,7 @@ def test_from_dict_rejects_every_single_field_corruption_with_spec_error() -> No
 
 def test_from_dict_rejects_missing_and_extra_keys() -> None:
     base = spec().to_dict()
-    for path, v in _mutations(base):
+    for path, v in leaves(base):
         if isinstance(v, dict):
             for k in list(v):
                 bad = copy.deepcopy(base)
@@ -258,7 +237,7 @@ def test_from_dict_rejects_missing_and_extra_keys() -> None:
                 del cur[k]
                 with pytest.raises(SpecError):
                     KVCacheSpec.from_dict(bad)
-            extra = _set(base, path, {**v, "surprise": 1})
+            extra = replaced(base, path, {**v, "surprise": 1})
             with pytest.raises(SpecError):
                 KVCacheSpec.from_dict(extra)  # type: ignore[arg-type]
 
@@ -274,8 +253,8 @@ json_values = st.recursive(
 @given(path_index=st.integers(0, 10_000), junk=json_values)
 def test_from_dict_fuzz_raises_only_spec_error(path_index: int, junk: object) -> None:
     base = spec().to_dict()
-    paths = [p for p, _ in _mutations(base)]
-    bad = _set(base, paths[path_index % len(paths)], junk)
+    paths = [p for p, _ in leaves(base)]
+    bad = replaced(base, paths[path_index % len(paths)], junk)
     try:
         KVCacheSpec.from_dict(bad)  # type: ignore[arg-type]
     except SpecError:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import base64
-import copy
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from docpaths import leaves, replaced
 
 from kvxfer import AgentMetadata, Allocation, KVCacheSpec, Member, MetadataError, PackedLayout, Region
 from kvxfer.metadata import MAGIC, MAX_METADATA_BYTES, PROTOCOL_VERSION
@@ -110,28 +111,6 @@ def test_missing_and_extra_fields() -> None:
         AgentMetadata.decode(encode_doc({**doc, "extra": 1}))
 
 
-def _paths(d: object, path: tuple = ()) -> list[tuple]:
-    out = [path]
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out += _paths(v, path + (k,))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            out += _paths(v, path + (i,))
-    return out
-
-
-def _replace(d: object, path: tuple, value: object) -> object:
-    if not path:
-        return value
-    d = copy.deepcopy(d)
-    cur = d
-    for k in path[:-1]:
-        cur = cur[k]  # type: ignore[index]
-    cur[path[-1]] = value  # type: ignore[index]
-    return d
-
-
 def _decode_or_metadata_error(raw: bytes) -> None:
     """The contract: a valid AgentMetadata, or MetadataError; any other exception fails."""
     try:
@@ -177,8 +156,8 @@ def test_fuzz_byte_flips(pos: int, byte: int) -> None:
 def test_fuzz_mutated_json_fields(which: int, value: object) -> None:
     """Replace any one node (a field, a list item, a whole sub-object) of the document."""
     doc = doc_of(make_meta())
-    paths = _paths(doc)
-    _decode_or_metadata_error(encode_doc(_replace(doc, paths[which % len(paths)], value)))
+    paths = [p for p, _ in leaves(doc)]
+    _decode_or_metadata_error(encode_doc(replaced(doc, paths[which % len(paths)], value)))
 
 
 @FUZZ
@@ -186,9 +165,9 @@ def test_fuzz_mutated_json_fields(which: int, value: object) -> None:
 def test_fuzz_numbers_shifted(which: int, delta: int) -> None:
     """Every integer in the document nudged: off-by-one offsets, huge and negative values."""
     doc = doc_of(make_meta())
-    ints = [p for p in _paths(doc) if isinstance(_get(doc, p), int) and not isinstance(_get(doc, p), bool)]
+    ints = [p for p in [p for p, _ in leaves(doc)] if isinstance(_get(doc, p), int) and not isinstance(_get(doc, p), bool)]
     p = ints[which % len(ints)]
-    _decode_or_metadata_error(encode_doc(_replace(doc, p, _get(doc, p) + delta)))
+    _decode_or_metadata_error(encode_doc(replaced(doc, p, _get(doc, p) + delta)))
 
 
 def _get(d: object, path: tuple) -> object:
@@ -199,11 +178,11 @@ def _get(d: object, path: tuple) -> object:
 
 def test_every_int_as_a_bool_is_rejected() -> None:
     doc = doc_of(make_meta())
-    for p in _paths(doc):
+    for p in [p for p, _ in leaves(doc)]:
         v = _get(doc, p)
         if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
             with pytest.raises(MetadataError):
-                AgentMetadata.decode(encode_doc(_replace(doc, p, bool(v))))
+                AgentMetadata.decode(encode_doc(replaced(doc, p, bool(v))))
 
 
 @pytest.mark.parametrize("depth", [50, 900, 5000])
