@@ -260,6 +260,11 @@ class Lib:
         u.ucp_get_version(ctypes.byref(maj), ctypes.byref(mnr), ctypes.byref(rel))
         self.version = (maj.value, mnr.value, rel.value)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names _proto did not bind: tells type checkers that the bound
+        # ucp_* prototypes exist, and fails loudly for anything else.
+        raise AttributeError(f"libucp prototype {name!r} was not declared")
+
     def _proto(self, name: str, restype: Any, argtypes: list[Any]) -> None:
         fn = getattr(self.ucp, name)
         fn.restype, fn.argtypes = restype, argtypes

@@ -75,6 +75,13 @@ _POLL_WAIT = 200e-6
 _ERR_MODES = {"none": L.UCP_ERR_HANDLING_MODE_NONE, "peer": L.UCP_ERR_HANDLING_MODE_PEER}
 
 
+def _ptr(handle: ctypes.c_void_p, call: str) -> int:
+    """The address a libucp call wrote into ``handle``; NULL after success is a UCX bug."""
+    if not handle.value:
+        raise BackendError(f"ucx backend: {call} succeeded but returned a NULL handle")
+    return int(handle.value)
+
+
 @dataclass
 class _Reg:
     allocs: tuple[Allocation, ...]
@@ -293,14 +300,14 @@ class UcxBackend(Backend):
                                                        ctypes.byref(ctx)))
         finally:
             lib.ucp_config_release(cfg)
-        self._ctx = ctx.value
+        self._ctx = _ptr(ctx, "ucp_init")
         wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=1)  # SERIALIZED
         worker = ctypes.c_void_p()
         st = lib.ucp_worker_create(self._ctx, ctypes.byref(wp), ctypes.byref(worker))
         if st != L.UCS_OK:
             lib.ucp_cleanup(self._ctx)
             raise BackendError(f"ucx backend: ucp_worker_create failed: {lib.status_string(st)}")
-        self._worker = worker.value
+        self._worker = _ptr(worker, "ucp_worker_create")
 
     def _set_am_handler(self) -> None:
         p = L.UcpAmHandlerParam(field_mask=(L.UCP_AM_HANDLER_PARAM_FIELD_ID | L.UCP_AM_HANDLER_PARAM_FIELD_FLAGS
@@ -326,14 +333,14 @@ class UcxBackend(Backend):
     def _on_am(self, arg: int | None, header: int | None, header_len: int, data: int | None, length: int,
                param: int | None) -> int:
         try:
-            if header_len < _AM_HEADER.size or length > MAX_NOTIFICATION:
+            if not header or header_len < _AM_HEADER.size or length > MAX_NOTIFICATION or (length and not data):
                 return L.UCS_OK
             raw = ctypes.string_at(header, header_len)
             magic, kind, nlen = _AM_HEADER.unpack_from(raw)
             if magic != _AM_MAGIC or kind != _AM_NOTIFY or _AM_HEADER.size + nlen != header_len:
                 return L.UCS_OK
             sender = raw[_AM_HEADER.size:].decode("utf-8", errors="replace")
-            self._inbox[sender].append(ctypes.string_at(data, length) if length else b"")
+            self._inbox[sender].append(ctypes.string_at(data, length) if length and data else b"")
         except Exception:  # an exception must never unwind into C
             pass
         return L.UCS_OK
@@ -359,7 +366,7 @@ class UcxBackend(Backend):
                                           address=a.address, length=a.nbytes, memory_type=L.UCS_MEMORY_TYPE_HOST)
                     memh = ctypes.c_void_p()
                     lib.check("ucp_mem_map", lib.ucp_mem_map(self._ctx, ctypes.byref(p), ctypes.byref(memh)))
-                    memhs.append(memh.value)
+                    memhs.append(_ptr(memh, "ucp_mem_map"))
                     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
                     lib.check("ucp_rkey_pack", lib.ucp_rkey_pack(self._ctx, memh, ctypes.byref(buf), ctypes.byref(size)))
                     rkeys.append(ctypes.string_at(buf, size.value))
@@ -420,10 +427,10 @@ class UcxBackend(Backend):
                     if st != L.UCS_OK:
                         raise MetadataError(f"ucx metadata: allocation {k} rkey rejected by UCX: "
                                             f"{self._lib.status_string(st)}")
-                    rkeys.append(rk.value)
+                    rkeys.append(_ptr(rk, "ucp_ep_rkey_unpack"))
             except BaseException:
-                for rk in rkeys:
-                    self._lib.ucp_rkey_destroy(rk)
+                for key in rkeys:
+                    self._lib.ucp_rkey_destroy(key)
                 for ep in {data_ep, ctrl_ep} - {0}:
                     self._close_ep(ep, force=True)
                 raise
@@ -489,7 +496,7 @@ class UcxBackend(Backend):
         st = self._lib.ucp_ep_create(self._worker, ctypes.byref(p), ctypes.byref(ep))
         if st != L.UCS_OK:
             raise PeerDisconnectedError(f"ucx backend: cannot connect to peer: {self._lib.status_string(st)}")
-        return int(ep.value)
+        return _ptr(ep, "ucp_ep_create")
 
     def _flush_ep(self, ep: int, deadline: float) -> int:
         req = self._lib.ucp_ep_flush_nbx(ep, self._param_ref)
@@ -874,7 +881,7 @@ class UcxBackend(Backend):
 
     def __del__(self) -> None:  # best effort; close() is the contract
         try:
-            if not getattr(self, "_closed", True) and getattr(self, "_worker", 0):
+            if not getattr(self, "_closed", True) and getattr(self, "_worker", None):
                 self.close()
         except Exception:
             pass
