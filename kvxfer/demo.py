@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     g = Geometry(p.layers, p.page, pool=n + max(8, n // 8), request=n, seed=args.seed)
     decode_dev = 1 if (memory == "VRAM" and torch is not None and torch.cuda.device_count() > 1) else 0
 
-    from .agent import Agent as _A  # noqa: F401  (keeps import order explicit)
     from .plugins import get_backend_class
 
     if get_backend_class(backend).capabilities.cross_process:
