@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
+
+from _timing import samples
 
 import kvxfer
 from kvxfer.presets import PRESETS
 
 
 def _best(fn, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(samples(fn, repeat))
 
 
 def main() -> None:

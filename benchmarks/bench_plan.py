@@ -16,17 +16,15 @@ import time
 
 import numpy as np
 
+from _timing import samples
+
 from kvxfer import plan
 from kvxfer.presets import PRESETS
 
 
 def _time(fn, repeat: int) -> tuple[float, float]:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3, min(samples) * 1e3
+    ts = samples(fn, repeat)
+    return statistics.median(ts) * 1e3, min(ts) * 1e3
 
 
 def main() -> None:

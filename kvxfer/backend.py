@@ -25,14 +25,14 @@ Contract, in the order the core calls it::
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from .memory import Allocation, DescriptorList, MemoryKind, Op
 
-__all__ = ["Backend", "Capabilities", "Prepared"]
+__all__ = ["Backend", "Capabilities"]
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,6 @@ class Capabilities:
     max_descriptors: int | None = None
     needs_progress: bool = False
     cross_process: bool = True
-
-
-@dataclass
-class Prepared:
-    """A prepared descriptor list as the core keeps it: the backend's handle plus the list."""
-
-    handle: Any
-    descs: DescriptorList
-    peer: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):

@@ -275,9 +275,6 @@ class KVCacheSpec:
     def region_kind(self, region: int) -> MemoryKind:
         return self.allocations[self.regions[region].allocation].kind
 
-    def memory_kind_of(self, region: int) -> MemoryKind:  # readable alias for backends/tests
-        return self.region_kind(region)
-
     @property
     def row_bytes(self) -> int:
         """Bytes per block summed over regions (what one block costs to move)."""

@@ -710,7 +710,6 @@ class UcxBackend(Backend):
                 raise
 
     def _advance(self, x: _Xfer) -> bool:
-        lib = self._lib
         if x.peer.failed is not None:
             self._raise_if_failed(x.peer)
         if x.copy is not None:
@@ -733,11 +732,10 @@ class UcxBackend(Backend):
                 raise
             x.copy = None
         if x.flush is not None:
-            st = lib.ucp_request_check_status(x.flush)
-            if st == L.UCS_INPROGRESS:
+            st = self._reap(x.flush)
+            if st is None:
                 return False
-            lib.ucp_request_free(x.flush)
-            x.flush = None
+            x.flush = None  # freed: never touch it again, even if it failed
             if st != L.UCS_OK:
                 self._raise_status(x.peer, st, "flush")
         if x.notification is not None:
@@ -746,15 +744,22 @@ class UcxBackend(Backend):
             x.am, x.am_buffers = self._send_am(x.peer, x.notification)
             x.notification = None
         if x.am is not None:
-            st = lib.ucp_request_check_status(x.am)
-            if st == L.UCS_INPROGRESS:
+            st = self._reap(x.am)
+            if st is None:
                 return False
-            lib.ucp_request_free(x.am)
             x.am, x.am_buffers = None, ()
             if st != L.UCS_OK:
                 self._raise_status(x.peer, st, "notification send")
         x.done = True
         return True
+
+    def _reap(self, request: int) -> int | None:
+        """None while ``request`` is in flight; else free it and return its final status."""
+        st = int(self._lib.ucp_request_check_status(request))
+        if st == L.UCS_INPROGRESS:
+            return None
+        self._lib.ucp_request_free(request)
+        return st
 
     def release(self, xfer: Any) -> None:
         x: _Xfer = xfer
