@@ -164,7 +164,10 @@ def _alloc_starts(spec: KVCacheSpec, kind: MemoryKind) -> np.ndarray:
     of one kind and device never overlap, so two contiguous descriptors lie in different
     allocations exactly when the second starts where an allocation starts.
     """
-    return np.array(sorted({a.address for a in spec.allocations if a.kind is kind}), dtype=np.uint64)
+    key = ("alloc_starts", kind)
+    if key not in spec._cache:  # read on every coalesced transfer: compute once per spec
+        spec._cache[key] = np.array(sorted({a.address for a in spec.allocations if a.kind is kind}), dtype=np.uint64)
+    return spec._cache[key]  # type: ignore[no-any-return]
 
 
 def _run_starts(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
