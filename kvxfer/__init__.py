@@ -19,14 +19,15 @@ from __future__ import annotations
 
 from . import errors
 from .agent import Agent, Peer
-from .backend import Backend, Capabilities
+from .plugin.backend import Backend, Capabilities
 from .errors import *  # noqa: F403
-from .hookspecs import hookimpl
+from .plugin.hookspecs import hookimpl
+from .from_tensors import spec_from_arrays, spec_from_pointers, spec_from_tensors
 from .layout import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region, spec_diff
 from .memory import Allocation, DescriptorList, MemoryKind, Op
 from .metadata import AgentMetadata
 from .planner import Leg, TransferPlan, plan
-from .plugins import BackendStatus, available_backends
+from .plugin.registry import BackendStatus, available_backends
 from .transfer import Status, Transfer, TransferStats
 
 __version__ = "0.1.0"
@@ -35,5 +36,5 @@ __all__ = [
     "Agent", "Peer", "Backend", "Capabilities", "hookimpl", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec",
     "Member", "PackedLayout", "Region", "spec_diff", "Allocation", "DescriptorList", "MemoryKind", "Op",
     "AgentMetadata", "Leg", "TransferPlan", "plan", "BackendStatus", "available_backends", "Status", "Transfer",
-    "TransferStats", "errors", "__version__",
+    "TransferStats", "errors", "__version__", "spec_from_tensors", "spec_from_arrays", "spec_from_pointers",
 ] + list(errors.__all__)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .backend import Backend
+from .plugin.backend import Backend
 from .errors import (
     AgentClosedError,
     KvxferError,
@@ -25,11 +25,12 @@ from .errors import (
     UnknownPeerError,
     UnsupportedError,
 )
+from .from_tensors import spec_from_tensors
 from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata
 from .planner import Leg, TransferPlan, plan
-from .plugins import get_backend_class, plugin_manager
+from .plugin.registry import get_backend_class, plugin_manager
 from .transfer import Transfer, TransferStats, _Post
 
 __all__ = ["Agent", "Peer"]
@@ -99,7 +100,7 @@ class Agent:
         """Register a KV cache: a :class:`KVCacheSpec`, or ``{layer: tensor|array}``.
 
         Discovery options (``replicated``, ``tp_rank``, ``tp_size``, ``layout``...) are passed
-        to :meth:`KVCacheSpec.from_tensors`. Returns the spec that peers will see.
+        to :func:`kvxfer.spec_from_tensors`. Returns the spec that peers will see.
         """
         self._check_open()
         if self.spec is not None:
@@ -109,7 +110,7 @@ class Agent:
                 raise SpecError("discovery options apply only when registering tensors or arrays")
             spec = kv
         elif isinstance(kv, Mapping):
-            spec = KVCacheSpec.from_tensors(kv, **options)
+            spec = spec_from_tensors(kv, **options)
         else:
             raise SpecError(f"register() takes a KVCacheSpec or a mapping of name -> tensor/array, "
                             f"got {type(kv).__name__}")

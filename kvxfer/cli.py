@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 
 def _backends(_: argparse.Namespace) -> int:
-    from .plugins import available_backends
+    from .plugin.registry import available_backends
 
     rows = available_backends()
     print(f"{'backend':<14} {'plugin':<16} {'status':<12} detail")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import Agent
-from .plugins import available_backends
+from .plugin.registry import available_backends
 from .presets import PRESETS
 
 SENTINEL = 0xAA
@@ -93,7 +93,7 @@ def prefill_cache(g: Geometry, memory: str, device: int) -> Any:
 
 def run_prefill(args: argparse.Namespace) -> int:
     """Child process: register, serve metadata, keep the backend progressing until told to stop."""
-    from .handshake import MetadataServer
+    from .sidechannel import MetadataServer
 
     g = Geometry(**json.loads(args.geometry))
     storage = prefill_cache(g, args.memory, args.device)
@@ -187,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     g = Geometry(p.layers, p.page, pool=n + max(8, n // 8), request=n, seed=args.seed)
     decode_dev = 1 if (memory == "VRAM" and torch is not None and torch.cuda.device_count() > 1) else 0
 
-    from .plugins import get_backend_class
+    from .plugin.registry import get_backend_class
 
     if get_backend_class(backend).capabilities.cross_process:
-        from .handshake import fetch
+        from .sidechannel import fetch
 
         cmd = [sys.executable, "-m", "kvxfer.demo", "--role", "prefill", "--backend", backend, "--memory", memory,
                "--geometry", json.dumps(g.__dict__), "--device", "0"]

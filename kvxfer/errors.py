@@ -20,6 +20,7 @@ __all__ = [
     "TransferTimeoutError",
     "TransferCancelledError",
     "BackendError",
+    "OutOfRegistrationError",
     "BackendUnavailableError",
     "UnknownBackendError",
     "UnsupportedError",
@@ -87,6 +88,10 @@ class TransferCancelledError(KvxferError):
 
 class BackendError(KvxferError):
     """The transport reported a failure that has no more specific kvxfer error."""
+
+
+class OutOfRegistrationError(BackendError):
+    """A descriptor leaves the memory registered for it (a corrupt plan, or a hostile peer)."""
 
 
 class BackendUnavailableError(KvxferError, ImportError):

@@ -346,28 +346,6 @@ class KVCacheSpec:
             layout=d["layout"], block_tokens=d["block_tokens"], tp_rank=d["tp_rank"], tp_size=d["tp_size"],
         )
 
-    # -- convenience constructors ---------------------------------------------------------
-    @classmethod
-    def from_tensors(cls, kv_caches: Mapping[str, Any], **options: Any) -> "KVCacheSpec":
-        """Discover the spec from a serving engine's ``{layer name: tensor}`` mapping."""
-        from .discovery import spec_from_tensors
-
-        return spec_from_tensors(kv_caches, **options)
-
-    @classmethod
-    def from_arrays(cls, kv_caches: Mapping[str, Any], **options: Any) -> "KVCacheSpec":
-        """Same as :meth:`from_tensors` for numpy arrays (host memory)."""
-        from .discovery import spec_from_arrays
-
-        return spec_from_arrays(kv_caches, **options)
-
-    @classmethod
-    def from_pointers(cls, spans: Sequence[tuple[int, int, int]] | tuple[int, int, int], **geometry: Any) -> "KVCacheSpec":
-        """Build from raw ``(pointer, nbytes, device)`` spans plus an explicit geometry."""
-        from .discovery import spec_from_pointers
-
-        return spec_from_pointers(spans, **geometry)
-
 
 def spec_diff(local: KVCacheSpec, remote: KVCacheSpec) -> list[tuple[str, object, object]]:
     """Field-by-field differences that matter for pairing two specs."""

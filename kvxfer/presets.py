@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .discovery import spec_from_pointers
+from .from_tensors import spec_from_pointers
 from .layout import KVCacheSpec
 
 __all__ = ["Preset", "PRESETS", "FAKE_BASE"]

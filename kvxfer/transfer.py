@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .plugin.backend import Backend
 
 __all__ = ["Transfer", "TransferStats", "Status"]
 

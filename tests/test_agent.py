@@ -184,7 +184,7 @@ def test_add_peer_rules() -> None:
 
 
 def test_vram_refused_by_dram_only_backend() -> None:
-    spec = kvxfer.KVCacheSpec.from_pointers((0x1000, 4096, 0), num_blocks=4, members=[("a", 1024)], kind="VRAM")
+    spec = kvxfer.spec_from_pointers((0x1000, 4096, 0), num_blocks=4, members=[("a", 1024)], kind="VRAM")
     faults.install()
     try:
         with kvxfer.Agent("x", backend="faulty", inner="loopback") as a:

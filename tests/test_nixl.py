@@ -57,7 +57,7 @@ def test_registration_names_requirement_and_install_command() -> None:
 def test_missing_nixl_is_reported_with_install_command() -> None:
     import dataclasses
 
-    from kvxfer.plugins import registry
+    from kvxfer.plugin.registry import registry
 
     info = registry()["nixl"]
     missing = dataclasses.replace(info, requires=("nixl_not_installed_here",))

@@ -56,7 +56,7 @@ class _Base:
 
     @pytest.fixture(autouse=True)
     def _skip_unavailable(self) -> None:
-        from ..plugins import available_backends
+        from ..plugin.registry import available_backends
 
         status = {s.name: s for s in available_backends()}
         if self.backend not in status:

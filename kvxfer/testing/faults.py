@@ -16,7 +16,7 @@ import numpy as np
 from .. import Backend, DescriptorList, Op, hookimpl
 from ..errors import PeerDisconnectedError
 from ..memory import Allocation
-from ..plugins import get_backend_class, plugin_manager, reset_plugins
+from ..plugin.registry import get_backend_class, plugin_manager, reset_plugins
 
 
 @dataclass

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvxfer.hookspecs import hookimpl
+from kvxfer.plugin import hookimpl
 
 __all__ = ["kvxfer_register_backends"]
 

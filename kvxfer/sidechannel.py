@@ -324,7 +324,7 @@ class MetadataServer:
     generation after re-registration). ``on_peer`` runs in the connection's thread, possibly
     concurrently for several clients; pass ``queue.put`` to collect peers in a queue. If it
     raises, the client receives :class:`PeerRejectedError`. Failed handshakes are reported to
-    ``on_error`` (default: a warning on the ``kvxfer.handshake`` logger); they never stop the
+    ``on_error`` (default: a warning on the ``kvxfer.sidechannel`` logger); they never stop the
     server.
     """
 

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 import kvxfer
-from kvxfer import plugins
+from kvxfer.plugin import registry as plugins
 from kvxfer.errors import BackendUnavailableError, UnknownBackendError
 
 HERE = Path(__file__).parent

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer import KVCacheSpec, Member, MemoryKind, Op, SpecError, TransferPlan, plan
+from kvxfer import KVCacheSpec, Member, MemoryKind, Op, SpecError, TransferPlan, plan, spec_from_arrays, spec_from_pointers, spec_from_tensors
 
 B, L, N, H, C = 6, 4, 4, 2, 8  # blocks, layers, tokens per block, heads, channels
 
@@ -42,7 +42,7 @@ def memmove_plan(p: TransferPlan) -> None:
 def test_numpy_block_outermost_views_are_one_packed_region() -> None:
     storage = np.zeros((B, L, N, H, C), dtype=np.float16)
     views = {f"layer.{i}": storage[:, i] for i in range(L)}
-    s = KVCacheSpec.from_arrays(views, replicated=True)
+    s = spec_from_arrays(views, replicated=True)
     page = N * H * C * 2
     assert len(s.allocations) == 1 and s.allocations[0].address == ptr(storage)
     assert s.allocations[0].nbytes == storage.nbytes and s.allocations[0].kind is MemoryKind.DRAM
@@ -56,7 +56,7 @@ def test_numpy_block_outermost_views_are_one_packed_region() -> None:
 
 def test_numpy_separate_storages_are_one_region_and_allocation_per_layer() -> None:
     arrays = {f"layer.{i}": np.zeros((B, N, H, C), dtype=np.uint8) for i in range(L)}
-    s = KVCacheSpec.from_arrays(arrays)
+    s = spec_from_arrays(arrays)
     assert len(s.allocations) == L and len(s.regions) == L
     assert {a.address for a in s.allocations} == {ptr(a) for a in arrays.values()}
     assert all(not r.packed and r.block_stride == N * H * C for r in s.regions)
@@ -65,7 +65,7 @@ def test_numpy_separate_storages_are_one_region_and_allocation_per_layer() -> No
 
 def test_numpy_layer_major_storage_is_one_allocation_and_a_region_per_layer() -> None:
     storage = np.zeros((L, B, N, H, C), dtype=np.uint8)
-    s = KVCacheSpec.from_arrays({f"layer.{i}": storage[i] for i in range(L)})
+    s = spec_from_arrays({f"layer.{i}": storage[i] for i in range(L)})
     page = N * H * C
     assert len(s.allocations) == 1 and len(s.regions) == L
     assert [r.offset for r in s.regions] == [i * B * page for i in range(L)]
@@ -75,30 +75,30 @@ def test_numpy_layer_major_storage_is_one_allocation_and_a_region_per_layer() ->
 def test_numpy_rejects_what_it_cannot_describe() -> None:
     storage = np.zeros((B, L, N, H, C), dtype=np.uint8)
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": storage[:, 0, :, :, ::2]})  # page not dense
+        spec_from_arrays({"x": storage[:, 0, :, :, ::2]})  # page not dense
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": np.zeros(8, np.uint8)})  # no page dimension
+        spec_from_arrays({"x": np.zeros(8, np.uint8)})  # no page dimension
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": storage.transpose(1, 0, 2, 3, 4)[0].T})
+        spec_from_arrays({"x": storage.transpose(1, 0, 2, 3, 4)[0].T})
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": [1, 2, 3]})
+        spec_from_arrays({"x": [1, 2, 3]})
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({})
+        spec_from_arrays({})
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": storage[:, 0]}, layout="XYZ")
+        spec_from_arrays({"x": storage[:, 0]}, layout="XYZ")
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": storage[:, 0]}, kv_dim=1)  # dim 1 has size N, not 2
+        spec_from_arrays({"x": storage[:, 0]}, kv_dim=1)  # dim 1 has size N, not 2
     with pytest.raises(SpecError):
-        KVCacheSpec.from_arrays({"x": (storage[:, 0],)})
+        spec_from_arrays({"x": (storage[:, 0],)})
 
 
 def test_replication_options() -> None:
     storage = np.zeros((B, L, N, H, C), dtype=np.uint8)
     views = {f"layer.{i}": storage[:, i] for i in range(L)}
-    assert not any(m.replicated for m in KVCacheSpec.from_arrays(views).members)  # head-split by default
-    s = KVCacheSpec.from_arrays(views, replicated={"layer.1", "layer.3"})
+    assert not any(m.replicated for m in spec_from_arrays(views).members)  # head-split by default
+    s = spec_from_arrays(views, replicated={"layer.1", "layer.3"})
     assert [m.replicated for m in s.members] == [False, True, False, True]
-    s = KVCacheSpec.from_arrays(views, replicated=lambda n: n.endswith("0"), tp_rank=1, tp_size=2)
+    s = spec_from_arrays(views, replicated=lambda n: n.endswith("0"), tp_rank=1, tp_size=2)
     assert [m.replicated for m in s.members] == [True, False, False, False]
     assert (s.tp_rank, s.tp_size) == (1, 2)
 
@@ -112,8 +112,8 @@ def test_aliasing_views_from_byte_zero_are_one_allocation_and_move_once() -> Non
     def views(a: np.ndarray) -> dict[str, np.ndarray]:
         return {"mla": a[:, :192], "ring.0": a[:, :64], "ring.1": a[:, :64], "idx": a[:, 192:224]}
 
-    s_src = KVCacheSpec.from_arrays(views(src), replicated=True)
-    s_dst = KVCacheSpec.from_arrays(views(dst), replicated=True)
+    s_src = spec_from_arrays(views(src), replicated=True)
+    s_dst = spec_from_arrays(views(dst), replicated=True)
     assert len(s_src.allocations) == 1 and len(s_src.regions) == 1
     assert [m.offset for m in s_src.members] == [0, 0, 0, 192]
     p = plan(s_dst, s_src, [0, 2], [5, 1], Op.READ)
@@ -125,7 +125,7 @@ def test_aliasing_views_from_byte_zero_are_one_allocation_and_move_once() -> Non
     # moves, but only once for its two aliasing names: 3 descriptors per block.
     per = {k: np.ascontiguousarray(v) for k, v in views(src).items()}
     per["ring.1"] = per["ring.0"]  # the peer's aliases share one storage too
-    s_per = KVCacheSpec.from_arrays(per, replicated=True)
+    s_per = spec_from_arrays(per, replicated=True)
     assert len(s_per.allocations) == 3
     p = plan(s_dst, s_per, [0, 2], [5, 1])
     assert p.descriptors == 2 * 3 and p.nbytes == 2 * (192 + 64 + 32)
@@ -158,7 +158,7 @@ def _lb(order: str) -> tuple[object, dict[str, object]]:
 def test_torch_layouts_are_recognised(order: str) -> None:
     storage, views = _bl(order)
     assert all(tuple(v.shape) == (B, N, H, C) for v in views.values())
-    s = KVCacheSpec.from_tensors(views, replicated=True)
+    s = spec_from_tensors(views, replicated=True)
     page = N * H * C * 2
     assert s.layout == "BL" + order and s.block_tokens == N
     assert len(s.allocations) == 1 and len(s.regions) == 1
@@ -166,41 +166,41 @@ def test_torch_layouts_are_recognised(order: str) -> None:
     assert s.allocations[0].nbytes == storage.untyped_storage().nbytes()
     assert [m.offset for m in s.members] == [i * page for i in range(L)]
     storage, views = _lb(order)
-    s = KVCacheSpec.from_tensors(views)
+    s = spec_from_tensors(views)
     assert s.layout == "LB" + order and len(s.allocations) == 1 and len(s.regions) == L
     assert [r.offset for r in s.regions] == [i * B * page for i in range(L)]
 
 
 def test_torch_separate_storages_per_layer() -> None:
     views = {f"layer.{i}": torch.zeros(B, N, H, C, dtype=torch.float16) for i in range(L)}
-    s = KVCacheSpec.from_tensors(views)
+    s = spec_from_tensors(views)
     assert len(s.allocations) == L and len(s.regions) == L and s.layout == "LBNHC"
 
 
 def test_torch_kv_as_two_members() -> None:
     page = N * H * C * 2
     storage = torch.zeros(B, L, 2, N, H, C, dtype=torch.float16)
-    s = KVCacheSpec.from_tensors({f"layer.{i}": (storage[:, i, 0], storage[:, i, 1]) for i in range(L)})
+    s = spec_from_tensors({f"layer.{i}": (storage[:, i, 0], storage[:, i, 1]) for i in range(L)})
     assert len(s.allocations) == 1 and len(s.regions) == 1
     assert [(m.name, m.offset) for m in s.members][:3] == [("layer.0.k", 0), ("layer.0.v", page),
                                                           ("layer.1.k", 2 * page)]
-    s2 = KVCacheSpec.from_tensors({f"layer.{i}": storage[:, i] for i in range(L)}, kv_dim=1)
+    s2 = spec_from_tensors({f"layer.{i}": storage[:, i] for i in range(L)}, kv_dim=1)
     assert [(m.name, m.offset, m.size) for m in s2.members] == [(m.name, m.offset, m.size) for m in s.members]
     # Per-layer storages holding K then V per block: layer-outermost, a 2-member row each.
     per = {f"layer.{i}": torch.zeros(B, 2, N, H, C, dtype=torch.float16) for i in range(L)}
-    s3 = KVCacheSpec.from_tensors(per, kv_dim=1)
+    s3 = spec_from_tensors(per, kv_dim=1)
     assert len(s3.regions) == L and all(len(r.members) == 2 for r in s3.regions)
     assert s3.layout.startswith("LB")
     # vLLM's flash-attention shape (2, B, ...): K and V regions of one storage.
     fa = {f"layer.{i}": torch.zeros(2, B, N, H, C, dtype=torch.float16) for i in range(L)}
-    s4 = KVCacheSpec.from_tensors(fa, kv_dim=0)
+    s4 = spec_from_tensors(fa, kv_dim=0)
     assert len(s4.allocations) == L and len(s4.regions) == 2 * L
     assert {r.offset for r in s4.regions} == {0, B * page}
 
 
 def test_torch_views_of_one_storage_are_one_allocation_even_when_not_packed() -> None:
     storage = torch.zeros(2 * B + 3, N, H, C, dtype=torch.uint8)
-    s = KVCacheSpec.from_tensors({"a": storage[:B], "b": storage[B:2 * B]})
+    s = spec_from_tensors({"a": storage[:B], "b": storage[B:2 * B]})
     assert len(s.allocations) == 1 and len(s.regions) == 2
     assert [r.offset for r in s.regions] == [0, B * N * H * C]
 
@@ -210,8 +210,8 @@ def test_plan_between_discovered_torch_layouts_moves_the_right_bytes() -> None:
     _, remote_views = _lb("HNC")
     local_storage = torch.full((B, L, H, N, C), 7.0, dtype=torch.bfloat16)
     local_views = {f"layer.{i}": local_storage[:, i].permute(0, 2, 1, 3) for i in range(L)}
-    ls = KVCacheSpec.from_tensors(local_views, replicated=True)
-    rs = KVCacheSpec.from_tensors(remote_views, replicated=True)
+    ls = spec_from_tensors(local_views, replicated=True)
+    rs = spec_from_tensors(remote_views, replicated=True)
     lb, rb = [4, 0, 2], [1, 5, 3]
     p = plan(ls, rs, lb, rb, Op.READ)
     assert p.descriptors == 3 * L and p.mode == "split"
@@ -230,8 +230,8 @@ def test_seed_case_99_views_over_one_block_outermost_storage() -> None:
     def views(st: object) -> dict[str, object]:
         return {f"model.layers.{i}.self_attn": st[:, i] for i in range(layers)}  # type: ignore[index]
 
-    src = KVCacheSpec.from_tensors(views(src_storage), replicated=True, tp_rank=0, tp_size=4)
-    dst = KVCacheSpec.from_tensors(views(dst_storage), replicated=True, tp_rank=2, tp_size=4)
+    src = spec_from_tensors(views(src_storage), replicated=True, tp_rank=0, tp_size=4)
+    dst = spec_from_tensors(views(dst_storage), replicated=True, tp_rank=2, tp_size=4)
     assert len(src.allocations) == 1 and len(src.regions) == 1 and len(src.members) == layers
     assert src.layout.startswith("BL")
     lb, rb = [3, 7, 8, 0, 11], [10, 2, 3, 4, 0]
@@ -245,47 +245,47 @@ def test_seed_case_99_views_over_one_block_outermost_storage() -> None:
     # Consecutive ids merge further when asked: blocks 7,8 <- 2,3 are one run on both sides.
     assert plan(dst, src, lb, rb, coalesce=True).descriptors == len(lb) - 1
     # The same storage as a head-split cache across different ranks must split per layer.
-    hs = KVCacheSpec.from_tensors(views(src_storage), replicated=False, tp_rank=1, tp_size=4)
-    hd = KVCacheSpec.from_tensors(views(dst_storage), replicated=False, tp_rank=2, tp_size=4)
+    hs = spec_from_tensors(views(src_storage), replicated=False, tp_rank=1, tp_size=4)
+    hd = spec_from_tensors(views(dst_storage), replicated=False, tp_rank=2, tp_size=4)
     assert plan(hd, hs, lb, rb).descriptors == len(lb) * layers
 
 
 # -- raw pointers -----------------------------------------------------------------------------
 
 def test_from_pointers_block_outermost() -> None:
-    s = KVCacheSpec.from_pointers((1 << 20, 10 * 300, 0), num_blocks=10,
+    s = spec_from_pointers((1 << 20, 10 * 300, 0), num_blocks=10,
                                   members=[("a", 100), ("b", 150)], replicated=True)
     r = s.regions[0]
     assert r.block_stride == 300 and [(m.offset, m.size) for m in r.members] == [(0, 100), (100, 150)]
     assert s.layout == "BLHNC"
-    s = KVCacheSpec.from_pointers([(1 << 20, 10 * 300, 0)], num_blocks=10, block_stride=300, kind="VRAM",
+    s = spec_from_pointers([(1 << 20, 10 * 300, 0)], num_blocks=10, block_stride=300, kind="VRAM",
                                   members=[Member("a", 100, 8), Member("b", 150, 120)])
     assert [m.offset for m in s.members] == [8, 120] and s.allocations[0].kind is MemoryKind.VRAM
     with pytest.raises(SpecError):  # row too small for the members
-        KVCacheSpec.from_pointers((1 << 20, 10 * 200, 0), num_blocks=10, members=[("a", 100), ("b", 150)])
+        spec_from_pointers((1 << 20, 10 * 200, 0), num_blocks=10, members=[("a", 100), ("b", 150)])
     with pytest.raises(SpecError):
-        KVCacheSpec.from_pointers([(1 << 20, 3000, 0), (1 << 24, 3000, 0)], num_blocks=10,
+        spec_from_pointers([(1 << 20, 3000, 0), (1 << 24, 3000, 0)], num_blocks=10,
                                   members=[("a", 100)])
 
 
 def test_from_pointers_layer_outermost() -> None:
     spans = [(1 << 20, 10 * 100, 0), (1 << 24, 10 * 150, 0)]
-    s = KVCacheSpec.from_pointers(spans, num_blocks=10, members=[("a", 100), ("b", 150)], layout="LBHNC")
+    s = spec_from_pointers(spans, num_blocks=10, members=[("a", 100), ("b", 150)], layout="LBHNC")
     assert len(s.allocations) == 2 and [r.block_stride for r in s.regions] == [100, 150]
-    s = KVCacheSpec.from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)],
+    s = spec_from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)],
                                   layout="LBNHC")
     assert len(s.allocations) == 1 and [r.offset for r in s.regions] == [0, 1000]
-    bl = KVCacheSpec.from_pointers((1 << 28, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)])
+    bl = spec_from_pointers((1 << 28, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)])
     assert plan(bl, s, [1, 2], [3, 4]).descriptors == 4
     with pytest.raises(SpecError):
-        KVCacheSpec.from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100)], layout="XX")
+        spec_from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100)], layout="XX")
 
 
 # -- import hygiene -----------------------------------------------------------------------------
 
 def test_import_kvxfer_loads_no_torch_and_no_transport() -> None:
     code = ("import sys, json, kvxfer, numpy as np\n"
-            "kvxfer.KVCacheSpec.from_arrays({'x': np.zeros((4, 8), np.uint8)})\n"
+            "kvxfer.spec_from_arrays({'x': np.zeros((4, 8), np.uint8)})\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     mods = json.loads(out.stdout)

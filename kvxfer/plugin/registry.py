@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import pluggy
 
 from . import hookspecs
-from .errors import BackendUnavailableError, KvxferError, UnknownBackendError
+from ..errors import BackendUnavailableError, KvxferError, UnknownBackendError
 
 if TYPE_CHECKING:
     from .backend import Backend

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .memory import Allocation, DescriptorList, MemoryKind, Op
+from ..memory import Allocation, DescriptorList, MemoryKind, Op
 
 __all__ = ["Backend", "Capabilities"]
 

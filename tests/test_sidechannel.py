@@ -1,4 +1,4 @@
-"""Tests for the metadata side channel (kvxfer.handshake).
+"""Tests for the metadata side channel (kvxfer.sidechannel).
 
 Every failure path asserts on the error type and on the server staying usable, never on
 elapsed seconds: deadlines are short so a hang would show up as a pytest-timeout failure.
@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.errors import HandshakeError, KvxferError
-from kvxfer.handshake import (
+from kvxfer.sidechannel import (
     DEFAULT_MAX_MESSAGE,
     HEADER_SIZE,
     MAGIC,
@@ -408,7 +408,7 @@ def test_header_round_trip(msg_type: int, length: int) -> None:
 CHILD = textwrap.dedent(
     """
     import queue, sys
-    from kvxfer.handshake import MetadataServer
+    from kvxfer.sidechannel import MetadataServer
 
     peers = queue.Queue()
     ours = b"prefill-in-child:" + bytes(range(256)) * 64

@@ -1,0 +1,40 @@
+"""Writing a kvxfer backend plugin: the seam, the hook and the registry, in one package.
+
+A backend moves bytes and nothing else. It registers allocations, publishes an opaque
+connection blob, prepares descriptor lists and moves ``local[i] <-> remote[i]`` pairs of
+them. Blocks, layers, bounds, deadlines, coalescing and whole-row packing are the core's
+work (:mod:`kvxfer.agent`, :mod:`kvxfer.planner`), so every transport gets them the same.
+
+1. Subclass :class:`Backend` (module :mod:`kvxfer.plugin.backend`, which states the
+   contract method by method) and declare its :class:`Capabilities`.
+2. Offer it from a module with one hook::
+
+       from kvxfer.plugin import hookimpl
+
+       @hookimpl
+       def kvxfer_register_backends(register):
+           register("mybackend", "kvxfer_mybackend.backend:MyBackend",
+                    requires=("mytransport",), install="pip install kvxfer-mybackend",
+                    summary="one line for `kvxfer backends`")
+
+3. Name that module in your distribution's ``kvxfer`` entry-point group::
+
+       [project.entry-points.kvxfer]
+       mybackend = "kvxfer_mybackend"
+
+4. Prove it with the conformance suite: subclass
+   :class:`kvxfer.testing.BackendConformance` in your tests.
+
+The factory string is imported only when an agent first uses the backend, so listing
+backends never loads a transport library, and a missing dependency is reported with the
+``install`` command. Shared building blocks for data paths live in the core:
+:mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
+(notification delivery when nobody polls).
+"""
+
+from __future__ import annotations
+
+from .backend import Backend, Capabilities
+from .hookspecs import hookimpl, hookspec
+
+__all__ = ["Backend", "Capabilities", "hookimpl", "hookspec"]
