@@ -6,7 +6,13 @@ backend's test module subclasses; :mod:`kvxfer.testing.buffers` builds patterned
 package needs pytest; importing :mod:`kvxfer` does not import it.
 """
 
-from .buffers import SENTINEL, Cache, expected_after, make_cache
-from .conformance import BackendConformance, TwoProcessConformance
+import pytest
+
+# Plugin authors collect this suite from an installed package, which pytest does not rewrite
+# by default: without this their failures would be a bare AssertionError with no diff.
+pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.buffers")
+
+from .buffers import SENTINEL  # noqa: E402, Cache, expected_after, make_cache
+from .conformance import BackendConformance, TwoProcessConformance  # noqa: E402
 
 __all__ = ["BackendConformance", "TwoProcessConformance", "Cache", "SENTINEL", "expected_after", "make_cache"]

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer.spans import SpanIndex
 from kvxfer.errors import BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
 
 _LIVE: dict[str, "LoopbackBackend"] = {}
@@ -87,7 +88,7 @@ class LoopbackBackend(Backend):
         self._token = secrets.token_hex(16)
         self._regs: dict[int, tuple[Allocation, ...]] = {}
         self._ids = itertools.count(1)
-        self._bounds = np.zeros((0, 4), dtype=np.uint64)  # start, end, kind, device
+        self._bounds = SpanIndex()
         self._epoch = 0
         self._peers: dict[str, LoopbackBackend] = {}
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
@@ -110,29 +111,12 @@ class LoopbackBackend(Backend):
         self._rebuild_bounds()
 
     def _rebuild_bounds(self) -> None:
-        rows = [(a.address, a.end, 0 if a.kind is MemoryKind.DRAM else 1, a.device)
-                for allocs in self._regs.values() for a in allocs]
-        b = np.array(rows, dtype=np.uint64).reshape(-1, 4)
-        self._bounds = b[np.argsort(b[:, 0], kind="stable")] if len(b) else b
+        self._bounds = SpanIndex(a for allocs in self._regs.values() for a in allocs)
         self._epoch += 1
 
     def _check_inside(self, descs: np.ndarray, kind: MemoryKind) -> None:
-        """Every span must lie inside one registered allocation of the right kind (vectorized)."""
-        if not len(descs):
-            return
-        b = self._bounds
-        if not len(b):
-            raise BackendError(f"agent {self.agent_name!r} has no registered memory")
-        pos = np.searchsorted(b[:, 0], descs[:, 0], side="right").astype(np.int64) - 1
-        ok = pos >= 0
-        p = np.where(ok, pos, 0)
-        ok &= descs[:, 0] + descs[:, 1] <= b[p, 1]
-        ok &= b[p, 2] == (0 if kind is MemoryKind.DRAM else 1)
-        ok &= b[p, 3] == descs[:, 2]
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise BackendError(f"descriptor {i} ({int(descs[i, 0]):#x}, {int(descs[i, 1])} bytes) is outside the "
-                               f"memory {self.agent_name!r} has registered; was it deregistered?")
+        """Every span must lie inside one allocation registered here (deregistered memory is not)."""
+        self._bounds.check(descs, kind, f"agent {self.agent_name!r}")
 
     # -- peers ----------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
