@@ -1,25 +1,11 @@
 """The backend seam: what a transport implements, and nothing more.
 
 A backend registers allocations and moves descriptor lists. It never sees blocks, layers or
-members; validation, bounds, deadlines, cancellation, coalescing and whole-row packing all
-live in the core (:mod:`kvxfer.agent`, :mod:`kvxfer.planner`). That split is why a new
-transport is a few hundred lines and why every transport gets the same behaviour.
-
-Contract, in the order the core calls it::
-
-    b = MyBackend(agent_name, **options)
-    h = b.register(allocations)            # once per spec
-    blob = b.local_metadata()              # opaque bytes, shipped inside agent metadata
-    peer = b.add_remote(peer_name, blob)   # returns the key notifications use
-    lp = b.prepare(None, descs)            # local list, addressed by index later
-    rp = b.prepare(peer, descs)            # remote list (the core has bounds-checked it)
-    x = b.post(op, lp, lidx, rp, ridx, notification)   # lidx/ridx: numpy int32/int64
-    while not b.poll(x): ...               # raises a KvxferError subclass on failure
-    b.release(x)                           # also how the core cancels
-    b.notify(peer, msg); b.drain_notifications()
-    b.remove_remote(peer); b.deregister(h); b.close()
-
-``poll`` must never block for long; the core owns waiting and timeouts.
+members; validation, bounds, deadlines, cancellation, coalescing and whole-row packing live
+in the core, so a new transport stays small and every transport behaves the same. The call
+order, what the core guarantees and what a backend promises are written down in
+``docs/design.md`` (section "The seam"); the conformance suite in :mod:`kvxfer.testing`
+checks each promise.
 """
 
 from __future__ import annotations
@@ -63,9 +49,9 @@ class Backend(abc.ABC):
     name: str = "abstract"
     capabilities: Capabilities = Capabilities()
 
-    def __init__(self, agent_name: str, **options: Any) -> None:
+    def __init__(self, agent_name: str, /, **options: Any) -> None:
+        """Subclasses take their options keyword-only: ``def __init__(self, agent_name, *, opt=...)``."""
         self.agent_name = agent_name
-        self.options = options
 
     # memory
     @abc.abstractmethod
