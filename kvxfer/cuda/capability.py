@@ -1,0 +1,101 @@
+"""The real :class:`~kvxfer.cuda.decide.Capability`: CUDA through ctypes, pidfds for liveness."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendError
+from ..memory import Allocation
+from . import blob, ipc
+from ._driver import Cuda, cuda, why_not
+from .copy import Copier, CopyHandle
+from .host import Identity, PeerProcess, here
+
+__all__ = ["CudaCapability", "cuda_capability"]
+
+
+class CudaCapability:
+    """One per process: CUDA entry points, the copier, and a uuid -> ordinal table."""
+
+    def __init__(self) -> None:
+        self._c: Cuda | None = None
+        self._copier: Copier | None = None
+        self._uuids: dict[bytes, int] | None = None
+
+    @property
+    def c(self) -> Cuda:
+        if self._c is None:
+            self._c = cuda()  # probed on first need: DRAM-only agents never load CUDA
+            if self._c is None:
+                raise BackendError(f"no usable CUDA here: {why_not()}")
+            self._copier = Copier(self._c)
+        return self._c
+
+    def why_not(self) -> str | None:
+        return None if cuda() is not None else why_not()
+
+    def identity(self) -> Identity:
+        return here()
+
+    def device_of(self, uuid: bytes) -> int | None:
+        if self._uuids is None:
+            self._uuids = {self.c.uuid(d): d for d in range(self.c.device_count)}
+        return self._uuids.get(bytes(uuid))
+
+    def can_access(self, device: int, peer: int) -> bool:
+        return self.c.can_access_peer(device, peer) and self.c.can_access_peer(peer, device)
+
+    def export(self, allocations: Sequence[Allocation]) -> ipc.Exported:
+        return ipc.export(self.c, allocations)
+
+    def open(self, exp: blob.Export, handle: int, device: int, access: Sequence[int],
+             proc: PeerProcess | None) -> ipc.Mapping:
+        for d in access:
+            if d != device:
+                self.c.enable_peer(d, device)
+        return ipc.open_handle(self.c, exp, handle, device, access, proc)
+
+    def close(self, mapping: ipc.Mapping) -> None:
+        ipc.close_mapping(self.c, mapping)
+
+    def peer_process(self, pid: int, started: int) -> PeerProcess:
+        return PeerProcess(pid, started)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, engine: str,
+             src_device: int | None, dst_device: int | None) -> CopyHandle:
+        self.c  # noqa: B018 (creates the copier)
+        assert self._copier is not None
+        return self._copier.copy(dst, src, sizes, device, engine=engine, src_device=src_device,
+                                 dst_device=dst_device)
+
+    def query(self, handle: CopyHandle) -> bool:
+        assert self._copier is not None
+        return self._copier.query(handle)
+
+    def synchronize(self, handle: CopyHandle) -> None:
+        assert self._copier is not None
+        self._copier.synchronize(handle)
+
+    def sync_all(self) -> None:
+        if self._copier is not None:
+            self._copier.sync_all()
+
+    def kernel_error(self, device: int) -> str | None:
+        self.c  # noqa: B018 (creates the copier)
+        assert self._copier is not None
+        return self._copier.kernel_error(device)
+
+
+_cap: dict[str, Any] = {}
+_cap_lock = threading.Lock()
+
+
+def cuda_capability() -> CudaCapability:
+    """The process-wide capability (created on first use: probing CUDA costs a context)."""
+    with _cap_lock:
+        if "cap" not in _cap:
+            _cap["cap"] = CudaCapability()
+        return _cap["cap"]  # type: ignore[no-any-return]

@@ -1,0 +1,267 @@
+"""Batched copies on a private stream: every descriptor of a post in one call.
+
+Two engines move a post's ``(dst, src, len)`` spans:
+
+* ``"sm"``: one launch of the copy kernel in ``batch_copy.cu`` over a table of pieces (long
+  spans cut to :data:`PIECE` bytes so that all SMs share the work). The table travels in a
+  pinned slot, so posting never waits for an earlier copy.
+* ``"ce"``: one ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the copy engines, no SM time taken
+  from the engine's own kernels.
+
+Completion is a CUDA event recorded after the copy; :meth:`Copier.query` polls it. Nothing
+here knows about peers or bounds: callers pass spans they have already checked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._driver import NOT_READY, Cuda, CudaError, MemcpyAttributes, MemLocation
+
+__all__ = ["PIECE", "Copier", "CopyHandle", "pieces"]
+
+#: Longest span one CTA copies; longer spans are cut so a few huge ones still use every SM.
+PIECE = 1 << 20
+THREADS = 512  # must match batch_copy.cu
+_SRC_ACCESS_ORDER_STREAM = 1
+_LOC_DEVICE, _LOC_HOST = 1, 2
+_STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
+_H2D = 1
+
+
+def pieces(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, piece: int = PIECE) -> np.ndarray:
+    """The kernel's table: ``[dst..., src..., len...]`` (uint64) with no piece over ``piece`` bytes."""
+    sizes = np.asarray(sizes, dtype=np.uint64)
+    n = sizes.shape[0]
+    if n == 0 or int(sizes.max()) <= piece:
+        out = np.empty(3 * n, dtype=np.uint64)
+        out[:n], out[n:2 * n], out[2 * n:] = dst, src, sizes
+        return out
+    k = ((sizes + np.uint64(piece - 1)) // np.uint64(piece)).astype(np.int64)
+    rep = np.repeat(np.arange(n), k)
+    first = np.cumsum(k) - k
+    off = ((np.arange(int(k.sum()), dtype=np.int64) - np.repeat(first, k)) * piece).astype(np.uint64)
+    m = rep.shape[0]
+    out = np.empty(3 * m, dtype=np.uint64)
+    out[:m] = np.asarray(dst, dtype=np.uint64)[rep] + off
+    out[m:2 * m] = np.asarray(src, dtype=np.uint64)[rep] + off
+    out[2 * m:] = np.minimum(sizes[rep] - off, np.uint64(piece))
+    return out
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A pinned host buffer and a device buffer of one capacity: one post's kernel table."""
+
+    host: int
+    dev: int
+    cap: int
+    view: np.ndarray
+
+
+@dataclass(eq=False)
+class CopyHandle:
+    """One enqueued batch: its event, and what must stay alive until the event fires."""
+
+    device: int
+    event: int
+    slot: _Slot | None = None
+    keep: tuple[Any, ...] = ()
+    done: bool = False
+    spans: int = 0
+    engine: str = ""
+
+
+@dataclass(eq=False)
+class _Device:
+    stream: int
+    module: int | None = None
+    function: int | None = None
+    kernel_error: str | None = None
+    free_slots: list[_Slot] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+
+
+class Copier:
+    """Per-device private streams, the copy kernel, table slots and events, for one process."""
+
+    def __init__(self, c: Cuda) -> None:
+        self.c = c
+        self._devices: dict[int, _Device] = {}
+        self._lock = threading.Lock()
+        self._pool = threading.Lock()  # slots and events: posted by callers, recycled by pollers
+
+    # -- per-device state ----------------------------------------------------------------
+    def _device(self, device: int) -> _Device:
+        d = self._devices.get(device)
+        if d is not None:
+            return d
+        with self._lock:
+            d = self._devices.get(device)
+            if d is None:
+                s = ctypes.c_void_p()
+                with self.c.on(device):
+                    # The batch API refuses the legacy default stream; a private stream also keeps
+                    # our copies from serializing behind the engine's kernels.
+                    self.c.check(self.c.rt.cudaStreamCreateWithFlags(ctypes.byref(s), _STREAM_NON_BLOCKING),
+                                 "cudaStreamCreateWithFlags")
+                d = _Device(int(s.value or 0))
+                self._devices[device] = d
+        return d
+
+    def kernel_error(self, device: int) -> str | None:
+        """Why the SM engine cannot run on ``device`` (``None``: it can)."""
+        self._function(device)
+        return self._device(device).kernel_error
+
+    def _function(self, device: int) -> int | None:
+        d = self._device(device)
+        if d.function is not None or d.kernel_error is not None:
+            return d.function
+        from ._ptx import PTX
+
+        try:
+            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            with self.c.on(device):
+                self.c.check_drv(self.c.drv.cuModuleLoadData(ctypes.byref(mod), PTX.encode() + b"\0"),
+                                 "loading the copy kernel")
+                self.c.check_drv(self.c.drv.cuModuleGetFunction(ctypes.byref(fn), mod, b"kvxfer_batch_copy"),
+                                 "cuModuleGetFunction")
+            d.module, d.function = int(mod.value or 0), int(fn.value or 0)
+        except CudaError as exc:
+            d.kernel_error = str(exc)
+        return d.function
+
+    def _event(self, d: _Device) -> int:
+        with self._pool:
+            if d.events:
+                return d.events.pop()
+        e = ctypes.c_void_p()
+        self.c.check(self.c.rt.cudaEventCreateWithFlags(ctypes.byref(e), _EVENT_DISABLE_TIMING),
+                     "cudaEventCreateWithFlags")
+        return int(e.value or 0)
+
+    def _slot(self, d: _Device, nbytes: int) -> _Slot:
+        with self._pool:
+            for i, s in enumerate(d.free_slots):
+                if s.cap >= nbytes:
+                    return d.free_slots.pop(i)
+        cap = max(1 << 16, 1 << (nbytes - 1).bit_length())
+        h, g = ctypes.c_void_p(), ctypes.c_void_p()
+        self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), cap, 0), "cudaHostAlloc")
+        try:
+            self.c.check(self.c.rt.cudaMalloc(ctypes.byref(g), cap), "cudaMalloc")
+        except CudaError:
+            self.c.rt.cudaFreeHost(h)
+            raise
+        view = np.ctypeslib.as_array(ctypes.cast(h, ctypes.POINTER(ctypes.c_uint64)), shape=(cap // 8,))
+        return _Slot(int(h.value or 0), int(g.value or 0), cap, view)
+
+    # -- copies --------------------------------------------------------------------------
+    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, *, engine: str = "sm",
+             src_device: int | None = None, dst_device: int | None = None) -> CopyHandle:
+        """Enqueue ``dst[i] <- src[i]`` (``sizes[i]`` bytes) on ``device``'s stream; returns the handle.
+
+        ``src_device``/``dst_device`` are the GPUs holding each side (``None``: host memory,
+        CE engine only); peer access is enabled where they differ from ``device``.
+        """
+        d = self._device(device)
+        for other in (src_device, dst_device):
+            if other is not None and other != device:
+                self.c.enable_peer(device, other)
+        with self.c.on(device):
+            if engine == "sm":
+                h = self._copy_sm(d, dst, src, sizes, device)
+            else:
+                h = self._copy_ce(d, dst, src, sizes, device, src_device, dst_device)
+            h.event = self._event(d)
+            self.c.check(self.c.rt.cudaEventRecord(h.event, d.stream), "cudaEventRecord")
+        h.spans = int(sizes.shape[0])
+        return h
+
+    def _copy_sm(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int) -> CopyHandle:
+        fn = self._function(device)
+        if fn is None:
+            raise CudaError(f"the copy kernel is not available on device {device}: {d.kernel_error}")
+        table = pieces(dst, src, sizes)
+        n = table.shape[0] // 3
+        slot = self._slot(d, table.nbytes)
+        try:
+            slot.view[: table.shape[0]] = table
+            self.c.check(self.c.rt.cudaMemcpyAsync(slot.dev, slot.host, table.nbytes, _H2D, d.stream),
+                         "uploading the copy table")
+            arg_t, arg_n = ctypes.c_ulonglong(slot.dev), ctypes.c_ulonglong(n)
+            args = (ctypes.c_void_p * 2)(ctypes.addressof(arg_t), ctypes.addressof(arg_n))
+            grid = max(1, min(n, (1 << 31) - 1))
+            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, args, None),
+                             "launching the copy kernel")
+        except BaseException:
+            with self._pool:
+                d.free_slots.append(slot)
+            raise
+        return CopyHandle(device, 0, slot=slot, engine="sm")
+
+    def _copy_ce(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
+                 src_device: int | None, dst_device: int | None) -> CopyHandle:
+        fn = self.c.batch
+        if fn is None:
+            raise CudaError(f"CUDA runtime {self.c.version} has no cudaMemcpyBatchAsync (needs 12.8+)")
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        src = np.ascontiguousarray(src, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        attr = MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM,
+                                MemLocation(_LOC_HOST if src_device is None else _LOC_DEVICE, src_device or 0),
+                                MemLocation(_LOC_HOST if dst_device is None else _LOC_DEVICE, dst_device or 0), 0)
+        idx = (ctypes.c_size_t * 1)(0)
+        args: list[Any] = [ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src.ctypes.data),
+                           ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(sizes.shape[0]), ctypes.byref(attr),
+                           idx, ctypes.c_size_t(1)]
+        if self.c.version < 13000:  # CUDA 13 dropped the failIdx argument
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        args.append(ctypes.c_void_p(d.stream))
+        if sizes.shape[0]:
+            self.c.check(fn(*args), f"cudaMemcpyBatchAsync of {sizes.shape[0]} spans")
+        return CopyHandle(device, 0, keep=(dst, src, sizes), engine="ce")
+
+    def query(self, h: CopyHandle) -> bool:
+        """True once the batch has finished (then its slot and event are recycled)."""
+        if h.done:
+            return True
+        rc = self.c.rt.cudaEventQuery(h.event)
+        if rc == NOT_READY:
+            return False
+        self._recycle(h)
+        self.c.check(rc, "copy")  # a failed copy surfaces here
+        return True
+
+    def synchronize(self, h: CopyHandle) -> None:
+        """Block until the batch is done (a copy cannot be aborted; it ends in milliseconds)."""
+        if h.done:
+            return
+        rc = self.c.rt.cudaEventSynchronize(h.event)
+        self._recycle(h)
+        self.c.check(rc, "copy")
+
+    def _recycle(self, h: CopyHandle) -> None:
+        with self._pool:
+            if h.done:
+                return
+            h.done = True
+            d = self._devices[h.device]
+            d.events.append(h.event)
+            if h.slot is not None:
+                d.free_slots.append(h.slot)
+                h.slot = None
+            h.keep = ()
+
+    def sync_all(self) -> None:
+        """Wait for every stream of this copier (before unmapping memory copies may touch)."""
+        for dev, d in list(self._devices.items()):
+            with self.c.on(dev):
+                self.c.rt.cudaStreamSynchronize(d.stream)

@@ -1,0 +1,361 @@
+"""The device path: VRAM to VRAM between peers of one host, without the transport.
+
+A backend holds one :class:`DevicePath` and calls it at the same points of the seam where it
+calls its transport: ``register`` (export IPC handles), ``blob`` (appended to its connection
+blob), ``add_peer`` (decide the route, open the peer's handles once), ``prepare`` (check and
+translate a list once), ``post``/``poll``/``release`` (one batched copy per post, completion
+from a CUDA event). Where the route is not direct, or a list cannot be proven to lie inside
+what the peer exported, ``prepare`` returns ``None`` and the transport carries the bytes.
+
+Bounds: every span of a remote list is looked up with :class:`~kvxfer.spans.SpanIndex` in
+the allocations the peer exported (or, for a peer of this process, in what it registered
+right now) and translated to where its handle is mapped here; a span outside them disables
+the path for that list. Liveness: a pidfd on the peer process; a dead peer turns the next
+post or poll into :class:`~kvxfer.errors.PeerDisconnectedError` and unmaps its handles.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendError, MetadataError, PeerDisconnectedError, StalePeerError
+from ..memory import Allocation, DescriptorList, MemoryKind, Op
+from ..spans import SpanIndex, merge_runs
+from . import blob
+from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
+
+__all__ = ["DevicePath", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
+
+ENGINES = ("auto", "sm", "ce")
+COPY_ON = ("dst", "src")
+_live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
+
+
+@dataclass(eq=False)
+class Spans:
+    """A prepared list as the device path sees it: local addresses, lengths, local GPU."""
+
+    addr: np.ndarray
+    nbytes: np.ndarray
+    device: np.ndarray
+    peer: str | None
+    epoch: int
+
+
+@dataclass(eq=False)
+class _Peer:
+    key: str
+    route: Route
+    epoch: int
+    export: blob.Export | None = None
+    proc: Any = None
+    mappings: dict[int, Any] = field(default_factory=dict)  # handle index -> mapping
+    index: SpanIndex | None = None
+    local_base: np.ndarray | None = None  # per exported allocation: local address of its first byte
+    device: np.ndarray | None = None  # per exported allocation: local GPU
+    other: "weakref.ReferenceType[DevicePath] | None" = None
+    dead: bool = False
+
+
+@dataclass(eq=False)
+class PathXfer:
+    """One post on the device path (possibly several batches, one per GPU pair)."""
+
+    peer: _Peer
+    handles: list[Any]
+    done: bool = False
+    released: bool = False
+
+
+class DevicePath:
+    """Same-host VRAM copies for one backend instance. Options (from the backend):
+
+    ``enabled`` turns the path off entirely; ``engine`` picks ``"sm"`` (copy kernel), ``"ce"``
+    (copy engines) or ``"auto"`` (the kernel on one GPU, the copy engines between two);
+    ``copy_on`` runs the copy on the destination (``"dst"``) or source GPU.
+    """
+
+    def __init__(self, *, enabled: bool = True, engine: str = "auto", copy_on: str = "dst",
+                 capability: Capability | None = None) -> None:
+        if engine not in ENGINES:
+            raise BackendError(f"device path engine must be one of {ENGINES}, not {engine!r}")
+        if copy_on not in COPY_ON:
+            raise BackendError(f"device path copy_on must be one of {COPY_ON}, not {copy_on!r}")
+        self.enabled, self.engine, self.copy_on = bool(enabled), engine, copy_on
+        self._cap_given = capability
+        self._cap: Capability | None = capability
+        self.instance = os.urandom(16)
+        self._regs: dict[int, tuple[tuple[Allocation, ...], Any]] = {}
+        self._next_reg = 0
+        self._peers: dict[str, _Peer] = {}
+        self._epoch = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        _live[self.instance] = self
+
+    # -- capability ----------------------------------------------------------------------
+    @property
+    def cap(self) -> Capability:
+        if self._cap is None:
+            from .capability import cuda_capability
+
+            self._cap = cuda_capability()
+        return self._cap
+
+    # -- local memory --------------------------------------------------------------------
+    def register(self, allocations: Sequence[Allocation]) -> int:
+        """Remember the allocations; export the VRAM ones as IPC handles. Returns a token."""
+        allocs = tuple(allocations)
+        exported = None
+        if self.enabled and any(a.kind is MemoryKind.VRAM for a in allocs) and self.cap.why_not() is None:
+            exported = self.cap.export(allocs)
+        with self._lock:
+            self._next_reg += 1
+            self._regs[self._next_reg] = (allocs, exported)
+            return self._next_reg
+
+    def deregister(self, token: int) -> None:
+        with self._lock:
+            allocs, exported = self._regs.pop(token, ((), None))
+        if exported is not None:
+            exported.close()
+
+    def vram(self) -> tuple[Allocation, ...]:
+        with self._lock:
+            return tuple(a for allocs, _ in self._regs.values() for a in allocs if a.kind is MemoryKind.VRAM)
+
+    def export_errors(self) -> list[str]:
+        return [e for _, ex in self._regs.values() if ex is not None for e in ex.errors]
+
+    def blob(self) -> bytes:
+        """This side's export, for the backend's connection blob (identity even when empty)."""
+        devices: list[bytes] = []
+        handles, chunks, allocs = [], [], []
+        with self._lock:
+            regs = [ex for _, ex in self._regs.values() if ex is not None]
+        for ex in regs:
+            dmap = []
+            for u in ex.devices:
+                if u not in devices:
+                    devices.append(u)
+                dmap.append(devices.index(u))
+            h0, c0 = len(handles), len(chunks)
+            handles += [(k, dmap[d], b, s, f + c0, n) for k, d, b, s, f, n in ex.handles]
+            chunks += ex.chunks
+            allocs += [(a, n, h + h0) for a, n, h in ex.allocs]
+        # Without exports there is nothing to open: say who we are, but not where (no boot id).
+        ident = self.cap.identity() if devices else _anonymous()
+        return blob.encode(blob.Export(ident, self.instance, tuple(devices),
+                                       np.array(handles, dtype=blob.HANDLE), _chunks(chunks),
+                                       np.array(allocs, dtype=blob.ALLOC)))
+
+    # -- peers ---------------------------------------------------------------------------
+    def add_peer(self, key: str, peer_blob: bytes) -> Route:
+        """Decide the route to a peer and open its handles; a known key is replaced (restart)."""
+        exp = blob.decode(peer_blob)  # MetadataError on anything malformed
+        self.remove_peer(key)
+        other = _live.get(exp.instance) if exp.identity.token == _my_token() else None
+        same = other is not None and other is not self and not other._closed
+        local_devices = sorted({a.device for a in self.vram()})
+        route = decide(self.cap.identity(), exp, local_devices, self.cap, enabled=self.enabled,
+                       same_process_peer=same)
+        with self._lock:
+            self._epoch += 1
+            p = _Peer(key, route, self._epoch, export=exp)
+        if route.kind == SAME_PROCESS:
+            p.other = weakref.ref(other)  # type: ignore[arg-type]
+        elif route.kind == CUDA_IPC:
+            try:
+                self._open(p, exp, local_devices)
+            except (OSError, BackendError, MetadataError) as exc:
+                self._close_mappings(p)
+                p.route = Route(None, f"the peer's handles did not open here: {exc}")
+        with self._lock:
+            self._peers[key] = p
+        return p.route
+
+    def _open(self, p: _Peer, exp: blob.Export, local_devices: list[int]) -> None:
+        p.proc = self.cap.peer_process(exp.identity.pid, exp.identity.start_time)
+        devices = np.asarray(p.route.devices, dtype=np.int64)
+        hdev = devices[exp.handles["device"].astype(np.int64)]
+        for h in range(exp.handles.shape[0]):
+            p.mappings[h] = self.cap.open(exp, h, int(hdev[h]), local_devices, p.proc)
+        mapped = np.array([p.mappings[h].local for h in range(exp.handles.shape[0])], dtype=np.uint64)
+        sizes = np.array([p.mappings[h].size for h in range(exp.handles.shape[0])], dtype=np.uint64)
+        hi = exp.allocs["handle"].astype(np.int64)
+        off = exp.allocs["address"] - exp.handles["base"][hi]
+        if ((off + exp.allocs["nbytes"]) > sizes[hi]).any():
+            raise MetadataError("an exported allocation runs past what its handle mapped")
+        p.index = SpanIndex(Allocation(int(a), int(n), MemoryKind.VRAM, 0)
+                            for a, n in zip(exp.allocs["address"], exp.allocs["nbytes"]))
+        p.local_base = mapped[hi] + off
+        p.device = hdev[hi]
+        p.route = Route(CUDA_IPC, "same host: peer handles opened", p.route.devices)
+
+    def route(self, key: str) -> Route | None:
+        p = self._peers.get(key)
+        return None if p is None else p.route
+
+    def remove_peer(self, key: str) -> None:
+        """Forget a peer: wait for copies that may touch its memory, then unmap its handles."""
+        with self._lock:
+            p = self._peers.pop(key, None)
+        if p is not None:
+            self._teardown(p, "removed")
+
+    def _teardown(self, p: _Peer, why: str) -> None:
+        with self._lock:
+            if p.dead:
+                return
+            p.dead = True
+            if p.mappings:
+                self.cap.sync_all()
+            self._close_mappings(p)
+            if p.proc is not None:
+                p.proc.close()
+                p.proc = None
+            p.route = Route(None, f"peer {why}")
+
+    def _close_mappings(self, p: _Peer) -> None:
+        for m in p.mappings.values():
+            self.cap.close(m)
+        p.mappings.clear()
+
+    def _alive(self, p: _Peer) -> None:
+        if p.dead:
+            raise PeerDisconnectedError(f"peer {p.key!r} is gone ({p.route.reason}); add it again once it is back")
+        if p.proc is not None and not p.proc.alive():
+            self._teardown(p, "process exited")
+            raise PeerDisconnectedError(f"peer {p.key!r} exited; its CUDA IPC handles were closed")
+
+    # -- lists ---------------------------------------------------------------------------
+    def prepare(self, key: str | None, descs: DescriptorList) -> Spans | None:
+        """Check and translate a VRAM list once; ``None`` means the transport must carry it."""
+        if not self.enabled or descs.kind is not MemoryKind.VRAM:
+            return None
+        flat = descs.expand().array
+        addr, n, dev = flat[:, 0], flat[:, 1], flat[:, 2]
+        if key is None:
+            ok = SpanIndex(self.vram()).find(addr, n, dev, MemoryKind.VRAM) >= 0
+            return Spans(addr.copy(), n.copy(), dev.astype(np.int64), None, 0) if ok.all() else None
+        p = self._peers.get(key)
+        if p is None or not p.route.direct or p.dead:
+            return None
+        if p.route.kind == SAME_PROCESS:
+            other = p.other() if p.other is not None else None
+            if other is None or other._closed:
+                return None
+            ok = SpanIndex(other.vram()).find(addr, n, dev, MemoryKind.VRAM) >= 0
+            return Spans(addr.copy(), n.copy(), dev.astype(np.int64), key, p.epoch) if ok.all() else None
+        assert p.index is not None and p.local_base is not None and p.device is not None
+        slot = p.index.find(addr, n, 0, MemoryKind.VRAM)
+        if (slot < 0).any():
+            return None
+        start = np.asarray([a.address for a in p.index.allocations], dtype=np.uint64)
+        local = p.local_base[slot] + (addr - start[slot])
+        return Spans(local, n.copy(), p.device[slot].astype(np.int64), key, p.epoch)
+
+    # -- transfers -----------------------------------------------------------------------
+    def post(self, op: Op, local: Spans, li: np.ndarray, remote: Spans, ri: np.ndarray) -> PathXfer:
+        """One batched copy per GPU pair (usually exactly one) on the copier's private stream."""
+        p = self._peers.get(remote.peer or "")
+        if p is None or p.epoch != remote.epoch:
+            raise StalePeerError(f"the list was prepared for {remote.peer!r}, which was removed or re-added since")
+        la, ln, ld = local.addr[li], local.nbytes[li], local.device[li]
+        ra, rn, rd = remote.addr[ri], remote.nbytes[ri], remote.device[ri]
+        if not np.array_equal(ln, rn):
+            raise BackendError("paired descriptors differ in length")
+        if op is Op.READ:
+            dst, src, ddev, sdev = la, ra, ld, rd
+        else:
+            dst, src, ddev, sdev = ra, la, rd, ld
+        handles = []
+        with self._lock:
+            self._alive(p)
+            for d, s, n, dd, sd in _by_device_pair(dst, src, ln, ddev, sdev):
+                d, s, n = merge_runs(d, s, n)
+                run_on = dd if self.copy_on == "dst" else sd
+                handles.append(self.cap.copy(d, s, n, run_on, self._engine(dd, sd, run_on), sd, dd))
+        return PathXfer(p, handles)
+
+    def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
+        eng = self.engine
+        if eng == "auto":
+            eng = "sm" if dst_dev == src_dev else "ce"
+        if eng == "sm" and self.cap.kernel_error(run_on) is not None:
+            eng = "ce"
+        return eng
+
+    def poll(self, x: PathXfer) -> bool:
+        if x.done:
+            return True
+        if x.released:
+            raise BackendError("transfer was released")
+        for h in x.handles:
+            if not self.cap.query(h):
+                return False
+        self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
+        x.done = True
+        return True
+
+    def release(self, x: PathXfer) -> None:
+        """Forget a post; one still running is waited for (a copy cannot be aborted)."""
+        if x.released:
+            return
+        x.released = True
+        for h in x.handles:
+            try:
+                self.cap.synchronize(h)
+            except BackendError:
+                pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for key in list(self._peers):
+            self.remove_peer(key)
+        for token in list(self._regs):
+            self.deregister(token)
+        self._closed = True
+        _live.pop(self.instance, None)
+
+
+def _by_device_pair(dst: np.ndarray, src: np.ndarray, n: np.ndarray, ddev: np.ndarray,
+                    sdev: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
+    """Split a post by (destination GPU, source GPU); almost always a single group."""
+    if ddev.shape[0] == 0:
+        return []
+    if (ddev == ddev[0]).all() and (sdev == sdev[0]).all():
+        return [(dst, src, n, int(ddev[0]), int(sdev[0]))]
+    pair = ddev.astype(np.int64) * 65536 + sdev.astype(np.int64)
+    out = []
+    for v in np.unique(pair):
+        m = pair == v
+        out.append((dst[m], src[m], n[m], int(v // 65536), int(v % 65536)))
+    return out
+
+
+def _chunks(rows: list[tuple[int, int, bytes]]) -> np.ndarray:
+    out = np.zeros(len(rows), dtype=blob.CHUNK)
+    for i, (off, size, payload) in enumerate(rows):
+        out[i] = (off, size, payload)
+    return out
+
+
+def _my_token() -> bytes:
+    from .host import here
+
+    return here().token
+
+
+def _anonymous() -> Any:
+    from .host import Identity, here
+
+    me = here()
+    return Identity(b"", me.pid, me.start_time, me.token)

@@ -1,0 +1,126 @@
+"""A stand-in for CUDA so CI (no GPU) can drive :class:`kvxfer.cuda.DevicePath` end to end.
+
+"VRAM" here is host memory (numpy arrays) registered as ``MemoryKind.VRAM``; "opening a
+handle" maps nothing (the memory is already addressable in this process) but is counted, so
+tests can check that restarts and dead peers unmap; "copying" really moves the bytes with
+``ctypes.memmove``, so every test still checks real bytes. What it cannot test is CUDA
+itself: the GPU tests do that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..cuda import blob
+from ..cuda.host import Identity
+from ..cuda.ipc import Exported
+from ..memory import Allocation, MemoryKind
+
+__all__ = ["FakeCuda", "FakeProcess"]
+
+
+def _uuid(device: int) -> bytes:
+    return bytes([0xC0, device]) + b"\0" * 14
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    is_alive: bool = True
+    closed: bool = False
+    fd: int = -1
+
+    def alive(self) -> bool:
+        return self.is_alive
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass(eq=False)
+class _Mapping:
+    local: int
+    size: int
+
+
+@dataclass
+class FakeCuda:
+    """Configurable answers for every question :func:`kvxfer.cuda.decide` asks."""
+
+    boot_id: bytes = b"B" * 16
+    pid: int = field(default_factory=lambda: 100000 + int.from_bytes(os.urandom(2), "little"))
+    token: bytes = field(default_factory=lambda: os.urandom(16))
+    unavailable: str | None = None
+    visible: tuple[int, ...] = (0, 1)
+    peer_access: bool = True
+    fail_open: bool = False
+    shift: int = 0  # where "opened" handles appear, relative to the exporter's addresses
+    processes: list[FakeProcess] = field(default_factory=list)
+    opened: list[_Mapping] = field(default_factory=list)
+    copies: int = 0
+
+    def why_not(self) -> str | None:
+        return self.unavailable
+
+    def identity(self) -> Identity:
+        return Identity(self.boot_id, self.pid, 1, self.token)
+
+    def device_of(self, uuid: bytes) -> int | None:
+        d = uuid[1] if uuid[:1] == b"\xc0" else -1
+        return d if d in self.visible else None
+
+    def can_access(self, device: int, peer: int) -> bool:
+        return device == peer or self.peer_access
+
+    def export(self, allocations: Sequence[Allocation]) -> Exported:
+        out = Exported()
+        for a in allocations:
+            if a.kind is not MemoryKind.VRAM:
+                continue
+            u = _uuid(a.device)
+            if u not in out.devices:
+                out.devices.append(u)
+            out.handles.append((blob.KIND_LEGACY, out.devices.index(u), a.address, a.nbytes, len(out.chunks), 1))
+            out.chunks.append((0, a.nbytes, b"fake-ipc-handle".ljust(64, b"\0")))
+            out.allocs.append((a.address, a.nbytes, len(out.handles) - 1))
+        return out
+
+    def open(self, exp: blob.Export, handle: int, device: int, access: Sequence[int], proc: Any) -> _Mapping:
+        if self.fail_open:
+            raise OSError("fake: cudaIpcOpenMemHandle refused the handle")
+        rec = exp.handles[handle]
+        m = _Mapping(int(rec["base"]) + self.shift, int(rec["size"]))  # host memory here: no real mapping
+        self.opened.append(m)
+        return m
+
+    def close(self, mapping: Any) -> None:
+        self.opened.remove(mapping)
+
+    def peer_process(self, pid: int, started: int) -> FakeProcess:
+        p = FakeProcess(pid)
+        self.processes.append(p)
+        return p
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, engine: str,
+             src_device: int | None, dst_device: int | None) -> str:
+        for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist()):  # a test double: clarity over speed
+            ctypes.memmove(d, s, n)
+        self.copies += 1
+        return "done"
+
+    def query(self, handle: Any) -> bool:
+        return True
+
+    def synchronize(self, handle: Any) -> None:
+        pass
+
+    def sync_all(self) -> None:
+        pass
+
+    def kernel_error(self, device: int) -> str | None:
+        return None
