@@ -252,6 +252,8 @@ class Agent:
                 for fn in cleanup:
                     fn()
             raise
+        if posts:
+            stats.path = self.backend.data_path(posts[0].handle)
         if not chunks and notify is not None:
             single = False
         on_done = None

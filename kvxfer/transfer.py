@@ -30,13 +30,18 @@ class Status(str, enum.Enum):
 
 @dataclass
 class TransferStats:
-    """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds."""
+    """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds.
+
+    ``path`` names the data path the backend chose (e.g. ``"cuda-ipc"`` or its transport's
+    name), so a silent fallback shows up in stats instead of only as a slower number.
+    """
 
     descriptors: int
     nbytes: int
     posts: int
     plan_seconds: float
     seconds: float | None = None  # from the first post until DONE was observed
+    path: str | None = None
 
     @property
     def gbps(self) -> float | None:

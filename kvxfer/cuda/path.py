@@ -69,6 +69,7 @@ class PathXfer:
 
     peer: _Peer
     handles: list[Any]
+    kind: str  # the route taken: SAME_PROCESS or CUDA_IPC
     done: bool = False
     released: bool = False
 
@@ -282,7 +283,7 @@ class DevicePath:
                 d, s, n = merge_runs(d, s, n)
                 run_on = dd if self.copy_on == "dst" else sd
                 handles.append(self.cap.copy(d, s, n, run_on, self._engine(dd, sd, run_on), sd, dd))
-        return PathXfer(p, handles)
+        return PathXfer(p, handles, p.route.kind or "")
 
     def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
         eng = self.engine

@@ -95,6 +95,10 @@ class Backend(abc.ABC):
     def release(self, xfer: Any) -> None:
         """Forget a transfer; if still pending, abort it (this is how the core cancels)."""
 
+    def data_path(self, xfer: Any) -> str | None:
+        """Which data path carries a posted transfer (reported in ``TransferStats.path``)."""
+        return None
+
     # notifications
     @abc.abstractmethod
     def notify(self, peer: str, message: bytes) -> None: ...

@@ -59,19 +59,19 @@ each other while they wait, because nobody else would. Turn it on
 (``progress_thread=True``) for a target that cannot call ``progress()`` often and moves
 bytes over TCP or shared memory.
 
-Two agents in one process (option ``device_copy``, default on)
--------------------------------------------------------------
-Two NIXL agents in one process moved 0.3-0.4 GB/s on one GPU: UCX did not use cuda_ipc
-between them. The connection blob therefore carries a random per-process token (renewed in
-a forked child) and an instance id; a peer whose blob names this process and a live agent
-here is reached by **direct device copies**: the paired spans (runs merged with numpy) go
-to the CUDA runtime in a single ``cudaMemcpyBatchAsync`` on a private stream (peer access
-enabled between two GPUs), completion is a CUDA event, and the notification follows through
-NIXL once the event has fired. The spans are first checked against the allocations the peer
-really registered, so a forged blob cannot redirect a copy. Measured on H200s, 7.0 GB:
-793 GB/s as whole rows on one GPU, 368 GB/s between two GPUs (a torch peer copy: 391).
-DRAM-only pairs stay on NIXL (shared memory is fast there, and it keeps CI on the real
-transport). ``device_copy=False`` turns the shortcut off.
+VRAM peers of one host (option ``device_copy``, default on)
+-----------------------------------------------------------
+UCX's cuda_ipc tops out near 290 GB/s between two H200s (74 % of a torch peer copy), and two
+agents of one process moved 0.3-0.4 GB/s because UCX did not use cuda_ipc between them. So
+VRAM goes through the core's device path (:mod:`kvxfer.cuda`) wherever it applies: the
+connection blob carries the path's export (CUDA IPC handles of every registered VRAM
+allocation), ``add_remote`` lets the path decide the route and open the peer's handles once,
+``prepare`` has it check and translate each list, and ``post`` becomes one batched copy on a
+private stream. Notifications still go through NIXL once the copy's event has fired.
+Different hosts, GPUs without peer access, handles that do not open, or lists outside what
+the peer exported stay on NIXL; ``TransferStats.path`` says which one moved the bytes
+(``"cuda-ipc"``, ``"same-process"`` or ``"nixl"``). DRAM stays on NIXL (shared memory is fast
+there, and it keeps CI on the real transport). ``device_copy=False`` turns the path off.
 
 Known limits
 ------------

@@ -33,7 +33,7 @@ from kvxfer.errors import (
     UnsupportedError,
 )
 
-from . import _cuda
+from kvxfer.cuda import DevicePath, blob as _device_blob
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "NixlBackend"]
 
@@ -61,12 +61,12 @@ def _quiet_nixl_logging() -> None:
 _quiet_nixl_logging()
 
 # --------------------------------------------------------------------------------------------
-# Same-process peers. The connection blob starts with a header naming the process and the
-# backend instance; a peer whose header names *this* process (and an instance still alive
-# here) is reached by direct device copies instead of UCX (see _cuda.py for why).
+# The connection blob: a header naming the process and the backend instance (agents of one
+# process progress each other), the device path's export (kvxfer.cuda: VRAM peers of one host
+# are reached by direct copies), then NIXL's own metadata.
 # --------------------------------------------------------------------------------------------
-_MAGIC = b"KVXNIXL1"
-_HEADER = struct.Struct("!8s16s16s")
+_MAGIC = b"KVXNIXL2"
+_HEADER = struct.Struct("!8s16s16sI")
 _process = {"token": os.urandom(16)}
 _instances: "weakref.WeakValueDictionary[bytes, NixlBackend]" = weakref.WeakValueDictionary()
 
@@ -118,21 +118,6 @@ def _as_int32(idx: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(idx, dtype=np.int32)
 
 
-def _merge_runs(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge copies contiguous on both sides into one (vectorized; same rule NIXL applies)."""
-    n = sizes.shape[0]
-    if n < 2:
-        return dst, src, sizes
-    cont = (dst[:-1] + sizes[:-1] == dst[1:]) & (src[:-1] + sizes[:-1] == src[1:])
-    if not cont.any():
-        return dst, src, sizes
-    starts = np.ones(n, dtype=bool)
-    starts[1:] = ~cont
-    first = np.flatnonzero(starts)
-    return (np.ascontiguousarray(dst[first]), np.ascontiguousarray(src[first]),
-            np.add.reduceat(sizes, first).astype(np.uint64))
-
-
 # --------------------------------------------------------------------------------------------
 # Handles
 # --------------------------------------------------------------------------------------------
@@ -145,35 +130,30 @@ class _Remote:
 
 @dataclass(eq=False)
 class _Prepared:
-    """A prepared list: NIXL's handle, plus the expanded spans for the same-process path."""
+    """A prepared list: NIXL's handle, plus the device path's checked spans when it applies."""
 
     handle: Any
     peer: str | None
     epoch: int
     descs: DescriptorList
-    flat: np.ndarray | None = None  # N x 3, filled lazily for device copies
-
-    def spans(self) -> np.ndarray:
-        if self.flat is None:
-            self.flat = self.descs.expand().array
-        return self.flat
+    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
 
 
 @dataclass(eq=False)
 class _Registration:
     lists: list[tuple[MemoryKind, Any]]
     allocations: tuple[Allocation, ...]
+    device_token: int = 0
 
 
 @dataclass(eq=False)
 class _Xfer:
-    """One post. ``handle`` is NIXL's; ``event`` is set instead for a same-process device copy."""
+    """One post. ``handle`` is NIXL's; ``event`` is set instead for a device-path copy."""
 
     handle: Any
     peer: str
     notification: bytes | None
     event: Any = None
-    keep: tuple[Any, ...] = ()
     done: bool = False
     error: KvxferError | None = None
     released: bool = False
@@ -260,8 +240,10 @@ class NixlBackend(Backend):
     ``num_threads`` (default 0)
         worker threads for multi-threaded NIXL plugins (UCX's ``num_threads``).
     ``device_copy`` (default True)
-        copy VRAM directly (``cudaMemcpyBatchAsync``) when the peer agent lives in this
-        process, instead of going through UCX.
+        move VRAM through the core's device path (:mod:`kvxfer.cuda`: CUDA IPC handles and one
+        batched copy per post) when the peer is on this host, instead of through UCX.
+    ``device_engine`` (default ``"auto"``), ``device_copy_on`` (default ``"dst"``)
+        the device path's copy engine and copying GPU (see :class:`kvxfer.cuda.DevicePath`).
     ``notify_thread`` (default True)
         keep polling notification-carrying transfers in a helper thread (see :class:`_Pump`).
     """
@@ -270,11 +252,12 @@ class NixlBackend(Backend):
 
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
-                 notify_thread: bool = True) -> None:
+                 device_engine: str = "auto", device_copy_on: str = "dst", notify_thread: bool = True) -> None:
         super().__init__(agent_name, progress_thread=progress_thread, backends=tuple(backends),
-                         num_threads=num_threads, device_copy=device_copy, notify_thread=notify_thread)
+                         num_threads=num_threads, device_copy=device_copy, device_engine=device_engine,
+                         device_copy_on=device_copy_on, notify_thread=notify_thread)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
-        self._device_copy = bool(device_copy)
+        self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._notify_thread = bool(notify_thread)
         self.capabilities = Capabilities(
             memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
@@ -304,7 +287,6 @@ class NixlBackend(Backend):
         self._remotes: dict[str, _Remote] = {}
         self._prepared: "weakref.WeakSet[_Prepared]" = weakref.WeakSet()
         self._registrations: list[_Registration] = []
-        self._regions: dict[MemoryKind, tuple[np.ndarray, np.ndarray]] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._unreleased: list[_Xfer] = []
         self._epoch = 0
@@ -348,16 +330,15 @@ class NixlBackend(Backend):
                     except Exception:
                         pass
             raise
-        handle = _Registration(lists, allocs)
+        handle = _Registration(lists, allocs, self._path.register(allocs))
         self._registrations.append(handle)
-        self._index_regions()
         return handle
 
     def deregister(self, handle: Any) -> None:
         if not isinstance(handle, _Registration) or handle not in self._registrations:
             return
         self._registrations.remove(handle)
-        self._index_regions()
+        self._path.deregister(handle.device_token)
         errors = []
         for _, reg in handle.lists:
             with self._lock:
@@ -368,48 +349,31 @@ class NixlBackend(Backend):
         if errors:
             raise _map_error(errors[0], "deregistering memory")
 
-    def _index_regions(self) -> None:
-        """Sorted (start, end) arrays per kind: bounds for spans copied without UCX."""
-        out: dict[MemoryKind, tuple[np.ndarray, np.ndarray]] = {}
-        for kind in (MemoryKind.DRAM, MemoryKind.VRAM):
-            spans = sorted((a.address, a.end) for r in self._registrations for a in r.allocations if a.kind is kind)
-            arr = np.array(spans, dtype=np.uint64).reshape(-1, 2)
-            out[kind] = (arr[:, 0].copy(), arr[:, 1].copy())
-        self._regions = out
-
-    def _covers(self, kind: MemoryKind, spans: np.ndarray) -> bool:
-        """True if every ``(address, nbytes, device)`` span lies inside one registered allocation."""
-        starts, ends = self._regions.get(kind, (np.zeros(0, np.uint64), np.zeros(0, np.uint64)))
-        if spans.shape[0] == 0:
-            return True
-        if starts.shape[0] == 0:
-            return False
-        i = np.searchsorted(starts, spans[:, 0], side="right").astype(np.int64) - 1
-        ok = i >= 0
-        i = np.maximum(i, 0)
-        ok &= spans[:, 0] + spans[:, 1] <= ends[i]
-        return bool(ok.all())
-
     # -- peers --------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
-        """Header (process token, instance id) + NIXL's agent metadata (fetch after register)."""
+        """Header (process token, instance id) + device-path export + NIXL's agent metadata."""
         self._check_open()
         with self._lock:
             try:
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise _map_error(exc, "reading local NIXL metadata") from exc
-        return _HEADER.pack(_MAGIC, _process["token"], self._id) + bytes(md)
+        dev = self._path.blob()
+        return _HEADER.pack(_MAGIC, _process["token"], self._id, len(dev)) + dev + bytes(md)
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         """Load the peer's NIXL metadata; a name already known is removed first (restart)."""
         self._check_open()
         if not isinstance(blob, (bytes, bytearray)) or len(blob) <= _HEADER.size:
             raise MetadataError(f"NIXL connection blob of {peer_name!r} is too short ({len(blob)} bytes)")
-        magic, token, inst = _HEADER.unpack_from(blob)
+        magic, token, inst, dev_len = _HEADER.unpack_from(blob)
         if magic != _MAGIC:
             raise MetadataError(f"peer {peer_name!r} did not send a kvxfer NIXL blob (bad magic {magic!r})")
-        md = bytes(blob[_HEADER.size:])
+        if _HEADER.size + dev_len >= len(blob):
+            raise MetadataError(f"NIXL connection blob of {peer_name!r} is truncated")
+        dev = bytes(blob[_HEADER.size:_HEADER.size + dev_len])
+        _device_blob.decode(dev)  # validated before NIXL sees anything
+        md = bytes(blob[_HEADER.size + dev_len:])
         if peer_name in self._remotes:
             self.remove_remote(peer_name)
         with self._lock:
@@ -438,6 +402,7 @@ class NixlBackend(Backend):
                 local = weakref.ref(other)
         self._epoch += 1
         self._remotes[name] = _Remote(name, self._epoch, local)
+        self._path.add_peer(name, dev)
         return name
 
     def remove_remote(self, peer: str) -> None:
@@ -445,6 +410,7 @@ class NixlBackend(Backend):
         rem = self._remotes.pop(peer, None)
         if rem is None:
             return
+        self._path.remove_peer(peer)
         for p in list(self._prepared):
             if p.peer == peer:
                 self.release_prepared(p)
@@ -469,22 +435,17 @@ class NixlBackend(Backend):
             if rem is None:
                 raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}; add it first")
             target, epoch = peer, rem.epoch
+        device = self._path.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
         handle = None
         if len(descs):
             with self._lock:
                 try:
                     handle = self._agent.prep_xfer_dlist(target, descs.array, descs.kind.value)
                 except Exception as exc:
-                    # A same-process VRAM peer can still be served by device copies.
-                    if not self._fast_capable(rem, descs.kind):
+                    # Two agents of one process: UCX may refuse, the device path still serves it.
+                    if device is None or rem is None:
                         raise _map_error(exc, f"preparing {len(descs)} {descs.kind.value} descriptors", peer) from exc
-        p = _Prepared(handle, peer, epoch, descs)
-        if rem is not None and self._fast_capable(rem, descs.kind):
-            # Device copies bypass NIXL's checks: hold the spans to the peer's real registrations.
-            other = rem.local() if rem.local is not None else None
-            if other is None or not other._covers(descs.kind, p.spans()):
-                p.flat = None
-                rem.local = None  # not provably local memory: stay on NIXL
+        p = _Prepared(handle, peer, epoch, descs, device)
         self._prepared.add(p)
         return p
 
@@ -500,10 +461,6 @@ class NixlBackend(Backend):
                 self._agent.release_dlist_handle(h)
             except Exception:
                 pass  # a list NIXL already dropped (peer removed) is gone either way
-
-    def _fast_capable(self, rem: _Remote | None, kind: MemoryKind) -> bool:
-        return (rem is not None and rem.local is not None and self._device_copy and kind is MemoryKind.VRAM
-                and _cuda.copier() is not None)
 
     # -- transfers ----------------------------------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
@@ -521,9 +478,11 @@ class NixlBackend(Backend):
         li, ri = _as_int32(local_idx), _as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        if (remote.flat is not None and rem.local is not None and local.descs.kind is MemoryKind.VRAM
-                and remote.descs.kind is MemoryKind.VRAM):
-            return self._post_device_copy(op, local, li, remote, ri, rem, notification)
+        if local.device is not None and remote.device is not None:
+            x = _Xfer(None, rem.name, notification, event=self._path.post(op, local.device, li, remote.device, ri))
+            if notification and self._notify_thread:
+                self._pump.add(x)
+            return x
         if local.handle is None or remote.handle is None:
             raise BackendError("descriptor list was released or is empty")
         with self._lock:
@@ -544,33 +503,6 @@ class NixlBackend(Backend):
             self._pump.add(x)
         return x
 
-    def _post_device_copy(self, op: Op, local: _Prepared, li: np.ndarray, remote: _Prepared, ri: np.ndarray,
-                          rem: _Remote, notification: bytes | None) -> _Xfer:
-        copier = _cuda.copier()
-        assert copier is not None
-        la, ra = local.spans()[li], remote.spans()[ri]
-        if not np.array_equal(la[:, 1], ra[:, 1]):
-            raise BackendError("paired descriptors differ in length")
-        if op is Op.READ:
-            dst, src, dkind, skind = la, ra, local.descs.kind, remote.descs.kind
-        else:
-            dst, src, dkind, skind = ra, la, remote.descs.kind, local.descs.kind
-        d, s, n = _merge_runs(np.ascontiguousarray(dst[:, 0]), np.ascontiguousarray(src[:, 0]),
-                              np.ascontiguousarray(dst[:, 1]))
-        if not len(n):
-            raise BackendError("empty transfer")
-        device = int(dst[0, 2]) if dkind is MemoryKind.VRAM else int(src[0, 2])
-        src_device = int(src[0, 2]) if skind is MemoryKind.VRAM else None
-        try:
-            event = copier.copy(d, s, n, device, src_device, src_host=skind is MemoryKind.DRAM,
-                                dst_host=dkind is MemoryKind.DRAM)
-        except Exception as exc:
-            raise BackendError(f"device copy of {len(n)} spans failed: {exc}") from exc
-        x = _Xfer(None, rem.name, notification, event=event, keep=(d, s, n))
-        if notification and self._notify_thread:
-            self._pump.add(x)
-        return x
-
     def poll(self, xfer: Any) -> bool:
         """One non-blocking look. Without a progress thread it also progresses same-process peers."""
         x: _Xfer = xfer
@@ -581,7 +513,11 @@ class NixlBackend(Backend):
         if x.released:
             raise TransferCancelledError("transfer was released")
         if x.event is not None:
-            finished = bool(x.event.query())
+            try:
+                finished = self._path.poll(x.event)
+            except KvxferError as exc:
+                x.error = exc
+                raise
         else:
             with self._lock:
                 if x.released:  # released by another thread: never touch a freed handle
@@ -615,11 +551,15 @@ class NixlBackend(Backend):
                 return
             x.released = True
             if x.event is not None:
-                if not x.done:
-                    x.event.synchronize()  # a device copy cannot be aborted; it ends in milliseconds
+                self._path.release(x.event)  # a device copy cannot be aborted; it ends in milliseconds
                 return
             if not self._release_handle(x.handle):
                 self._unreleased.append(x)
+
+    def data_path(self, xfer: Any) -> str | None:
+        """``"cuda-ipc"`` or ``"same-process"`` for device-path copies, else ``"nixl"``."""
+        x: _Xfer = xfer
+        return x.event.kind if x.event is not None else "nixl"
 
     def _release_handle(self, h: Any) -> bool:
         with self._lock:
@@ -710,6 +650,7 @@ class NixlBackend(Backend):
                 self.deregister(reg)
             except KvxferError:
                 pass
+        self._path.close()
         self._closed = True
         _instances.pop(self._id, None)
         with self._lock:
