@@ -6,18 +6,23 @@ a 4.5 MB row per block (7.0 GB). Prefill holds a block-outermost (packed) cache.
 either the same packed layout (**rows**: one descriptor per block) or one region per layer
 (**layers**: 61 descriptors per block).
 
-Each process holds a kvxfer agent *and* a raw ``nixl_agent`` registered on the same memory.
+Each process holds kvxfer agents *and* a raw ``nixl_agent`` registered on the same memory.
 Raw NIXL gets the best it can do by hand: strided lists prepared once, int32 indices computed
 with numpy, one ``make_prepped_xfer`` + ``transfer`` + polling per request. kvxfer goes
 through ``Agent.read(...).wait()``: planning, bounds checks and the backend seam included.
-Every run is verified: per-block checksums of the destination against the source's, and the
-destination blocks outside the request must still hold the 0xAA sentinel.
+``--variants`` adds kvxfer agents with other options to the same run (``kvxfer``: defaults,
+i.e. the device path for VRAM peers of one host; ``kvxfer-nixl``: device path off;
+``kvxfer-ce`` / ``kvxfer-sm``: copy engines / copy kernel; ``kvxfer-src``: copy on the
+source GPU). Every run is verified byte for byte: the checking side regenerates the seeded
+source and compares every moved byte, and destination blocks outside the request must
+still hold the 0xAA sentinel. Posting cost (the ``read``/``write`` call alone, or
+``make_prepped_xfer`` + ``transfer`` for raw NIXL) is reported per transfer and per descriptor.
 
 Usage (the exact commands used for the results are in BENCHMARKS.md (NIXL section))::
 
     python benchmarks/bench_nixl.py --memory DRAM --blocks 128            # CPU box
     python benchmarks/bench_nixl.py --memory VRAM --local-gpu 0 --remote-gpu 1   # NVLink
-    python benchmarks/bench_nixl.py --memory VRAM --same-process           # fast path
+    python benchmarks/bench_nixl.py --memory VRAM --same-process           # both agents here
 
 Prefill runs in a child process (``--role target``) unless ``--same-process``.
 """
@@ -36,66 +41,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-SENTINEL = 0xAA
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _nixl_buffers import SENTINEL, Buffers  # noqa: E402
+
 EXTRA = 8  # destination blocks never written: must keep the sentinel
-
-
-# ------------------------------------------------------------------------------------------
-# buffers (numpy for DRAM, torch for VRAM) and checksums computed the same way on both sides
-# ------------------------------------------------------------------------------------------
-class Buffers:
-    def __init__(self, memory: str, device: int) -> None:
-        self.memory = memory
-        self.device = device
-        if memory == "VRAM":
-            import torch
-
-            self.torch = torch
-
-    def empty(self, rows: int, cols: int, fill: int | None) -> Any:
-        if self.memory == "VRAM":
-            t = self.torch
-            dev = f"cuda:{self.device}"
-            if fill is None:
-                return t.randint(0, 256, (rows, cols), dtype=t.uint8, device=dev)
-            return t.full((rows, cols), fill, dtype=t.uint8, device=dev)
-        if fill is None:
-            rng = np.random.default_rng(1234)
-            return rng.integers(0, 256, size=(rows, cols), dtype=np.uint8)
-        return np.full((rows, cols), fill, dtype=np.uint8)
-
-    def ptr(self, a: Any) -> int:
-        return int(a.data_ptr()) if self.memory == "VRAM" else int(a.ctypes.data)
-
-    def dev(self) -> int:
-        return self.device if self.memory == "VRAM" else 0
-
-    def sums(self, rows: Any) -> np.ndarray:
-        """Position-weighted wrapping sums of each row's int64 words (order-sensitive)."""
-        if self.memory == "VRAM":
-            t = self.torch
-            w = rows.contiguous().view(t.int64)
-            weights = t.arange(1, w.shape[1] + 1, dtype=t.int64, device=w.device)
-            return (w * weights).sum(dim=1).cpu().numpy().astype(np.uint64)
-        w = np.ascontiguousarray(rows).view(np.uint64)
-        weights = np.arange(1, w.shape[1] + 1, dtype=np.uint64)
-        return (w * weights).sum(axis=1, dtype=np.uint64)
-
-    def all_equal(self, rows: Any, value: int) -> bool:
-        if self.memory == "VRAM":
-            return bool((rows == value).all().item())
-        return bool((rows == value).all())
-
-    def fill(self, a: Any, value: int) -> None:
-        if self.memory == "VRAM":
-            a.fill_(value)
-            self.torch.cuda.synchronize(self.device)
-        else:
-            a.fill(value)
-
-    def sync(self) -> None:
-        if self.memory == "VRAM":
-            self.torch.cuda.synchronize(self.device)
+SRC_SEED, WRITE_SEED = 1234, 99
+VARIANTS: dict[str, dict[str, Any]] = {
+    "kvxfer": {}, "kvxfer-nixl": {"device_copy": False}, "kvxfer-ce": {"device_engine": "ce"},
+    "kvxfer-sm": {"device_engine": "sm"}, "kvxfer-src": {"device_copy_on": "src"},
+}
 
 
 def nixl_agent(name: str, progress_thread: bool, num_threads: int = 0) -> Any:
@@ -106,9 +60,11 @@ def nixl_agent(name: str, progress_thread: bool, num_threads: int = 0) -> Any:
                                           num_threads=num_threads))
 
 
-def kx_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"progress_thread": args.progress_thread, "num_threads": args.num_threads,
-            "device_copy": args.device_copy, "timeout": args.timeout}
+def kx_options(args: argparse.Namespace, variant: str = "kvxfer") -> dict[str, Any]:
+    base = {"progress_thread": args.progress_thread, "num_threads": args.num_threads,
+            "device_copy": args.device_copy, "device_engine": args.device_engine,
+            "device_copy_on": args.device_copy_on, "timeout": args.timeout}
+    return {**base, **VARIANTS[variant]}
 
 
 def strided(base: int, length: int, dev: int, stride: int, count: int) -> list[int]:
@@ -127,7 +83,7 @@ class Prefill:
         self.args = args
         self.buf = Buffers(args.memory, device)
         B, L, P = args.blocks, args.layers, args.page
-        self.rows = self.buf.empty(B, L * P, None)
+        self.rows = self.buf.random(B, L * P, SRC_SEED)
         self.buf.sync()
         self.agent = kvxfer.Agent("prefill", backend="nixl", **kx_options(args))
         self.agent.register({f"layer.{i}": self.rows[:, i * P:(i + 1) * P] for i in range(L)}, replicated=True)
@@ -149,8 +105,17 @@ class Prefill:
         self.agent.progress()
         self.raw.get_new_notifs()
 
-    def sums(self) -> np.ndarray:
-        return self.buf.sums(self.rows)
+    def check_write(self, ids: list[int], src_ids: list[int], nb: int) -> bool:
+        """After a WRITE: rows ``ids`` hold the writer's seeded rows ``src_ids`` (every byte), the
+        other rows still hold the original source. Restores the original for the next run."""
+        B, R = self.args.blocks, self.args.layers * self.args.page
+        orig = self.buf.random(B, R, SRC_SEED)
+        wsrc = self.buf.random(nb, R, WRITE_SEED)
+        ok = self.buf.check_rows(self.rows, np.asarray(ids), wsrc, np.asarray(src_ids))
+        rest = np.setdiff1d(np.arange(B), ids)
+        ok = ok and self.buf.check_rows(self.rows, rest, orig, rest)
+        self.buf.copy(self.rows, orig)
+        return bool(ok)
 
     def close(self) -> None:
         self.agent.close()
@@ -176,8 +141,8 @@ def target_main(args: argparse.Namespace) -> int:
         if cmd["cmd"] == "add":
             p.add(cmd)
             reply: dict[str, Any] = {"ok": True}
-        elif cmd["cmd"] == "sums":
-            reply = {"sums": p.sums().tolist()}
+        elif cmd["cmd"] == "check_write":
+            reply = {"ok": p.check_write(cmd["ids"], cmd["src_ids"], cmd["nb"])}
         elif cmd["cmd"] == "exit":
             break
         else:
@@ -208,9 +173,6 @@ class RemoteTarget:
         self.proc.stdin.flush()
         return self._read()
 
-    def sums(self) -> np.ndarray:
-        return np.array(self.call({"cmd": "sums"})["sums"], dtype=np.uint64)
-
     def close(self) -> None:
         try:
             assert self.proc.stdin is not None
@@ -225,7 +187,8 @@ def _forward(args: argparse.Namespace) -> list[str]:
     return ["--memory", args.memory, "--blocks", str(args.blocks), "--layers", str(args.layers), "--page",
             str(args.page), "--remote-gpu", str(args.remote_gpu), "--progress-thread",
             "on" if args.progress_thread else "off", "--target-poll-s", str(args.target_poll_s),
-            "--timeout", str(args.timeout), "--num-threads", str(args.num_threads)]
+            "--timeout", str(args.timeout), "--num-threads", str(args.num_threads), "--device-copy",
+            "on" if args.device_copy else "off"]
 
 
 class LocalTarget:
@@ -239,10 +202,9 @@ class LocalTarget:
     def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["cmd"] == "add":
             self.p.add(cmd)
+        if cmd["cmd"] == "check_write":
+            return {"ok": self.p.check_write(cmd["ids"], cmd["src_ids"], cmd["nb"])}
         return {"ok": True}
-
-    def sums(self) -> np.ndarray:
-        return self.p.sums()
 
     def close(self) -> None:
         self.p.close()
@@ -293,51 +255,52 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     dst_ids = rng.permutation(NB)[: args.request].astype(np.int64)
     nbytes = len(src_ids) * R
     dev = buf.dev()
+    modes = args.modes.split(",")
+    variants = args.variants.split(",")
+    agents: dict[tuple[str, str], Any] = {}
     try:
-        src_sums = target.sums()
         # destinations: packed rows and per-layer regions, both sentinel-filled
-        rows = buf.empty(NB, R, SENTINEL)
-        layers = [buf.empty(NB, P, SENTINEL) for _ in range(L)]
-        kx_rows = kvxfer.Agent("decode-rows", backend="nixl", **kx_options(args))
-        kx_rows.register({f"layer.{i}": rows[:, i * P:(i + 1) * P] for i in range(L)}, replicated=True)
-        # Each agent may run a progress thread: create the per-layer one only when it is used.
-        kx_layers = None
-        if "layers" in args.modes.split(","):
-            kx_layers = kvxfer.Agent("decode-layers", backend="nixl", **kx_options(args))
-            kx_layers.register({f"layer.{i}": layers[i] for i in range(L)}, replicated=True)
+        rows = buf.full(NB, R, SENTINEL)
+        layers = [buf.full(NB, P, SENTINEL) for _ in range(L)] if "layers" in modes else []
+        views = {"rows": {f"layer.{i}": rows[:, i * P:(i + 1) * P] for i in range(L)},
+                 "layers": {f"layer.{i}": t for i, t in enumerate(layers)}}
+        for mode in ("rows",) + (("layers",) if layers else ()):
+            for v in variants:
+                a = kvxfer.Agent(f"decode-{mode}-{v}", backend="nixl", **kx_options(args, v))
+                a.register(views[mode], replicated=True)
+                agents[(mode, v)] = a
         raw = nixl_agent("decode-raw", args.progress_thread, args.num_threads)
         raw.register_memory(np.array([[buf.ptr(rows), NB * R, dev]] + [[buf.ptr(t), NB * P, dev] for t in layers],
                                      dtype=np.uint64), args.memory)
         md = target.metadata
-        peer_rows = kx_rows.add_peer(base64.b64decode(md["kvxfer"]))
-        if kx_layers is not None:
-            kx_layers.add_peer(base64.b64decode(md["kvxfer"]))
+        peer = "prefill"
+        for a in agents.values():
+            a.add_peer(base64.b64decode(md["kvxfer"]))
         raw_peer = raw.add_remote_agent(base64.b64decode(md["raw"]))
-        target.call({"cmd": "add", "kvxfer": [base64.b64encode(a.metadata()).decode()
-                                              for a in (kx_rows, kx_layers) if a is not None],
+        target.call({"cmd": "add", "kvxfer": [base64.b64encode(a.metadata()).decode() for a in agents.values()],
                      "raw": base64.b64encode(raw.get_agent_metadata()).decode()})
+        kx_rows = agents[("rows", variants[0])]
+        results["routes"] = {f"{m}/{v}": str(a.backend._path.route(peer)) for (m, v), a in agents.items()}
         # raw NIXL lists, prepared once, as strided rows (the fastest way to prepare)
-        remote_base = kx_rows.peers[peer_rows].spec.allocations[0].address  # type: ignore[union-attr]
+        remote_base = kx_rows.peers[peer].spec.allocations[0].address
         rdev = args.remote_gpu if args.memory == "VRAM" else 0
         kind = args.memory
-        t0 = time.perf_counter()
-        raw_lrows = raw.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([strided(buf.ptr(rows), R, dev, R, NB)],
-                                                                    dtype=np.uint64), kind)
-        raw_rrows = raw.prep_xfer_dlist(raw_peer, np.array([strided(remote_base, R, rdev, R, B)], dtype=np.uint64),
-                                        kind)
-        raw_llayers = raw.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
-            [strided(buf.ptr(t), P, dev, P, NB) for t in layers], dtype=np.uint64), kind)
-        raw_rlayers = raw.prep_xfer_dlist(raw_peer, np.array(
-            [strided(remote_base + i * P, P, rdev, R, B) for i in range(L)], dtype=np.uint64), kind)
-        results["raw_prepare_ms"] = (time.perf_counter() - t0) * 1e3
+        lrows = raw.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([strided(buf.ptr(rows), R, dev, R, NB)],
+                                                                dtype=np.uint64), kind)
+        rrows = raw.prep_xfer_dlist(raw_peer, np.array([strided(remote_base, R, rdev, R, B)], dtype=np.uint64), kind)
+        handles = {"rows": (lrows, rrows)}
+        if layers:
+            handles["layers"] = (
+                raw.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([strided(buf.ptr(t), P, dev, P, NB) for t in layers],
+                                                                dtype=np.uint64), kind),
+                raw.prep_xfer_dlist(raw_peer, np.array([strided(remote_base + i * P, P, rdev, R, B)
+                                                        for i in range(L)], dtype=np.uint64), kind))
         lay = np.arange(L, dtype=np.int64)
         idx = {
             "rows": (dst_ids.astype(np.int32), src_ids.astype(np.int32)),
             "layers": ((dst_ids[:, None] + lay[None, :] * NB).reshape(-1).astype(np.int32),
                        (src_ids[:, None] + lay[None, :] * B).reshape(-1).astype(np.int32)),
         }
-        handles = {"rows": (raw_lrows, raw_rrows), "layers": (raw_llayers, raw_rlayers)}
-        agents: dict[str, Any] = {"rows": kx_rows, "layers": kx_layers}
 
         def reset() -> None:
             buf.fill(rows, SENTINEL)
@@ -345,44 +308,38 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 buf.fill(t, SENTINEL)
 
         def verify(mode: str) -> None:
+            """Every moved byte against the regenerated source; the rest still the sentinel."""
+            src = buf.random(B, R, SRC_SEED)
+            rest = np.setdiff1d(np.arange(NB), dst_ids)
             if mode == "rows":
-                rest = np.setdiff1d(np.arange(NB), dst_ids)
-                if args.memory == "DRAM":
-                    got, untouched = buf.sums(rows[dst_ids]), rows[rest]
-                else:
-                    as_t = buf.torch.as_tensor
-                    got = buf.sums(rows[as_t(dst_ids, device=rows.device)])
-                    untouched = rows[as_t(rest, device=rows.device)]
+                ok = buf.check_rows(rows, dst_ids, src, src_ids)
+                untouched = rows[buf.index(rest, rows)]
             else:
-                if args.memory == "DRAM":
-                    stacked = np.concatenate([t[dst_ids] for t in layers], axis=1)
-                    rest = np.setdiff1d(np.arange(NB), dst_ids)
-                    untouched = np.concatenate([t[rest] for t in layers], axis=1)
-                else:
-                    ti = buf.torch.as_tensor(dst_ids, device=layers[0].device)
-                    stacked = buf.torch.cat([t[ti] for t in layers], dim=1)
-                    ri = buf.torch.as_tensor(np.setdiff1d(np.arange(NB), dst_ids), device=layers[0].device)
-                    untouched = buf.torch.cat([t[ri] for t in layers], dim=1)
-                got = buf.sums(stacked)
-            if not np.array_equal(got, src_sums[src_ids]):
+                di = buf.index(dst_ids, layers[0])
+                ok = buf.equal(buf.concat([t[di] for t in layers]), src[buf.index(src_ids, src)])
+                ri = buf.index(rest, layers[0])
+                untouched = buf.concat([t[ri] for t in layers])
+            del src
+            if not ok:
                 raise AssertionError(f"{mode}: destination rows differ from the source")
             if not buf.all_equal(untouched, SENTINEL):
                 raise AssertionError(f"{mode}: blocks outside the request changed")
 
-        def kx_read(mode: str, splits: int) -> Callable[[], None]:
-            a = agents[mode]
+        posts: list[float] = []
+
+        def kx_run(a: Any, op: str, splits: int, last: dict[str, Any]) -> Callable[[], None]:
+            fn = a.read if op == "READ" else a.write
 
             def run() -> None:
-                if splits == 1:
-                    a.read(peer_rows, dst_ids, src_ids).wait(args.timeout)
-                else:
-                    ts = [a.read(peer_rows, d, s) for d, s in zip(np.array_split(dst_ids, splits),
-                                                                   np.array_split(src_ids, splits))]
-                    for t in ts:
-                        t.wait(args.timeout)
+                t0 = time.perf_counter()
+                ts = [fn(peer, d, s) for d, s in zip(np.array_split(dst_ids, splits), np.array_split(src_ids, splits))]
+                posts.append(time.perf_counter() - t0)
+                for t in ts:
+                    t.wait(args.timeout)
+                last["path"] = ts[0].stats.path
             return run
 
-        def raw_read(mode: str, splits: int, op: str = "READ") -> Callable[[], None]:
+        def raw_run(mode: str, splits: int, op: str = "READ") -> Callable[[], None]:
             li, ri = idx[mode]
             lh, rh = handles[mode]
             per = len(li) // len(src_ids)
@@ -390,142 +347,133 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
             def run() -> None:
                 hs = []
+                t0 = time.perf_counter()
                 for a, b in parts:
                     h = raw.make_prepped_xfer(op, lh, li[a:b], rh, ri[a:b], b"")
                     if raw.transfer(h) == "ERR":
                         raise RuntimeError("raw transfer failed")
                     hs.append(h)
+                posts.append(time.perf_counter() - t0)
                 raw_wait(raw, hs, args.timeout, args.raw_wait == "backoff")
             return run
 
-        modes = args.modes.split(",")
+        def record(who: str, mode: str, op: str, splits: int, times: list[float], path: str | None) -> None:
+            med = statistics.median(times)
+            descs = len(idx[mode][0])
+            post = statistics.median(posts[-len(times):])
+            rec = {"who": who, "mode": mode, "op": op, "splits": splits, "descriptors": descs, "bytes": nbytes,
+                   "median_s": med, "best_s": min(times), "gbps": nbytes / med / 1e9,
+                   "best_gbps": nbytes / min(times) / 1e9, "post_us": post * 1e6,
+                   "post_ns_per_desc": post * 1e9 / descs, "path": path}
+            results["runs"].append(rec)
+            print(f"{who:12s} {mode:6s} {op:5s} splits={splits:<2d} {descs:6d} descs  {nbytes / 1e9:5.2f} GB  "
+                  f"median {med * 1e3:8.2f} ms  {rec['gbps']:7.1f} GB/s  best {rec['best_gbps']:7.1f}  "
+                  f"post {post * 1e6:9.1f} us ({rec['post_ns_per_desc']:7.1f} ns/desc)  path={path}", flush=True)
+
         for mode in modes:
             for splits in args.splits:
-                for who in ("raw", "kvxfer"):
+                for who in ["raw"] + variants:
                     if who == "raw" and args.same_process and not args.raw_same_process:
                         continue
-                    fn = raw_read(mode, splits) if who == "raw" else kx_read(mode, splits)
+                    last: dict[str, Any] = {"path": "nixl"}
+                    fn = raw_run(mode, splits) if who == "raw" else kx_run(agents[(mode, who)], "READ", splits, last)
                     reset()
                     times = timed(fn, args.iters)
                     buf.sync()
                     verify(mode)
-                    med = statistics.median(times)
-                    descs = len(idx[mode][0])
-                    rec = {"who": who, "mode": mode, "op": "READ", "splits": splits, "descriptors": descs,
-                           "bytes": nbytes, "median_s": med, "best_s": min(times), "gbps": nbytes / med / 1e9,
-                           "best_gbps": nbytes / min(times) / 1e9}
-                    results["runs"].append(rec)
-                    print(f"{who:7s} {mode:6s} READ splits={splits:<2d} {descs:7d} descs  {nbytes / 1e9:6.2f} GB  "
-                          f"median {med * 1e3:8.2f} ms  {rec['gbps']:7.1f} GB/s  best {rec['best_gbps']:7.1f}",
-                          flush=True)
+                    record(who, mode, "READ", splits, times, "raw" if who == "raw" else last["path"])
         if args.write and not args.same_process:
-            # WRITE: push our rows into prefill's buffer (raw, then kvxfer), verified by prefill's sums
-            rows_src = buf.empty(NB, R, None)
-            if args.memory == "VRAM":
-                rows.copy_(rows_src)
-            else:
-                rows[...] = rows_src
-            buf.sync()
-            want = buf.sums(rows_src)
-            for who in ("raw", "kvxfer"):
-                wfn: Callable[[], Any] = (raw_read("rows", 1, "WRITE") if who == "raw" else
-                                         (lambda: kx_rows.write(peer_rows, dst_ids, src_ids).wait(args.timeout)))
+            # WRITE: push our (seeded) rows into prefill's buffer; prefill checks every byte
+            buf.copy(rows, buf.random(NB, R, WRITE_SEED))
+            for who in ["raw"] + variants:
+                last = {"path": "nixl"}
+                wfn = raw_run("rows", 1, "WRITE") if who == "raw" else kx_run(agents[("rows", who)], "WRITE", 1, last)
                 times = timed(wfn, args.iters)
-                got = target.sums()
-                if not np.array_equal(got[src_ids], want[dst_ids]):
+                if not target.call({"cmd": "check_write", "ids": src_ids.tolist(), "src_ids": dst_ids.tolist(),
+                                    "nb": NB})["ok"]:
                     raise AssertionError(f"{who} WRITE: prefill rows differ")
-                med = statistics.median(times)
-                rec = {"who": who, "mode": "rows", "op": "WRITE", "splits": 1, "descriptors": len(src_ids),
-                       "bytes": nbytes, "median_s": med, "best_s": min(times), "gbps": nbytes / med / 1e9,
-                       "best_gbps": nbytes / min(times) / 1e9}
-                results["runs"].append(rec)
-                print(f"{who:7s} rows   WRITE splits=1  {len(src_ids):7d} descs  {nbytes / 1e9:6.2f} GB  median "
-                      f"{med * 1e3:8.2f} ms  {rec['gbps']:7.1f} GB/s", flush=True)
-        # Per-transfer cost: one whole-row block, many times. "spin" polls without sleeping on
-        # both sides (raw check_xfer_state loop vs kvxfer Transfer.done() loop), so the
-        # difference is what kvxfer adds (planning, checks, the seam); "wait" uses
-        # Transfer.wait(), whose back-off sleeps are the core's policy, not the backend's.
-        one_d, one_s = dst_ids[:1], src_ids[:1]
-        li1, ri1 = one_d.astype(np.int32), one_s.astype(np.int32)
-
-        def raw_small() -> None:
-            h = raw.make_prepped_xfer("READ", raw_lrows, li1, raw_rrows, ri1, b"")
-            raw.transfer(h)
-            raw_wait(raw, [h], args.timeout, backoff=False)
-
-        def kx_small_spin() -> None:
-            t = kx_rows.read(peer_rows, one_d, one_s)
-            while not t.done():
-                pass
-
-        def kx_small_wait() -> None:
-            kx_rows.read(peer_rows, one_d, one_s).wait(args.timeout)
-
-        over: dict[str, Any] = {"bytes": R}
-        if not args.same_process or args.raw_same_process:
-            over["raw_spin_us"] = statistics.median(timed(raw_small, args.small_iters, warmup=20)) * 1e6
-        over["kvxfer_spin_us"] = statistics.median(timed(kx_small_spin, args.small_iters, warmup=20)) * 1e6
-        over["kvxfer_wait_us"] = statistics.median(timed(kx_small_wait, args.small_iters, warmup=20)) * 1e6
-        # pure CPU cost of posting: plan + checks + make_prepped_xfer + transfer, no waiting
-        posts = []
-        for _ in range(args.small_iters):
-            t0 = time.perf_counter()
-            t = kx_rows.read(peer_rows, one_d, one_s)
-            posts.append(time.perf_counter() - t0)
-            t.wait(args.timeout)
-        rposts = []
-        for _ in range(args.small_iters if "raw_spin_us" in over else 0):
-            t0 = time.perf_counter()
-            h = raw.make_prepped_xfer("READ", raw_lrows, li1, raw_rrows, ri1, b"")
-            raw.transfer(h)
-            rposts.append(time.perf_counter() - t0)
-            raw_wait(raw, [h], args.timeout, backoff=False)
-        over["kvxfer_post_us"] = statistics.median(posts) * 1e6
-        if rposts:
-            over["raw_post_us"] = statistics.median(rposts) * 1e6
-        if "raw_spin_us" in over:
-            over["added_us"] = over["kvxfer_spin_us"] - over["raw_spin_us"]
-        # Where the added time goes: the core's planner alone, and the NIXL seam alone
-        # (post + poll + release on the agent's own prepared lists; private attribute: a
-        # benchmark may look inside).
-        over["plan_only_us"] = statistics.median(
-            timed(lambda: kx_rows.plan(peer_rows, one_d, one_s), args.small_iters, warmup=20)) * 1e6
-        be = kx_rows.backend
-        lp = next(iter(kx_rows._local_prepared.values()))
-        rp = next(iter(kx_rows.peers[peer_rows].prepared.values()))
-
-        def seam() -> None:
-            x = be.post(kvxfer.Op.READ, lp, li1, rp, ri1, None)
-            while not be.poll(x):
-                pass
-            be.release(x)
-
-        over["seam_spin_us"] = statistics.median(timed(seam, args.small_iters, warmup=20)) * 1e6
-        results["overhead"] = over
-        summary = ", ".join(f"{k} {v:.1f}" for k, v in over.items() if k != "bytes")
-        print(f"one block ({R} B): {summary}", flush=True)
-        # device ceiling: a torch copy of the same number of bytes between the same devices
+                record(who, "rows", "WRITE", 1, times, "raw" if who == "raw" else last["path"])
+        results["overhead"] = overhead(args, kx_rows, raw, handles["rows"], dst_ids, src_ids, R, peer)
         if args.memory == "VRAM":
-            torch = buf.torch
-            a = torch.empty(len(src_ids), R, dtype=torch.uint8, device=f"cuda:{args.remote_gpu}")
-            b = torch.empty(len(src_ids), R, dtype=torch.uint8, device=f"cuda:{args.local_gpu}")
-
-            def ceil() -> None:
-                b.copy_(a, non_blocking=True)
-                torch.cuda.synchronize(args.local_gpu)
-                torch.cuda.synchronize(args.remote_gpu)
-
-            tc = timed(ceil, args.iters)
-            results["ceiling"] = {"median_s": statistics.median(tc), "gbps": nbytes / statistics.median(tc) / 1e9}
-            print(f"torch copy cuda:{args.remote_gpu} -> cuda:{args.local_gpu}: "
-                  f"{results['ceiling']['gbps']:.1f} GB/s", flush=True)
-            del a, b
-        if kx_layers is not None:
-            kx_layers.close()
-        kx_rows.close()
+            results["ceiling"] = ceiling(args, buf, len(src_ids), R, nbytes)
     finally:
+        for a in agents.values():
+            a.close()
         target.close()
+    summary(results)
     return results
+
+
+def overhead(args: argparse.Namespace, kx: Any, raw: Any, lists: tuple[Any, Any], dst_ids: np.ndarray,
+             src_ids: np.ndarray, R: int, peer: str) -> dict[str, Any]:
+    """Per-transfer cost: one whole-row block, many times. "spin" polls without sleeping on
+    both sides, so the difference is what kvxfer adds (planning, checks, the seam)."""
+    one_d, one_s = dst_ids[:1], src_ids[:1]
+    li1, ri1 = one_d.astype(np.int32), one_s.astype(np.int32)
+    lh, rh = lists
+
+    def raw_small() -> None:
+        h = raw.make_prepped_xfer("READ", lh, li1, rh, ri1, b"")
+        raw.transfer(h)
+        raw_wait(raw, [h], args.timeout, backoff=False)
+
+    def kx_small_spin() -> None:
+        t = kx.read(peer, one_d, one_s)
+        while not t.done():
+            pass
+
+    over: dict[str, Any] = {"bytes": R}
+    if not args.same_process or args.raw_same_process:
+        over["raw_spin_us"] = statistics.median(timed(raw_small, args.small_iters, warmup=20)) * 1e6
+    over["kvxfer_spin_us"] = statistics.median(timed(kx_small_spin, args.small_iters, warmup=20)) * 1e6
+    over["plan_only_us"] = statistics.median(
+        timed(lambda: kx.plan(peer, one_d, one_s), args.small_iters, warmup=20)) * 1e6
+    if "raw_spin_us" in over:
+        over["added_us"] = over["kvxfer_spin_us"] - over["raw_spin_us"]
+    print("one block (%d B): %s" % (R, ", ".join(f"{k} {v:.1f}" for k, v in over.items() if k != "bytes")),
+          flush=True)
+    return over
+
+
+def ceiling(args: argparse.Namespace, buf: Buffers, n: int, R: int, nbytes: int) -> dict[str, float]:
+    """A torch copy of the same number of bytes between the same devices (one contiguous span)."""
+    torch = buf.torch
+    a = torch.empty(n, R, dtype=torch.uint8, device=f"cuda:{args.remote_gpu}")
+    b = torch.empty(n, R, dtype=torch.uint8, device=f"cuda:{args.local_gpu}")
+
+    def run() -> None:
+        b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize(args.local_gpu)
+        torch.cuda.synchronize(args.remote_gpu)
+
+    tc = timed(run, args.iters)
+    out = {"median_s": statistics.median(tc), "gbps": nbytes / statistics.median(tc) / 1e9}
+    print(f"torch copy cuda:{args.remote_gpu} -> cuda:{args.local_gpu}: {out['gbps']:.1f} GB/s", flush=True)
+    return out
+
+
+def summary(results: dict[str, Any]) -> None:
+    """Ratios against raw NIXL and the torch copy, per mode and op."""
+    raw = {(r["mode"], r["op"], r["splits"]): r["gbps"] for r in results["runs"] if r["who"] == "raw"}
+    ceil = results.get("ceiling", {}).get("gbps")
+    for r in results["runs"]:
+        base = raw.get((r["mode"], r["op"], r["splits"]))
+        r["vs_raw"] = r["gbps"] / base if base else None
+        r["vs_ceiling"] = r["gbps"] / ceil if ceil else None
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return
+    t = Table(title="bench_nixl summary")
+    for col in ("who", "mode", "op", "splits", "descs", "GB/s", "x raw", "x torch copy", "post us", "ns/desc",
+                "path"):
+        t.add_column(col)
+    for r in results["runs"]:
+        t.add_row(r["who"], r["mode"], r["op"], str(r["splits"]), str(r["descriptors"]), f"{r['gbps']:.1f}",
+                  f"{r['vs_raw']:.2f}" if r["vs_raw"] else "-", f"{r['vs_ceiling']:.2f}" if r["vs_ceiling"] else "-",
+                  f"{r['post_us']:.1f}", f"{r['post_ns_per_desc']:.1f}", str(r["path"]))
+    Console(width=160).print(t)
 
 
 def _bounds(n: int, k: int) -> list[tuple[int, int]]:
@@ -557,7 +505,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="raw NIXL polling: like Transfer.wait (default) or a hot loop")
     ap.add_argument("--num-threads", type=int, default=0, help="UCX worker threads (NIXL num_threads)")
     ap.add_argument("--device-copy", choices=("on", "off"), default="on",
-                    help="kvxfer same-process device copies (only matter with --same-process)")
+                    help="kvxfer's device path for VRAM peers of one host (both processes)")
+    ap.add_argument("--device-engine", choices=("auto", "sm", "ce"), default="auto")
+    ap.add_argument("--device-copy-on", choices=("dst", "src"), default="dst")
+    ap.add_argument("--variants", default="kvxfer", help=f"comma list of kvxfer agents to time: {sorted(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)

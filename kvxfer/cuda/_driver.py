@@ -196,8 +196,9 @@ class _OnDevice:
 
     def __enter__(self) -> None:
         self.prev = self.c.current()
-        if self.prev != self.device:
-            self.c.check(self.c.rt.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
+        # Always set: it also makes the primary context current on a thread that has none yet,
+        # which the driver-API calls (module loading, launches, VMM) need.
+        self.c.check(self.c.rt.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
 
     def __exit__(self, *exc: object) -> None:
         if self.prev != self.device and self.prev >= 0:

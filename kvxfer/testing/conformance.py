@@ -398,9 +398,12 @@ class TwoProcessConformance(_Base):
     """The peer lives in another process (``python -m kvxfer.testing.peer``)."""
 
     peer_timeout: float = 60.0
+    peer_args: tuple[str, ...] = ()  # extra ``kvxfer.testing.peer`` arguments, e.g. ("--cuda-device", "1")
+    peer_env: dict[str, str] = {}
 
     def _spawn(self, cache: str, seed: int | None, name: str = "remote") -> "_PeerProcess":
-        return _PeerProcess(self.backend, self.options, self.memory, cache, seed, name, self.peer_timeout)
+        return _PeerProcess(self.backend, self.options, self.memory, cache, seed, name, self.peer_timeout,
+                            self.peer_args, self.peer_env)
 
     @pytest.fixture(autouse=True)
     def _skip_same_process_only(self, _skip_unavailable: None) -> None:
@@ -460,15 +463,16 @@ class TwoProcessConformance(_Base):
 
 class _PeerProcess:
     def __init__(self, backend: str, options: dict[str, Any], memory: str, cache: str, seed: int | None, name: str,
-                 timeout: float):
+                 timeout: float, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
         cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", backend, "--name", name, "--cache", cache,
                "--memory", memory, "--blocks", "12", "--layers", str(GEOM["num_layers"]), "--page", str(GEOM["page"]),
                "--pad", "32", "--options", json.dumps(options), "--replicated"]
         if seed is not None:
             cmd += ["--seed", str(seed)]
+        cmd += list(extra)
         self.timeout = timeout
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         first = self._readline()
         self.metadata = base64.b64decode(first["metadata"])
 

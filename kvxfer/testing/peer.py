@@ -44,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="fill with random bytes (else the sentinel)")
     ap.add_argument("--options", default="{}", help="backend options as JSON")
     ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--cuda-device", type=int, default=None, help="GPU for VRAM caches (default: the current one)")
     args = ap.parse_args(argv)
+    if args.cuda_device is not None:
+        import torch
+
+        torch.cuda.set_device(args.cuda_device)
 
     cache = make_cache(args.cache, num_blocks=args.blocks, num_layers=args.layers, page=args.page, pad=args.pad,
                        memory=args.memory, seed=args.seed)
