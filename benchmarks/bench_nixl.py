@@ -12,8 +12,8 @@ with numpy, one ``make_prepped_xfer`` + ``transfer`` + polling per request. kvxf
 through ``Agent.read(...).wait()``: planning, bounds checks and the backend seam included.
 ``--variants`` adds kvxfer agents with other options to the same run (``kvxfer``: defaults,
 i.e. the device path for VRAM peers of one host; ``kvxfer-nixl``: device path off;
-``kvxfer-ce`` / ``kvxfer-sm``: copy engines / copy kernel; ``kvxfer-src``: copy on the
-source GPU). Every run is verified byte for byte: the checking side regenerates the seeded
+``kvxfer-ce`` / ``kvxfer-sm``: copy engines / copy kernel; ``kvxfer-peer``: copy on the
+peer's GPU). Every run is verified byte for byte: the checking side regenerates the seeded
 source and compares every moved byte, and destination blocks outside the request must
 still hold the 0xAA sentinel. Posting cost (the ``read``/``write`` call alone, or
 ``make_prepped_xfer`` + ``transfer`` for raw NIXL) is reported per transfer and per descriptor.
@@ -48,7 +48,7 @@ EXTRA = 8  # destination blocks never written: must keep the sentinel
 SRC_SEED, WRITE_SEED = 1234, 99
 VARIANTS: dict[str, dict[str, Any]] = {
     "kvxfer": {}, "kvxfer-nixl": {"device_copy": False}, "kvxfer-ce": {"device_engine": "ce"},
-    "kvxfer-sm": {"device_engine": "sm"}, "kvxfer-src": {"device_copy_on": "src"},
+    "kvxfer-sm": {"device_engine": "sm"}, "kvxfer-peer": {"device_copy_on": "peer"},
 }
 
 
@@ -281,6 +281,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                      "raw": base64.b64encode(raw.get_agent_metadata()).decode()})
         kx_rows = agents[("rows", variants[0])]
         results["routes"] = {f"{m}/{v}": str(a.backend._path.route(peer)) for (m, v), a in agents.items()}
+        for k, r in results["routes"].items():
+            print(f"route {k}: {r}", flush=True)
         # raw NIXL lists, prepared once, as strided rows (the fastest way to prepare)
         remote_base = kx_rows.peers[peer].spec.allocations[0].address
         rdev = args.remote_gpu if args.memory == "VRAM" else 0
@@ -507,7 +509,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device-copy", choices=("on", "off"), default="on",
                     help="kvxfer's device path for VRAM peers of one host (both processes)")
     ap.add_argument("--device-engine", choices=("auto", "sm", "ce"), default="auto")
-    ap.add_argument("--device-copy-on", choices=("dst", "src"), default="dst")
+    ap.add_argument("--device-copy-on", choices=("local", "peer"), default="local")
     ap.add_argument("--variants", default="kvxfer", help=f"comma list of kvxfer agents to time: {sorted(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json", default=None, help="write results here")

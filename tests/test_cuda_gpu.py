@@ -69,10 +69,10 @@ class TestDevicePathTwoGPUsCopyEngines(TwoProcessConformance):
 
 
 @two_gpus
-class TestDevicePathTwoGPUsKernelOnSource(TwoProcessConformance):
+class TestDevicePathTwoGPUsKernelOnPeerGPU(TwoProcessConformance):
     backend = "nixl"
     memory = "VRAM"
-    options: dict[str, Any] = {"device_engine": "sm", "device_copy_on": "src"}
+    options: dict[str, Any] = {"device_engine": "sm", "device_copy_on": "peer"}
     peer_args = ("--cuda-device", "1")
 
 

@@ -248,6 +248,18 @@ def test_pieces_cover_each_span_exactly(sizes: list[int], piece: int) -> None:
     np.testing.assert_array_equal(span_of, span_end)
 
 
+def test_ipc_handle_bytes_keep_embedded_nuls() -> None:
+    import ctypes
+
+    from kvxfer.cuda._driver import IpcHandle
+    from kvxfer.cuda.ipc import handle_bytes
+
+    raw = bytes([7, 0, 0, 9] + list(range(60)))
+    h = IpcHandle()
+    ctypes.memmove(ctypes.addressof(h), raw, 64)
+    assert handle_bytes(h) == raw
+
+
 def test_embedded_ptx_was_built_from_the_kernel_source() -> None:
     from kvxfer.cuda import _ptx
 

@@ -53,9 +53,6 @@ class CudaCapability:
 
     def open(self, exp: blob.Export, handle: int, device: int, access: Sequence[int],
              proc: PeerProcess | None) -> ipc.Mapping:
-        for d in access:
-            if d != device:
-                self.c.enable_peer(d, device)
         return ipc.open_handle(self.c, exp, handle, device, access, proc)
 
     def close(self, mapping: ipc.Mapping) -> None:

@@ -59,6 +59,11 @@ class Exported:
         self.fds.clear()
 
 
+def handle_bytes(handle: IpcHandle) -> bytes:
+    """All 64 bytes of a handle (``handle.reserved`` would stop at the first NUL byte)."""
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+
+
 def export(c: Cuda, allocations: Sequence[Allocation]) -> Exported:
     """Export every VRAM allocation it can; the others are listed in ``errors`` (they fall back)."""
     out = Exported()
@@ -90,7 +95,7 @@ def _export_one(c: Cuda, a: Allocation, dev: int, by_base: dict[tuple[int, int],
         if rc == 0:
             by_base[key] = len(out.handles)
             out.handles.append((blob.KIND_LEGACY, dev, base, size, len(out.chunks), 1))
-            out.chunks.append((0, size, bytes(handle.reserved).ljust(IPC_HANDLE_BYTES, b"\0")))
+            out.chunks.append((0, size, handle_bytes(handle)))
             return by_base[key]
         c.rt.cudaGetLastError()
     return _export_vmm(c, a, dev, by_base, out)
@@ -130,7 +135,7 @@ class Mapping:
 
     key: tuple[Any, ...]
     kind: int
-    device: int  # local ordinal of the GPU holding the memory
+    device: int  # the GPU whose context opened it
     local: int
     size: int
     refs: int = 1
@@ -149,7 +154,8 @@ def open_mappings() -> int:
 
 def open_handle(c: Cuda, exp: blob.Export, h: int, device: int, access: Sequence[int],
                 peer: PeerProcess | None) -> Mapping:
-    """Map handle ``h`` of ``exp`` (on local GPU ``device``), or take another reference to it."""
+    """Map handle ``h`` of ``exp`` in GPU ``device``'s context (the one that will run the copies),
+    or take another reference to it. ``access``: GPUs that must reach VMM mappings too."""
     rec = exp.handles[h]
     key = (exp.identity.token, exp.identity.pid, int(rec["kind"]), int(rec["base"]), int(rec["size"]), device)
     with _table_lock:

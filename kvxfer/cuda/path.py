@@ -33,7 +33,7 @@ from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 __all__ = ["DevicePath", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
-COPY_ON = ("dst", "src")
+COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
 
 
@@ -79,10 +79,12 @@ class DevicePath:
 
     ``enabled`` turns the path off entirely; ``engine`` picks ``"sm"`` (copy kernel), ``"ce"``
     (copy engines) or ``"auto"`` (the kernel on one GPU, the copy engines between two);
-    ``copy_on`` runs the copy on the destination (``"dst"``) or source GPU.
+    ``copy_on`` runs the copy on this side's GPU (``"local"``: READ pulls, WRITE pushes; the
+    peer's handles are opened in that GPU's context, as UCX's cuda_ipc does) or on the peer's
+    GPU (``"peer"``: handles opened where the memory lives).
     """
 
-    def __init__(self, *, enabled: bool = True, engine: str = "auto", copy_on: str = "dst",
+    def __init__(self, *, enabled: bool = True, engine: str = "auto", copy_on: str = "local",
                  capability: Capability | None = None) -> None:
         if engine not in ENGINES:
             raise BackendError(f"device path engine must be one of {ENGINES}, not {engine!r}")
@@ -186,7 +188,8 @@ class DevicePath:
         devices = np.asarray(p.route.devices, dtype=np.int64)
         hdev = devices[exp.handles["device"].astype(np.int64)]
         for h in range(exp.handles.shape[0]):
-            p.mappings[h] = self.cap.open(exp, h, int(hdev[h]), local_devices, p.proc)
+            ctx = local_devices[0] if self.copy_on == "local" and local_devices else int(hdev[h])
+            p.mappings[h] = self.cap.open(exp, h, ctx, local_devices, p.proc)
         mapped = np.array([p.mappings[h].local for h in range(exp.handles.shape[0])], dtype=np.uint64)
         sizes = np.array([p.mappings[h].size for h in range(exp.handles.shape[0])], dtype=np.uint64)
         hi = exp.allocs["handle"].astype(np.int64)
@@ -281,7 +284,8 @@ class DevicePath:
             self._alive(p)
             for d, s, n, dd, sd in _by_device_pair(dst, src, ln, ddev, sdev):
                 d, s, n = merge_runs(d, s, n)
-                run_on = dd if self.copy_on == "dst" else sd
+                mine = dd if op is Op.READ else sd
+                run_on = mine if self.copy_on == "local" else (sd if op is Op.READ else dd)
                 handles.append(self.cap.copy(d, s, n, run_on, self._engine(dd, sd, run_on), sd, dd))
         return PathXfer(p, handles, p.route.kind or "")
 

@@ -242,7 +242,7 @@ class NixlBackend(Backend):
     ``device_copy`` (default True)
         move VRAM through the core's device path (:mod:`kvxfer.cuda`: CUDA IPC handles and one
         batched copy per post) when the peer is on this host, instead of through UCX.
-    ``device_engine`` (default ``"auto"``), ``device_copy_on`` (default ``"dst"``)
+    ``device_engine`` (default ``"auto"``), ``device_copy_on`` (default ``"local"``)
         the device path's copy engine and copying GPU (see :class:`kvxfer.cuda.DevicePath`).
     ``notify_thread`` (default True)
         keep polling notification-carrying transfers in a helper thread (see :class:`_Pump`).
@@ -252,7 +252,7 @@ class NixlBackend(Backend):
 
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
-                 device_engine: str = "auto", device_copy_on: str = "dst", notify_thread: bool = True) -> None:
+                 device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True) -> None:
         super().__init__(agent_name, progress_thread=progress_thread, backends=tuple(backends),
                          num_threads=num_threads, device_copy=device_copy, device_engine=device_engine,
                          device_copy_on=device_copy_on, notify_thread=notify_thread)

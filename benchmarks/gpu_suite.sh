@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU runs behind BENCHMARKS.md's device-path section, on a 2-GPU host with nixl installed
+# and this checkout on PYTHONPATH (see BENCHMARKS.md for the setup lines). Logs go to $LOGS.
+#   bash benchmarks/gpu_suite.sh smoke   # a few GPU tests of the device path
+#   bash benchmarks/gpu_suite.sh bench   # bench_nixl.py: two GPUs, then one GPU, two processes
+#   bash benchmarks/gpu_suite.sh tests   # tests/test_nixl.py + tests/test_cuda_gpu.py
+set -u
+LOGS=${LOGS:-${OUT:-/tmp}}
+export PYTHONUNBUFFERED=1
+B="python3 benchmarks/bench_nixl.py --memory VRAM --iters 5 --small-iters 200"
+T="python3 -m pytest -q -p no:cacheprovider -rfE"
+for stage in "$@"; do
+  case $stage in
+    info)
+      nvidia-smi topo -m
+      python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" ;;
+    smoke)
+      timeout 240 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
+    bench)
+      timeout 200 $B --local-gpu 0 --remote-gpu 1 --modes rows,layers --write \
+        --variants kvxfer,kvxfer-ce,kvxfer-sm,kvxfer-peer --json $LOGS/two_gpus.json 2>&1 | tee $LOGS/two_gpus.txt
+      timeout 150 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
+        --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee $LOGS/one_gpu.txt ;;
+    tests)
+      timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
+      timeout 300 $T tests/test_nixl.py 2>&1 | tee $LOGS/tests_nixl.txt
+      timeout 120 $T tests/test_cuda_gpu.py -k killed 2>&1 | tee $LOGS/killed.txt ;;
+  esac
+done
