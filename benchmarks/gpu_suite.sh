@@ -18,9 +18,9 @@ for stage in "$@"; do
       timeout 240 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
     bench)
       timeout 200 $B --local-gpu 0 --remote-gpu 1 --modes rows,layers --write \
-        --variants kvxfer,kvxfer-ce,kvxfer-sm,kvxfer-peer --json $LOGS/two_gpus.json 2>&1 | tee $LOGS/two_gpus.txt
+        --variants kvxfer,kvxfer-ce,kvxfer-sm,kvxfer-peer --json $LOGS/two_gpus.json 2>&1 | tee -a $LOGS/bench.txt
       timeout 150 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
-        --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee $LOGS/one_gpu.txt ;;
+        --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     tests)
       timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
       timeout 300 $T tests/test_nixl.py 2>&1 | tee $LOGS/tests_nixl.txt
