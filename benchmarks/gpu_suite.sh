@@ -15,11 +15,11 @@ for stage in "$@"; do
       nvidia-smi topo -m
       python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" ;;
     smoke)
-      timeout 240 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
+      timeout 150 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
     bench)
-      timeout 200 $B --local-gpu 0 --remote-gpu 1 --modes rows,layers --write \
+      timeout 150 $B --local-gpu 0 --remote-gpu 1 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce,kvxfer-sm,kvxfer-peer --json $LOGS/two_gpus.json 2>&1 | tee -a $LOGS/bench.txt
-      timeout 150 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
+      timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     tests)
       timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
