@@ -49,6 +49,7 @@ SRC_SEED, WRITE_SEED = 1234, 99
 VARIANTS: dict[str, dict[str, Any]] = {
     "kvxfer": {}, "kvxfer-nixl": {"device_copy": False}, "kvxfer-ce": {"device_engine": "ce"},
     "kvxfer-sm": {"device_engine": "sm"}, "kvxfer-peer": {"device_copy_on": "peer"},
+    "kvxfer-sm-peer": {"device_engine": "sm", "device_copy_on": "peer"},
 }
 
 

@@ -228,7 +228,9 @@ def test_allocation_outside_its_handle_is_rejected() -> None:
 
 # -- copy tables and packaging --------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 5000), min_size=0, max_size=20), piece=st.sampled_from([16, 512, 4096]))
+@given(sizes=st.one_of(st.lists(st.integers(1, 5000), min_size=0, max_size=20),
+                       st.tuples(st.integers(1, 5000), st.integers(1, 20)).map(lambda t: [t[0]] * t[1])),
+       piece=st.sampled_from([16, 512, 4096]))
 def test_pieces_cover_each_span_exactly(sizes: list[int], piece: int) -> None:
     n = np.array(sizes, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64) if sizes else n
@@ -246,6 +248,15 @@ def test_pieces_cover_each_span_exactly(sizes: list[int], piece: int) -> None:
     span_of = np.searchsorted(starts, d, side="right") - 1  # no piece crosses into the next span
     span_end = np.searchsorted(starts, d + ln - 1, side="right") - 1
     np.testing.assert_array_equal(span_of, span_end)
+
+
+def test_piece_size_spreads_small_posts_and_caps_large_ones() -> None:
+    from kvxfer.cuda.copy import MIN_PIECE, PIECE, piece_size
+
+    assert piece_size(1) == MIN_PIECE
+    assert piece_size(7 << 30) == PIECE
+    mid = piece_size(256 << 20)
+    assert MIN_PIECE <= mid <= PIECE and mid & (mid - 1) == 0
 
 
 def test_ipc_handle_bytes_keep_embedded_nuls() -> None:

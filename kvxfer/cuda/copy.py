@@ -3,7 +3,7 @@
 Two engines move a post's ``(dst, src, len)`` spans:
 
 * ``"sm"``: one launch of the copy kernel in ``batch_copy.cu`` over a table of pieces (long
-  spans cut to :data:`PIECE` bytes so that all SMs share the work). The table travels in a
+  spans cut to at most :data:`PIECE` bytes, finer for small posts, so all SMs share the work). The table travels in a
   pinned slot, so posting never waits for an earlier copy.
 * ``"ce"``: one ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the copy engines, no SM time taken
   from the engine's own kernels.
@@ -23,10 +23,14 @@ import numpy as np
 
 from ._driver import NOT_READY, Cuda, CudaError, MemcpyAttributes, MemLocation
 
-__all__ = ["PIECE", "Copier", "CopyHandle", "pieces"]
+__all__ = ["PIECE", "Copier", "CopyHandle", "piece_size", "pieces"]
 
-#: Longest span one CTA copies; longer spans are cut so a few huge ones still use every SM.
+#: Longest piece one CTA copies: long spans are cut so a few huge ones still use every SM.
 PIECE = 1 << 20
+#: Shortest piece worth a CTA of its own (one unrolled sweep of 512 threads x 4 x 16 bytes).
+MIN_PIECE = 32 << 10
+#: Small posts are cut finer, so that even one 4.5 MB row is spread over this many CTAs or so.
+TARGET_PIECES = 1024
 THREADS = 512  # must match batch_copy.cu
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOC_DEVICE, _LOC_HOST = 1, 2
@@ -35,24 +39,34 @@ _EVENT_DISABLE_TIMING = 2
 _H2D = 1
 
 
-def pieces(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, piece: int = PIECE) -> np.ndarray:
+def piece_size(total: int) -> int:
+    """Piece size for a post of ``total`` bytes: a power of two in [MIN_PIECE, PIECE]."""
+    want = max(1, total // TARGET_PIECES)
+    return min(PIECE, max(MIN_PIECE, 1 << (want - 1).bit_length()))
+
+
+def pieces(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, piece: int | None = None) -> np.ndarray:
     """The kernel's table: ``[dst..., src..., len...]`` (uint64) with no piece over ``piece`` bytes."""
     sizes = np.asarray(sizes, dtype=np.uint64)
+    dst = np.asarray(dst, dtype=np.uint64)
+    src = np.asarray(src, dtype=np.uint64)
     n = sizes.shape[0]
-    if n == 0 or int(sizes.max()) <= piece:
-        out = np.empty(3 * n, dtype=np.uint64)
-        out[:n], out[n:2 * n], out[2 * n:] = dst, src, sizes
-        return out
+    if n == 0:
+        return np.empty(0, dtype=np.uint64)
+    longest = int(sizes.max())
+    if piece is None:
+        piece = piece_size(int(sizes.sum()))
+    if longest <= piece:
+        return np.concatenate([dst, src, sizes])
+    if int(sizes.min()) == longest:  # the common case (whole rows, pages): one broadcast
+        off = np.arange(0, longest, piece, dtype=np.uint64)
+        ln = np.minimum(np.uint64(longest) - off, np.uint64(piece))
+        return np.concatenate([(dst[:, None] + off).ravel(), (src[:, None] + off).ravel(), np.tile(ln, n)])
     k = ((sizes + np.uint64(piece - 1)) // np.uint64(piece)).astype(np.int64)
     rep = np.repeat(np.arange(n), k)
     first = np.cumsum(k) - k
     off = ((np.arange(int(k.sum()), dtype=np.int64) - np.repeat(first, k)) * piece).astype(np.uint64)
-    m = rep.shape[0]
-    out = np.empty(3 * m, dtype=np.uint64)
-    out[:m] = np.asarray(dst, dtype=np.uint64)[rep] + off
-    out[m:2 * m] = np.asarray(src, dtype=np.uint64)[rep] + off
-    out[2 * m:] = np.minimum(sizes[rep] - off, np.uint64(piece))
-    return out
+    return np.concatenate([dst[rep] + off, src[rep] + off, np.minimum(sizes[rep] - off, np.uint64(piece))])
 
 
 @dataclass(eq=False)
@@ -154,7 +168,7 @@ class Copier:
                     return d.free_slots.pop(i)
         cap = max(1 << 16, 1 << (nbytes - 1).bit_length())
         h, g = ctypes.c_void_p(), ctypes.c_void_p()
-        self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), cap, 0), "cudaHostAlloc")
+        self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), cap, 1), "cudaHostAlloc")  # portable
         try:
             self.c.check(self.c.rt.cudaMalloc(ctypes.byref(g), cap), "cudaMalloc")
         except CudaError:

@@ -78,7 +78,7 @@ class DevicePath:
     """Same-host VRAM copies for one backend instance. Options (from the backend):
 
     ``enabled`` turns the path off entirely; ``engine`` picks ``"sm"`` (copy kernel), ``"ce"``
-    (copy engines) or ``"auto"`` (the kernel on one GPU, the copy engines between two);
+    (copy engines) or ``"auto"`` (the kernel, or the copy engines where it cannot load);
     ``copy_on`` runs the copy on this side's GPU (``"local"``: READ pulls, WRITE pushes; the
     peer's handles are opened in that GPU's context, as UCX's cuda_ipc does) or on the peer's
     GPU (``"peer"``: handles opened where the memory lives).
@@ -291,8 +291,8 @@ class DevicePath:
 
     def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
         eng = self.engine
-        if eng == "auto":
-            eng = "sm" if dst_dev == src_dev else "ce"
+        if eng == "auto":  # the kernel won everywhere measured but WRITE rows between GPUs (-3 %)
+            eng = "sm"
         if eng == "sm" and self.cap.kernel_error(run_on) is not None:
             eng = "ce"
         return eng
