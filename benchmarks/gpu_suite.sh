@@ -18,7 +18,7 @@ for stage in "$@"; do
       timeout 150 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
     bench)
       timeout 150 $B --local-gpu 0 --remote-gpu 1 --modes rows,layers --write \
-        --variants kvxfer,kvxfer-ce,kvxfer-sm-peer,kvxfer-nixl --json $LOGS/two_gpus.json 2>&1 | tee -a $LOGS/bench.txt
+        --variants kvxfer,kvxfer-ce,kvxfer-nixl --json $LOGS/two_gpus.json 2>&1 | tee -a $LOGS/bench.txt
       timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     tests)

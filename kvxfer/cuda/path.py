@@ -46,6 +46,11 @@ class Spans:
     device: np.ndarray
     peer: str | None
     epoch: int
+    one_device: int = -1  # the GPU of every span when they share one (the usual case), else -1
+
+    def __post_init__(self) -> None:
+        if self.device.shape[0] and int(self.device.min()) == int(self.device.max()):
+            self.one_device = int(self.device[0])
 
 
 @dataclass(eq=False)
@@ -271,18 +276,21 @@ class DevicePath:
         p = self._peers.get(remote.peer or "")
         if p is None or p.epoch != remote.epoch:
             raise StalePeerError(f"the list was prepared for {remote.peer!r}, which was removed or re-added since")
-        la, ln, ld = local.addr[li], local.nbytes[li], local.device[li]
-        ra, rn, rd = remote.addr[ri], remote.nbytes[ri], remote.device[ri]
-        if not np.array_equal(ln, rn):
+        la, ln = local.addr[li], local.nbytes[li]
+        ra, rn = remote.addr[ri], remote.nbytes[ri]
+        if ln.shape != rn.shape or not (ln == rn).all():
             raise BackendError("paired descriptors differ in length")
-        if op is Op.READ:
-            dst, src, ddev, sdev = la, ra, ld, rd
+        if local.one_device >= 0 and remote.one_device >= 0:
+            ld, rd = local.one_device, remote.one_device  # no per-descriptor device work
+            groups = [(la, ra, ln, ld, rd) if op is Op.READ else (ra, la, ln, rd, ld)] if ln.shape[0] else []
+        elif op is Op.READ:
+            groups = _by_device_pair(la, ra, ln, local.device[li], remote.device[ri])
         else:
-            dst, src, ddev, sdev = ra, la, rd, ld
+            groups = _by_device_pair(ra, la, ln, remote.device[ri], local.device[li])
         handles = []
         with self._lock:
             self._alive(p)
-            for d, s, n, dd, sd in _by_device_pair(dst, src, ln, ddev, sdev):
+            for d, s, n, dd, sd in groups:
                 d, s, n = merge_runs(d, s, n)
                 mine = dd if op is Op.READ else sd
                 run_on = mine if self.copy_on == "local" else (sd if op is Op.READ else dd)

@@ -446,6 +446,21 @@ class TwoProcessConformance(_Base):
         finally:
             peer.close()
 
+    def test_standalone_notify_reaches_a_busy_peer(self) -> None:
+        """A notification must leave even while the sender does nothing but wait on a pipe."""
+        peer = self._spawn("packed", seed=None)
+        try:
+            cache = make_cache("packed", num_blocks=4, memory=self.memory, **GEOM)
+            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+                agent.register(cache.views, replicated=True)
+                name = agent.add_peer(peer.metadata)
+                peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
+                agent.notify(name, b"ready")
+                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
+                assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"ready"]}
+        finally:
+            peer.close()
+
     def test_dead_peer_is_reported_not_waited_on(self) -> None:
         peer = self._spawn("packed", seed=3)
         dst = make_cache("packed", num_blocks=16, memory=self.memory, **GEOM)

@@ -41,6 +41,8 @@ __all__ = ["DEFAULT_PROGRESS_THREAD", "NixlBackend"]
 DEFAULT_PROGRESS_THREAD = False
 
 _INT32_MAX = np.iinfo(np.int32).max
+#: How long the notify thread keeps progressing NIXL after a standalone notification.
+_NOTIF_FLUSH_S = 2.0
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
@@ -176,14 +178,26 @@ class _Pump:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._flush_until = 0.0
 
     def add(self, x: _Xfer) -> None:
         with self._cond:
             self._pending.add(x)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="kvxfer-nixl-notify", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._start()
+
+    def flush(self, seconds: float) -> None:
+        """Keep progressing NIXL for a while: a standalone notification (``genNotif``) leaves
+        the worker only when someone progresses it, and a caller that posted and went back to
+        work does not."""
+        with self._cond:
+            self._flush_until = max(self._flush_until, time.monotonic() + seconds)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="kvxfer-nixl-notify", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def discard(self, x: _Xfer) -> None:
         with self._cond:
@@ -202,9 +216,11 @@ class _Pump:
         delay = 20e-6
         while True:
             with self._cond:
-                if not self._pending and not self._stop:
+                flushing = time.monotonic() < self._flush_until
+                if not self._pending and not self._stop and not flushing:
                     self._cond.wait(timeout=1.0)
-                if self._stop or not self._pending:
+                    flushing = time.monotonic() < self._flush_until
+                if self._stop or not (self._pending or flushing):
                     self._thread = None
                     return
                 batch = list(self._pending)
@@ -218,6 +234,11 @@ class _Pump:
                     finished = True  # the error stays on the handle for the caller's poll
                 if finished:
                     self.discard(x)
+            if flushing:
+                try:
+                    backend._collect(blocking=False)
+                except KvxferError:
+                    pass
             del backend
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
@@ -534,6 +555,8 @@ class NixlBackend(Backend):
         if finished:
             if x.event is not None and x.notification and not x.notified:
                 self._send_notif(x.peer, x.notification)
+                if self._notify_thread:
+                    self._pump.flush(_NOTIF_FLUSH_S)
             x.notified = True
             x.done = True
             return True
@@ -582,6 +605,8 @@ class NixlBackend(Backend):
         if peer not in self._remotes:
             raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}")
         self._send_notif(peer, bytes(message))
+        if self._notify_thread:
+            self._pump.flush(_NOTIF_FLUSH_S)
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
         self._check_open()
