@@ -135,24 +135,6 @@ def test_post_moves_exactly_the_paired_rows(data: st.DataObject, op: Op) -> None
     np.testing.assert_array_equal(remote.mem, want_r)
 
 
-@pytest.mark.parametrize("peer_gpu,row,want", [(0, 1 << 20, "sm"), (1, 1 << 20, "ce"), (1, 4096, "sm")])
-def test_auto_engine_choice(peer_gpu: int, row: int, want: str) -> None:
-    ca, cb = FakeCuda(), FakeCuda()
-    mems = [np.full((2, row), v, np.uint8) for v in (7, SENTINEL)]
-    paths = [DevicePath(capability=c) for c in (ca, cb)]
-    for path, mem, dev in zip(paths, mems, (peer_gpu, 0)):
-        path.register([Allocation(mem.ctypes.data, mem.nbytes, MemoryKind.VRAM, dev)])
-    assert paths[1].add_peer("r", paths[0].blob()).kind == CUDA_IPC
-    rows = [DescriptorList([[m.ctypes.data + i * row, row, d] for i in range(2)], MemoryKind.VRAM)
-            for m, d in zip(mems, (peer_gpu, 0))]
-    lp, rp = paths[1].prepare(None, rows[1]), paths[1].prepare("r", rows[0])
-    assert lp is not None and rp is not None
-    idx = np.array([1, 0], np.int32)
-    assert paths[1].poll(paths[1].post(Op.READ, lp, idx, rp, idx))
-    assert cb.engines == [want]
-    assert (mems[1] == 7).all()
-
-
 def test_spans_outside_the_export_disable_the_path_for_that_list() -> None:
     ca, cb, src, dst = pair()
     dst.path.add_peer("src", src.path.blob())

@@ -80,9 +80,6 @@ class CudaCapability:
         if self._copier is not None:
             self._copier.sync_all()
 
-    def has_ce(self) -> bool:
-        return self.c.batch is not None
-
     def kernel_error(self, device: int) -> str | None:
         self.c  # noqa: B018 (creates the copier)
         assert self._copier is not None

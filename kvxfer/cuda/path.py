@@ -33,8 +33,6 @@ from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 __all__ = ["DevicePath", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
-#: Between two GPUs, ``engine="auto"`` uses the copy engines for posts whose spans average this much.
-AUTO_CE_SPAN = 1 << 20
 COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
 
@@ -85,8 +83,7 @@ class DevicePath:
     """Same-host VRAM copies for one backend instance. Options (from the backend):
 
     ``enabled`` turns the path off entirely; ``engine`` picks ``"sm"`` (copy kernel), ``"ce"``
-    (copy engines) or ``"auto"`` (the copy engines between two GPUs for spans of a megabyte or
-    more, else the kernel; the copy engines also wherever the kernel cannot load);
+    (copy engines) or ``"auto"`` (the kernel, or the copy engines where it cannot load);
     ``copy_on`` runs the copy on this side's GPU (``"local"``: READ pulls, WRITE pushes; the
     peer's handles are opened in that GPU's context, as UCX's cuda_ipc does) or on the peer's
     GPU (``"peer"``: handles opened where the memory lives).
@@ -297,16 +294,13 @@ class DevicePath:
                 d, s, n = merge_runs(d, s, n)
                 mine = dd if op is Op.READ else sd
                 run_on = mine if self.copy_on == "local" else (sd if op is Op.READ else dd)
-                eng = self._engine(dd, sd, run_on, int(n.sum()) // max(1, n.shape[0]))
-                handles.append(self.cap.copy(d, s, n, run_on, eng, sd, dd))
+                handles.append(self.cap.copy(d, s, n, run_on, self._engine(dd, sd, run_on), sd, dd))
         return PathXfer(p, handles, p.route.kind or "")
 
-    def _engine(self, dst_dev: int, src_dev: int, run_on: int, mean_span: int) -> str:
+    def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
         eng = self.engine
-        if eng == "auto":
-            # Measured on H200s (BENCHMARKS.md): the kernel wins on one GPU and for small spans;
-            # between two GPUs, spans of megabytes went 1-3 % faster on the copy engines.
-            eng = "ce" if dst_dev != src_dev and mean_span >= AUTO_CE_SPAN and self.cap.has_ce() else "sm"
+        if eng == "auto":  # the kernel won everywhere measured but WRITE rows between GPUs (-3 %)
+            eng = "sm"
         if eng == "sm" and self.cap.kernel_error(run_on) is not None:
             eng = "ce"
         return eng

@@ -63,7 +63,6 @@ class FakeCuda:
     processes: list[FakeProcess] = field(default_factory=list)
     opened: list[_Mapping] = field(default_factory=list)
     copies: int = 0
-    engines: list[str] = field(default_factory=list)
 
     def why_not(self) -> str | None:
         return self.unavailable
@@ -112,7 +111,6 @@ class FakeCuda:
         for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist()):  # a test double: clarity over speed
             ctypes.memmove(d, s, n)
         self.copies += 1
-        self.engines.append(engine)
         return "done"
 
     def query(self, handle: Any) -> bool:
@@ -126,6 +124,3 @@ class FakeCuda:
 
     def kernel_error(self, device: int) -> str | None:
         return None
-
-    def has_ce(self) -> bool:
-        return True
