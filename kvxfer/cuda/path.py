@@ -299,7 +299,7 @@ class DevicePath:
 
     def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
         eng = self.engine
-        if eng == "auto":  # the kernel won everywhere measured but WRITE rows between GPUs (-3 %)
+        if eng == "auto":  # the kernel won or tied everywhere measured (BENCHMARKS.md)
             eng = "sm"
         if eng == "sm" and self.cap.kernel_error(run_on) is not None:
             eng = "ce"
