@@ -171,8 +171,11 @@ class DevicePath:
         other = _live.get(exp.instance) if exp.identity.token == _my_token() else None
         same = other is not None and other is not self and not other._closed
         local_devices = sorted({a.device for a in self.vram()})
-        route = decide(self.cap.identity(), exp, local_devices, self.cap, enabled=self.enabled,
-                       same_process_peer=same)
+        try:
+            route = decide(self.cap.identity(), exp, local_devices, self.cap, enabled=self.enabled,
+                           same_process_peer=same)
+        except (OSError, BackendError) as exc:  # a CUDA query failed: the transport stays in charge
+            route = Route(None, f"the device path could not check this peer: {exc}")
         with self._lock:
             self._epoch += 1
             p = _Peer(key, route, self._epoch, export=exp)
