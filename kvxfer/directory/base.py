@@ -319,6 +319,11 @@ class Directory:
         return [e for e in self._watcher.entries() if e.matches(role, tp_rank, pp_rank)]
 
     @property
+    def rejected(self) -> int:
+        """Records the watch skipped because they failed validation (foreign or hostile writers)."""
+        return self._watcher.rejected
+
+    @property
     def watch_connected(self) -> bool:
         """True while the watch follows the store (False before it starts and during outages)."""
         return self._watcher.connected

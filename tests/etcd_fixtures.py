@@ -1,0 +1,56 @@
+"""Pytest fixtures that run a real etcd on a free loopback port in a temporary directory.
+
+Imported by the test modules that need it (``from etcd_fixtures import ...``). Without the
+``etcd`` binary the tests skip with the install command, except under CI (``CI=true``),
+where a missing etcd fails loudly: the Makefile's ``deps`` target must have installed it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.testing.etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
+
+__all__ = ["require_etcd", "etcd_server", "own_etcd", "cluster_name"]
+
+
+def require_etcd() -> None:
+    if etcd_binary() is not None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"etcd is not installed on this CI machine; `make test` runs `make deps` first. {INSTALL_HINT}",
+                    pytrace=False)
+    pytest.skip(f"etcd is not installed; {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for a test module; tests keep apart through their own cluster names."""
+    require_etcd()
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def own_etcd(tmp_path: "os.PathLike[str]") -> Iterator[EtcdServer]:
+    """An etcd of the test's own, which the test may stop, kill, wipe and start again."""
+    require_etcd()
+    server = EtcdServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def cluster_name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
