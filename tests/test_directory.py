@@ -297,6 +297,21 @@ def test_an_old_incarnation_leaving_does_not_remove_the_new_one(stores: Stores) 
         new.close()
 
 
+def test_the_old_lease_expiring_does_not_remove_the_new_incarnation(stores: Stores) -> None:
+    old, _ = loopback_agent("p0", seed=1)
+    new, _ = loopback_agent("p0", seed=2)
+    try:
+        d_old, d_new = stores.directory(ttl=2), stores.directory(ttl=60)
+        d_old.publish(old, "prefill")
+        d_new.publish(new, "prefill")
+        d_old.close(revoke=False)  # the old process died; its lease runs out in 2 s
+        time.sleep(3.5)
+        assert stores.directory().lookup("p0").generation == new.generation
+    finally:
+        old.close()
+        new.close()
+
+
 def test_moving_to_another_rank_replaces_the_record(stores: Stores) -> None:
     p, _ = loopback_agent("p0", seed=1)
     try:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
+import subprocess
 import sys
 import time
 from typing import Any
@@ -131,6 +133,65 @@ def _handle(agent: Agent, cache: Any, tracker: PeerTracker | None, cmd: dict[str
     if c == "peers":
         return {"peers": _peers(agent)}
     raise ValueError(f"unknown command {c!r}")
+
+
+
+class WorkerProcess:
+    """The parent's handle on a worker: start it, send commands, read replies with deadlines."""
+
+    def __init__(self, argv: list[str], *, popen: Any = None, env: dict[str, str] | None = None,
+                 ready_timeout: float = 60.0) -> None:
+        start = popen or subprocess.Popen
+        self.proc = start([sys.executable, "-m", "kvxfer.testing.directory_worker", *argv], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, env=env)
+        self._buf = b""
+        first = self.read(ready_timeout)
+        if not first.get("ready"):
+            raise RuntimeError(f"worker did not start: {first}")
+        self.name: str = first["name"]
+        self.generation: int = first["generation"]
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line from the worker; RuntimeError if none within ``timeout`` or it died."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no reply from the worker within {timeout}s")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"the worker exited (code {self.proc.wait(5)})")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def send(self, doc: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(doc) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def ask(self, doc: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        self.send(doc)
+        return self.read(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, the lease is left to expire."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(timeout)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 if __name__ == "__main__":
