@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -186,7 +186,7 @@ def _names(d: EtcdDirectory) -> list[str]:
         return []
 
 
-def _unreachable(kind: str) -> Iterator[str]:
+def _unreachable(kind: str) -> Generator[str, None, None]:
     if kind == "refused":
         yield f"http://127.0.0.1:{free_port()}"
         return
@@ -253,3 +253,15 @@ def test_missing_etcd3gw_names_the_install_command() -> None:
             "except BackendUnavailableError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
     assert "pip install 'kvxfer[etcd]'" in out.stdout, out.stderr
+
+
+@pytest.mark.nixl
+def test_fleet_example_moves_verified_requests(etcd_server: EtcdServer) -> None:
+    import subprocess
+
+    pytest.importorskip("nixl", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fleet.py"), "--prefill", "2", "--decode", "1",
+                          "--requests", "4", "--etcd", etcd_server.url, "--cluster", "fleet-test"],
+                         capture_output=True, text=True, env=dict(ENV, COLUMNS="120"), timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "prefill-0" in out.stdout and "prefill-1" in out.stdout and "NO" not in out.stdout, out.stdout

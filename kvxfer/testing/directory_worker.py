@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             try:
                 reply = _handle(agent, cache, tracker, cmd)
-            except KvxferError as exc:
+            except Exception as exc:  # report and keep serving: the test decides what it means
                 reply = {"error": type(exc).__name__, "message": str(exc)}
             _say(reply)
     finally:
@@ -102,7 +102,7 @@ def _handle(agent: Agent, cache: Any, tracker: PeerTracker | None, cmd: dict[str
     if c == "wait_peer":
         if tracker is None:
             raise ValueError("start the worker with --follow ROLE to track peers")
-        name, newer, gone = cmd.get("name"), int(cmd.get("newer_than", 0)), bool(cmd.get("gone", False))
+        name, newer, gone = str(cmd["name"]), int(cmd.get("newer_than", 0)), bool(cmd.get("gone", False))
         deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
         while True:
             tracker.sync()
