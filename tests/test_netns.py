@@ -15,6 +15,7 @@ the tests skip and say why.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 from etcd_fixtures import require_etcd
 
+from kvxfer import available_backends
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.directory_worker import WorkerProcess
 from kvxfer.testing.etcd_server import EtcdServer
@@ -82,8 +84,10 @@ def hosts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     _skip_or_fail()
     require_etcd()
     backend = request.param
-    pytest.importorskip("nixl" if backend == "nixl" else "kvxfer_ucx")
-    import json
+    status = {s.name: s for s in available_backends()}.get(backend)
+    if status is None or not status.available:
+        pytest.skip(f"backend {backend!r} cannot run here: {status.reason if status else 'not installed'}"
+                    f" ({status.install if status else ''})")
 
     tmp = str(tmp_path_factory.mktemp(f"netns-{backend}"))
     lab = NetLab(["etcd", "prefill", "decode"], [("etcd", "prefill"), ("etcd", "decode"), ("prefill", "decode")])
@@ -173,3 +177,13 @@ def test_link_cut_mid_transfer_then_recovery(hosts: Hosts) -> None:
                          timeout=90)
     assert r.get("ok"), r
     np.testing.assert_array_equal(hosts.pages(), reference(blocks, blocks))
+
+
+def test_without_root_the_reason_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.testing.netns as netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    reason = netns.unavailable_reason()
+    assert reason is not None and ("root" in reason or "iproute2" in reason)
+    with pytest.raises(RuntimeError, match="root|iproute2"):
+        NetLab(["a"], [])
