@@ -448,6 +448,23 @@ def test_store_outage_gives_typed_errors_and_keeps_the_last_view() -> None:
         dec.close()
 
 
+def test_an_unpublish_that_failed_is_retried_once_the_store_is_back() -> None:
+    store = MemoryStore()
+    p, _ = loopback_agent("p0", seed=1)
+    try:
+        pub = InProcessDirectory("c", store=store, ttl=6, timeout=1)  # the lease outlives the outage
+        pub.publish(p, "prefill")
+        store.down()
+        with pytest.raises(DirectoryUnavailableError):
+            pub.unpublish("p0")
+        store.up()
+        reader = InProcessDirectory("c", store=store)
+        wait_until(lambda: reader.entries() == [], timeout=20, what="record removed by the retry")
+        assert pub.publish_error is None
+    finally:
+        p.close()
+
+
 def test_errors_are_kvxfer_errors() -> None:
     assert issubclass(DirectoryUnavailableError, DirectoryError)
     from kvxfer.errors import KvxferError

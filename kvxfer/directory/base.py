@@ -119,6 +119,7 @@ class Directory:
         self._lock = threading.RLock()  # publications and the lease
         self._lease: int | None = None
         self._published: dict[str, _Publication] = {}
+        self._orphans: dict[str, bytes] = {}  # key -> value of records we moved away from
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -176,7 +177,8 @@ class Directory:
             old = self._published.get(md.name)
             self._published[md.name] = _Publication(key, value, entry)
             if old is not None and old.key != key:
-                self.store.delete_if(old.key, old.value, deadline)
+                self._orphans[old.key] = old.value
+            self._delete_orphans(deadline)
         self._start_keeper()
         return entry
 
@@ -187,7 +189,22 @@ class Directory:
         with self._lock:
             pub = self._published.pop(name, None)
             if pub is not None:
+                self._orphans[pub.key] = pub.value  # if this delete fails, the renewal thread retries
                 self.store.delete_if(pub.key, pub.value, deadline)
+                del self._orphans[pub.key]
+
+    def _delete_orphans(self, deadline: float) -> None:
+        """Remove our records left under an old role or rank; retried by the renewal thread.
+
+        They share our lease, so they would otherwise live as long as we do.
+        """
+        for key, value in list(self._orphans.items()):
+            try:
+                self.store.delete_if(key, value, deadline)
+            except DirectoryError as exc:
+                log.info("directory %s: old record %s not removed yet: %s", self.cluster, key, exc)
+                return
+            del self._orphans[key]
 
     @property
     def published(self) -> list[Entry]:
@@ -214,12 +231,13 @@ class Directory:
         wait = interval
         while not self._stop.wait(wait):
             with self._lock:
-                if self._lease is None or not self._published or self._closed:
+                if self._lease is None or not (self._published or self._orphans) or self._closed:
                     continue
                 deadline = time.monotonic() + min(self.timeout, interval)
                 try:
                     if not self.store.keepalive(self._lease, deadline):
                         self._republish(deadline)
+                    self._delete_orphans(deadline)
                     if self.publish_error is not None:
                         log.info("directory %s: store reachable again", self.cluster)
                     self.publish_error, wait = None, interval
