@@ -8,6 +8,8 @@ where a missing etcd fails loudly: the Makefile's ``deps`` target must have inst
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -15,7 +17,7 @@ import pytest
 
 from kvxfer.testing.etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
 
-__all__ = ["require_etcd", "etcd_server", "own_etcd", "cluster_name"]
+__all__ = ["require_etcd", "etcd_server", "own_etcd", "cluster_name", "no_thread_left"]
 
 
 def require_etcd() -> None:
@@ -54,3 +56,18 @@ def own_etcd(tmp_path: "os.PathLike[str]") -> Iterator[EtcdServer]:
 @pytest.fixture
 def cluster_name() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left() -> Iterator[None]:
+    """Every directory a test made is closed by its end: no renewal or watch thread lives on.
+
+    Autouse in the modules that import it.
+    """
+    yield
+    deadline = time.monotonic() + 15
+    while [t for t in threading.enumerate() if t.name.startswith("kvxfer-directory")]:
+        if time.monotonic() > deadline:
+            names = [t.name for t in threading.enumerate() if t.name.startswith("kvxfer-directory")]
+            pytest.fail(f"directory threads still running after the test: {names}")
+        time.sleep(0.05)

@@ -8,6 +8,7 @@ asynchronous events are bounded by generous deadlines; nothing asserts on speed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from etcd_fixtures import etcd_server  # noqa: F401  (fixture)
+from etcd_fixtures import etcd_server, no_thread_left  # noqa: F401  (fixtures)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -423,10 +424,12 @@ def test_tracker_isolates_a_peer_that_cannot_be_added(stores: Stores) -> None:
 def test_store_outage_gives_typed_errors_and_keeps_the_last_view() -> None:
     store = MemoryStore()
     (p, pc), (dec, dc) = loopback_agent("p0", seed=5), loopback_agent("d0", seed=None)
-    try:
-        pub = InProcessDirectory("c", store=store, ttl=2, timeout=1)
+    with contextlib.ExitStack() as stack:
+        stack.callback(p.close)
+        stack.callback(dec.close)
+        pub = stack.enter_context(InProcessDirectory("c", store=store, ttl=2, timeout=1))
         pub.publish(p, "prefill")
-        dd = InProcessDirectory("c", store=store, ttl=2, timeout=1)
+        dd = stack.enter_context(InProcessDirectory("c", store=store, ttl=2, timeout=1))
         tracker = PeerTracker(dec, dd, role="prefill")
         tracker.sync()
         store.down()
@@ -443,26 +446,20 @@ def test_store_outage_gives_typed_errors_and_keeps_the_last_view() -> None:
         wait_until(lambda: pub.publish_error is None and dd.watch_connected, what="recovery")
         assert wait_until(lambda: dd.wait_for(name="p0", timeout=5), what="republished")[0].generation == p.generation
         assert [e.name for e in dd.snapshot()] == ["p0"]
-    finally:
-        p.close()
-        dec.close()
 
 
 def test_an_unpublish_that_failed_is_retried_once_the_store_is_back() -> None:
     store = MemoryStore()
     p, _ = loopback_agent("p0", seed=1)
-    try:
-        pub = InProcessDirectory("c", store=store, ttl=6, timeout=1)  # the lease outlives the outage
+    with p, InProcessDirectory("c", store=store, ttl=6, timeout=1) as pub, \
+            InProcessDirectory("c", store=store) as reader:  # ttl=6: the lease outlives the outage
         pub.publish(p, "prefill")
         store.down()
         with pytest.raises(DirectoryUnavailableError):
             pub.unpublish("p0")
         store.up()
-        reader = InProcessDirectory("c", store=store)
         wait_until(lambda: reader.entries() == [], timeout=20, what="record removed by the retry")
         assert pub.publish_error is None
-    finally:
-        p.close()
 
 
 def test_errors_are_kvxfer_errors() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from etcd_fixtures import cluster_name, etcd_server, own_etcd  # noqa: F401  (fixtures)
+from etcd_fixtures import cluster_name, etcd_server, no_thread_left, own_etcd  # noqa: F401  (fixtures)
 
 from kvxfer import Agent
 from kvxfer.directory import (DirectoryUnavailableError, EtcdDirectory, Event, NotPublishedError, PeerTracker)
