@@ -32,7 +32,7 @@ deps:
 	else echo "deps: etcd or iproute2 missing: apt-get install -y etcd-server iproute2 (their tests skip)"; fi
 
 test: venv deps
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest -q
 
 demo: venv
 	$(PY) -m kvxfer.demo
