@@ -35,6 +35,6 @@ backends never loads a transport library, and a missing dependency is reported w
 from __future__ import annotations
 
 from .backend import Backend, Capabilities
-from .hookspecs import hookimpl, hookspec
+from .hookspecs import RegisterBackend, hookimpl, hookspec
 
-__all__ = ["Backend", "Capabilities", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "RegisterBackend", "hookimpl", "hookspec"]

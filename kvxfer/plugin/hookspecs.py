@@ -1,7 +1,7 @@
 """The hooks a kvxfer plugin may implement.
 
-A plugin is a module with functions decorated by :data:`kvxfer.hookimpl`, named in the
-``kvxfer`` entry-point group of its distribution::
+A plugin is a module (or any object) with functions decorated by :data:`kvxfer.hookimpl`,
+named in the ``kvxfer`` entry-point group of its distribution::
 
     [project.entry-points.kvxfer]
     mybackend = "kvxfer_mybackend"
@@ -9,20 +9,37 @@ A plugin is a module with functions decorated by :data:`kvxfer.hookimpl`, named 
 Backends are registered through a callback rather than returned, so one plugin can offer
 several backends and registration stays explicit. After registration the core calls backend
 objects directly: a hook dispatch per post or per poll would cost more than the transfer.
+Observers (:func:`kvxfer_transfer_finished`) are called once per transfer, and only when one
+is registered. An implementation may take any subset of a hook's arguments.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import pluggy
+
+if TYPE_CHECKING:
+    from ..agent import Agent
+    from ..transfer import Transfer, TransferStats
+    from .backend import Backend
+
+__all__ = ["hookspec", "hookimpl", "RegisterBackend"]
 
 hookspec = pluggy.HookspecMarker("kvxfer")
 hookimpl = pluggy.HookimplMarker("kvxfer")
 
 
+class RegisterBackend(Protocol):
+    """The ``register`` callback handed to :func:`kvxfer_register_backends`."""
+
+    def __call__(self, name: str, factory: "type[Backend] | str", *, requires: Iterable[str] = (),
+                 install: str | None = None, summary: str = "",
+                 check: Callable[[], str | None] | None = None) -> None: ...
+
+
 @hookspec
-def kvxfer_register_backends(register: Callable[..., None]) -> None:
+def kvxfer_register_backends(register: RegisterBackend) -> None:
     """Register backends by calling ``register(name, factory, *, requires=(), install=None,
     summary="", check=None)``.
 
@@ -35,5 +52,16 @@ def kvxfer_register_backends(register: Callable[..., None]) -> None:
 
 
 @hookspec
-def kvxfer_agent_created(agent: Any) -> None:
+def kvxfer_agent_created(agent: "Agent") -> None:
     """Called after an :class:`kvxfer.Agent` is constructed (for tracing and metrics)."""
+
+
+@hookspec
+def kvxfer_transfer_finished(agent: "Agent", transfer: "Transfer", stats: "TransferStats") -> None:
+    """Called once when a transfer leaves flight: done, failed or cancelled.
+
+    ``transfer.status`` and ``transfer.error`` say how it ended; ``stats`` holds descriptors,
+    bytes, plan/post/completion seconds, backend, path and the backend's own telemetry. It
+    runs in the thread that observed the end (the one polling the transfer), so keep it
+    short; an exception here is logged and never reaches the transfer's owner.
+    """

@@ -8,31 +8,58 @@ misbehaves:
     skip those entry points (comma-separated names) without uninstalling anything.
 ``KVXFER_TRACE_PLUGINS=1``
     print every hook call and result to stderr.
+
+A plugin that fails to import, implements a hook that does not exist (a misspelt name), or
+raises while registering is *broken*: it is skipped with a :class:`PluginWarning`, listed by
+:func:`broken_plugins` and ``kvxfer backends`` with its error, and never takes the other
+plugins (or an ``Agent`` on another backend) down with it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
 from . import hookspecs
+from .hookspecs import RegisterBackend
 from ..errors import BackendUnavailableError, KvxferError, UnknownBackendError
 
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["BackendInfo", "BackendStatus", "available_backends", "get_backend_class", "plugin_manager",
-           "reset_plugins"]
+__all__ = ["BackendInfo", "BackendStatus", "BrokenPlugin", "PluginWarning", "available_backends",
+           "broken_plugins", "get_backend_class", "plugin_manager", "reset_plugins"]
 
 BLOCK_ENV = "KVXFER_BLOCK_PLUGINS"
 TRACE_ENV = "KVXFER_TRACE_PLUGINS"
+GROUP = "kvxfer"
+
+_log = logging.getLogger("kvxfer.plugin")
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped because it is broken (see :func:`broken_plugins`)."""
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """A plugin that was skipped: where it failed (``import``, ``hooks`` or ``register``) and why."""
+
+    name: str
+    stage: str
+    error: str
+    distribution: str | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,8 @@ class BackendStatus:
     reason: str | None
     install: str | None
     summary: str
+    distribution: str | None = None
+    version: str | None = None
 
 
 def _importable(module: str) -> bool:
@@ -95,9 +124,11 @@ def _importable(module: str) -> bool:
         return False
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
 _registry: dict[str, BackendInfo] | None = None
+_broken: list[BrokenPlugin] = []
+_dists: dict[str, tuple[str | None, str | None]] = {}  # plugin name -> (distribution, version)
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -105,51 +136,96 @@ def plugin_manager() -> pluggy.PluginManager:
     global _pm
     with _lock:
         if _pm is None:
-            pm = pluggy.PluginManager("kvxfer")
+            pm = pluggy.PluginManager(GROUP)
             pm.add_hookspecs(hookspecs)
             for name in _split(os.environ.get(BLOCK_ENV, "")):
                 pm.set_blocked(name)
             if os.environ.get(TRACE_ENV, "") not in ("", "0"):
                 pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[kvxfer plugins] {msg}"))
                 pm.enable_tracing()
-            pm.load_setuptools_entrypoints("kvxfer")
+            _load_entry_points(pm)
             _pm = pm
         return _pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """pluggy's loader stops at the first plugin that fails; this one skips it and goes on."""
+    for ep in entry_points(group=GROUP):
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        dist = getattr(ep, "dist", None)
+        info = (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # any import failure, including errors raised by its code
+            _mark_broken(ep.name, "import", exc, info)
+            continue
+        try:
+            pm.register(plugin, name=ep.name)
+            pm.check_pending()  # a hook implementation without a spec: a misspelt hook name
+        except Exception as exc:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+            _mark_broken(ep.name, "hooks", exc, info)
+            continue
+        _dists[ep.name] = info
+
+
+def _mark_broken(name: str, stage: str, exc: BaseException, info: tuple[str | None, str | None]) -> None:
+    error = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    _broken.append(BrokenPlugin(name, stage, error, *info))
+    msg = f"kvxfer plugin {name!r} is broken and was skipped ({stage}): {error}"
+    _log.warning(msg)
+    warnings.warn(msg, PluginWarning, stacklevel=4)
 
 
 def _split(value: str) -> Iterable[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _build_registry() -> dict[str, BackendInfo]:
-    pm = plugin_manager()
-    registry: dict[str, BackendInfo] = {}
-    current = {"plugin": "?"}
+def _registrar(plugin: str, known: dict[str, BackendInfo], mine: dict[str, BackendInfo]) -> RegisterBackend:
+    """The ``register`` callback one plugin gets; what it registers lands in ``mine``."""
 
     def register(name: str, factory: Any, *, requires: Iterable[str] = (), install: str | None = None,
                  summary: str = "", check: Callable[[], str | None] | None = None) -> None:
         if not isinstance(name, str) or not name:
-            raise KvxferError(f"plugin {current['plugin']!r} registered a backend without a name")
-        if name in registry:
-            raise KvxferError(f"backend {name!r} registered twice (by {registry[name].plugin!r} and "
-                              f"{current['plugin']!r}); block one with {BLOCK_ENV}")
-        registry[name] = BackendInfo(name, factory, current["plugin"], tuple(requires), install, summary, check)
+            raise KvxferError("registered a backend without a name")
+        if name in known or name in mine:
+            owner = known[name].plugin if name in known else plugin
+            raise KvxferError(f"backend {name!r} is already registered by {owner!r}; "
+                              f"block one of them with {BLOCK_ENV}")
+        mine[name] = BackendInfo(name, factory, plugin, tuple(requires), install, summary, check)
 
-    # Call each plugin's hook on its own (still through pluggy, so tracing sees it) so that a
-    # registration error names the plugin that made it.
+    return register
+
+
+def _build_registry() -> dict[str, BackendInfo]:
+    pm = plugin_manager()
+    registry: dict[str, BackendInfo] = {}
+
+    # Call each plugin's hook on its own (still through pluggy, so tracing sees it): a failure
+    # names the plugin that made it, and only that plugin's backends are dropped.
     plugins = [impl.plugin for impl in pm.hook.kvxfer_register_backends.get_hookimpls()]
-    for plugin in plugins:
-        current["plugin"] = pm.get_name(plugin) or repr(plugin)
+    for plugin in reversed(plugins):  # registration order: pluggy lists the last one first
+        name = pm.get_name(plugin) or repr(plugin)
+        mine: dict[str, BackendInfo] = {}
         others = [p for p in plugins if p is not plugin]
-        pm.subset_hook_caller("kvxfer_register_backends", remove_plugins=others)(register=register)
+        try:
+            pm.subset_hook_caller("kvxfer_register_backends", remove_plugins=others)(
+                register=_registrar(name, registry, mine))
+        except Exception as exc:
+            _mark_broken(name, "register", exc, _dists.get(name, (None, None)))
+            continue
+        registry.update(mine)
     return registry
 
 
 def registry() -> dict[str, BackendInfo]:
     global _registry
-    if _registry is None:
-        _registry = _build_registry()
-    return _registry
+    with _lock:
+        if _registry is None:
+            _registry = _build_registry()
+        return _registry
 
 
 def reset_plugins() -> None:
@@ -158,6 +234,14 @@ def reset_plugins() -> None:
     with _lock:
         _pm = None
         _registry = None
+        _broken.clear()
+        _dists.clear()
+
+
+def broken_plugins() -> list[BrokenPlugin]:
+    """Plugins skipped because they failed to import, validate or register."""
+    registry()
+    return list(_broken)
 
 
 def available_backends() -> list[BackendStatus]:
@@ -165,7 +249,9 @@ def available_backends() -> list[BackendStatus]:
     out = []
     for info in registry().values():
         reason = info.unavailable_reason()
-        out.append(BackendStatus(info.name, info.plugin, reason is None, reason, info.install, info.summary))
+        dist, version = _dists.get(info.plugin, (None, None))
+        out.append(BackendStatus(info.name, info.plugin, reason is None, reason, info.install, info.summary,
+                                 dist, version))
     return sorted(out, key=lambda s: s.name)
 
 
@@ -175,5 +261,7 @@ def get_backend_class(name: str) -> type[Backend]:
         known = ", ".join(sorted(reg)) or "none"
         blocked = os.environ.get(BLOCK_ENV)
         extra = f" ({BLOCK_ENV}={blocked})" if blocked else ""
+        broken = "; ".join(f"{b.name}: {b.error}" for b in _broken)
+        extra += f"; broken plugins (see `kvxfer backends`): {broken}" if broken else ""
         raise UnknownBackendError(f"no backend named {name!r}; installed backends: {known}{extra}")
     return reg[name].load()
