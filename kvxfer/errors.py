@@ -26,6 +26,8 @@ __all__ = [
     "UnsupportedError",
     "AgentClosedError",
     "HandshakeError",
+    "SpecFileError",
+    "MissingDependencyError",
 ]
 
 
@@ -112,3 +114,11 @@ class AgentClosedError(KvxferError):
 
 class HandshakeError(KvxferError):
     """The metadata side channel failed: refused, timed out, oversized or unauthenticated."""
+
+
+class SpecFileError(SpecError):
+    """A spec file cannot be read or describes an impossible geometry; names the file and key."""
+
+
+class MissingDependencyError(KvxferError, ImportError):
+    """An optional feature needs a package that is not installed; the message has the install command."""
