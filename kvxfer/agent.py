@@ -29,6 +29,7 @@ from .from_tensors import spec_from_tensors
 from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata
+from .observe import transfer_finished
 from .planner import Leg, TransferPlan, plan
 from .plugin.registry import get_backend_class, plugin_manager
 from .transfer import Transfer, TransferStats, _Post
@@ -237,7 +238,8 @@ class Agent:
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
         chunks = self._chunks(peer, p)
-        stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0)
+        stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0,
+                              backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
         single = len(chunks) == 1
         posts: list[_Post] = []
         started = time.perf_counter()
@@ -252,6 +254,7 @@ class Agent:
                 for fn in cleanup:
                     fn()
             raise
+        stats.post_seconds = time.perf_counter() - started
         if posts:
             stats.path = self.backend.data_path(posts[0].handle)
         if not chunks and notify is not None:
@@ -262,9 +265,13 @@ class Agent:
             msg, key = bytes(notify), peer.key
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
         t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, on_done=on_done, started=started,
-                     on_finish=self._inflight.discard)
+                     on_finish=self._finished)
         self._inflight.add(t)
         return t
+
+    def _finished(self, t: Transfer) -> None:
+        self._inflight.discard(t)
+        transfer_finished(self, t)
 
     def _chunks(self, peer: Peer, p: TransferPlan) -> list[tuple[Any, np.ndarray, Any, np.ndarray, list[Any]]]:
         """Turn plan legs into backend posts, honouring ``max_descriptors``."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
-if TYPE_CHECKING:
-    from .plugin.backend import Backend
+from .plugin.backend import Backend
+
+_no_telemetry = Backend.telemetry
 
 __all__ = ["Transfer", "TransferStats", "Status"]
 
@@ -32,8 +33,12 @@ class Status(str, enum.Enum):
 class TransferStats:
     """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds.
 
-    ``path`` names the data path the backend chose (e.g. ``"cuda-ipc"`` or its transport's
-    name), so a silent fallback shows up in stats instead of only as a slower number.
+    ``plan_seconds``: planning and list preparation; ``post_seconds``: handing the posts to
+    the backend; ``seconds``: from the first post until DONE was observed. ``mode`` is the
+    plan's shape (``whole-row``, ``split``...). ``path`` names the data path the backend chose
+    (e.g. ``"cuda-ipc"`` or its transport's name), so a silent fallback shows up in stats
+    instead of only as a slower number. ``telemetry`` holds what the backend reports per post
+    (:meth:`kvxfer.Backend.telemetry`), or None when it reports nothing.
     """
 
     descriptors: int
@@ -42,12 +47,23 @@ class TransferStats:
     plan_seconds: float
     seconds: float | None = None  # from the first post until DONE was observed
     path: str | None = None
+    post_seconds: float = 0.0
+    backend: str = ""
+    op: str = ""
+    peer: str = ""
+    mode: str = ""
+    telemetry: list[dict[str, Any]] | None = None
 
     @property
     def gbps(self) -> float | None:
         if not self.seconds:
             return None
         return self.nbytes / self.seconds / 1e9
+
+    @property
+    def completion_seconds(self) -> float | None:
+        """Time from the last post until DONE was observed."""
+        return None if self.seconds is None else max(0.0, self.seconds - self.post_seconds)
 
 
 @dataclass
@@ -60,7 +76,7 @@ class _Post:
 class Transfer:
     """One request in flight. Not thread-safe: poll it from the thread that created it."""
 
-    def __init__(self, backend: "Backend", posts: list[_Post], stats: TransferStats, *, default_timeout: float,
+    def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  on_done: Callable[[], None] | None = None, started: float | None = None,
                  on_finish: Callable[["Transfer"], None] | None = None):
         self._backend = backend
@@ -71,6 +87,7 @@ class Transfer:
         self._on_finish = on_finish
         self._started = started if started is not None else time.perf_counter()
         self._spin = bool(backend.capabilities.needs_progress)
+        self._telemetry = type(backend).telemetry is not _no_telemetry
         self._error: BaseException | None = None
         self.status = Status.PENDING
 
@@ -101,6 +118,8 @@ class Transfer:
         if pending:
             return False
         self.stats.seconds = time.perf_counter() - self._started
+        if self._telemetry:
+            self._collect_telemetry()
         self._release()
         self.status = Status.DONE
         try:
@@ -152,6 +171,17 @@ class Transfer:
         self._error = exc
         self._finish()
         self._raise()
+
+    def _collect_telemetry(self) -> None:
+        out = []
+        for p in self._posts:
+            try:
+                t = self._backend.telemetry(p.handle)
+            except Exception:  # telemetry is best effort; the transfer itself succeeded
+                t = None
+            if t:
+                out.append(dict(t))
+        self.stats.telemetry = out or None
 
     def _raise(self) -> None:
         assert self._error is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -109,6 +109,15 @@ class Backend(abc.ABC):
 
     def progress(self) -> None:
         """Drive the transport once, for backends that need someone to (``needs_progress``)."""
+
+    def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
+        """Optional: what the transport measured for a finished post, before it is released.
+
+        Called only if a backend overrides it. Return JSON-friendly values (``path``, the
+        data path taken; times in seconds; byte and descriptor counts); they land in
+        :attr:`kvxfer.TransferStats.telemetry` and reach observers.
+        """
+        return None
 
     @abc.abstractmethod
     def close(self) -> None: ...
