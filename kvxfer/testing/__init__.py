@@ -2,17 +2,31 @@
 
 :class:`BackendConformance` and :class:`TwoProcessConformance` are pytest classes that any
 backend's test module subclasses; :mod:`kvxfer.testing.buffers` builds patterned caches;
-``python -m kvxfer.testing.peer`` runs a peer agent in its own process. Importing this
-package needs pytest; importing :mod:`kvxfer` does not import it.
+:mod:`kvxfer.testing.peer` runs a peer agent in its own process (``python -m
+kvxfer.testing.peer``) and drives it from the parent (:class:`~kvxfer.testing.peer.PeerProcess`).
+The conformance classes need pytest and are imported on first use, so the demo and ``kvxfer
+bench`` use the buffers and the peer without it.
 """
 
-import pytest
+from typing import Any
 
-# Plugin authors collect this suite from an installed package, which pytest does not rewrite
-# by default: without this their failures would be a bare AssertionError with no diff.
-pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.buffers")
+try:
+    import pytest
+except ImportError:  # the demo and `kvxfer bench` use the buffers and the peer without pytest
+    pass
+else:
+    # Plugin authors collect this suite from an installed package, which pytest does not rewrite
+    # by default: without this their failures would be a bare AssertionError with no diff.
+    pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.buffers")
 
-from .buffers import SENTINEL  # noqa: E402, Cache, expected_after, make_cache
-from .conformance import BackendConformance, TwoProcessConformance  # noqa: E402
+from .buffers import SENTINEL, Cache, expected_after, make_cache  # noqa: E402
 
 __all__ = ["BackendConformance", "TwoProcessConformance", "Cache", "SENTINEL", "expected_after", "make_cache"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("BackendConformance", "TwoProcessConformance"):
+        from . import conformance
+
+        return getattr(conformance, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

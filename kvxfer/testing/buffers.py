@@ -104,3 +104,128 @@ def expected_after(dst_before: np.ndarray, src: np.ndarray, dst_blocks: Any, src
         for layer in range(out.shape[0]):
             out[layer, d] = src[layer, s]
     return out
+
+
+# -- caches laid out by a model geometry (presets and spec files) --------------------------
+#
+# The demo, `kvxfer bench` and the peer process move these. Content is defined per logical
+# block, independently of the layout: block b's row (every member's page, in the geometry's
+# row order) is `block_rows(seed, [b], row)`, so either side can recompute what any block
+# must hold without asking the other, and a packed and a per-layer cache compare directly.
+
+
+def block_rows(seed: int, blocks: Any, row: int) -> np.ndarray:
+    """``(len(blocks), row)`` bytes: the logical rows of those blocks for ``seed``."""
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    out = np.empty((ids.shape[0], row), dtype=np.uint8)
+    for i, b in enumerate(ids.tolist()):
+        out[i] = np.frombuffer(np.random.default_rng((seed, b)).bytes(row), dtype=np.uint8)
+    return out
+
+
+@dataclass
+class GeometryCache:
+    """A cache with a geometry's members, one row per block (``packed``) or one array per member.
+
+    ``views`` maps member names to ``(num_blocks, page)`` views, what discovery and
+    :meth:`kvxfer.specfile.Geometry.spec_for` take. A packed row ends in ``pad`` bytes that
+    belong to no member.
+    """
+
+    geometry: Any
+    packed: bool
+    memory: str
+    num_blocks: int
+    pad: int
+    storages: list[Any]
+    views: dict[str, Any]
+
+    CHUNK_BYTES = 256 << 20  # rows generated at a time while filling or checking
+
+    def _chunks(self, blocks: np.ndarray) -> list[np.ndarray]:
+        per = max(1, self.CHUNK_BYTES // max(1, self.geometry.row))
+        return [blocks[i:i + per] for i in range(0, blocks.shape[0], per)]
+
+    def reset(self, fill: int = SENTINEL) -> None:
+        for s in self.storages:
+            if isinstance(s, np.ndarray):
+                s.fill(fill)
+            else:
+                s.fill_(fill)
+
+    def fill_blocks(self, seed: int, blocks: Any = None) -> None:
+        """Write the logical rows of ``blocks`` (default: all) for ``seed``."""
+        ids = np.arange(self.num_blocks) if blocks is None else np.asarray(blocks, dtype=np.int64).reshape(-1)
+        offsets = self.geometry.offsets()
+        row = self.geometry.row
+        for chunk in self._chunks(ids):
+            data = block_rows(seed, chunk, row)
+            if self.packed:
+                _assign(self.storages[0], chunk, data, 0, row)
+            else:
+                for name, (off, size) in offsets.items():
+                    _assign(self.views[name], chunk, data, off, off + size)
+
+    def verify(self, dst_blocks: Any, src_blocks: Any, seed: int) -> str | None:
+        """None when blocks ``dst_blocks[i]`` hold the rows of ``src_blocks[i]`` for ``seed`` and
+        every other byte (other blocks, row padding) still holds the sentinel; else what differs."""
+        db = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
+        sb = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+        offsets = self.geometry.offsets()
+        row = self.geometry.row
+        hosts = [_host(s) for s in self.storages]
+        for chunk in self._chunks(np.arange(db.shape[0])):
+            want = block_rows(seed, sb[chunk], row)
+            d = db[chunk]
+            if self.packed:
+                got = hosts[0][d, :row]
+                if not np.array_equal(got, want):
+                    i = int(np.flatnonzero((got != want).any(axis=1))[0])
+                    return f"block {int(d[i])} differs from source block {int(sb[chunk][i])}"
+                continue
+            for (name, (off, size)), h in zip(offsets.items(), hosts):
+                if not np.array_equal(h[d], want[:, off:off + size]):
+                    i = int(np.flatnonzero((h[d] != want[:, off:off + size]).any(axis=1))[0])
+                    return f"{name} of block {int(d[i])} differs from source block {int(sb[chunk][i])}"
+        moved = np.zeros(self.num_blocks, dtype=bool)
+        moved[db] = True
+        for h in hosts:
+            if not (h[~moved] == SENTINEL).all():
+                return "bytes of blocks outside the request changed"
+        if self.packed and self.pad and not (hosts[0][moved, row:] == SENTINEL).all():
+            return "row padding changed"
+        return None
+
+
+def _assign(target: Any, rows: np.ndarray, data: np.ndarray, lo: int, hi: int) -> None:
+    """``target[rows, :hi-lo] = data[:, lo:hi]`` for a numpy array or a torch tensor."""
+    if isinstance(target, np.ndarray):
+        target[rows, : hi - lo] = data[:, lo:hi]
+        return
+    import torch
+
+    idx = torch.from_numpy(rows).to(target.device)
+    target[idx, : hi - lo] = torch.from_numpy(np.ascontiguousarray(data[:, lo:hi])).to(target.device)
+
+
+def allocate(geometry: Any, num_blocks: int, *, packed: bool | None = None, memory: str = "DRAM", device: int = 0,
+             pad: int = 0, fill: int = SENTINEL) -> GeometryCache:
+    """Buffers with ``geometry``'s members for ``num_blocks`` blocks, every byte ``fill``."""
+    g = geometry.with_layout(packed)
+    names = [n for n, _ in g.member_names()]
+    if g.packed:
+        storage = _empty_on((num_blocks, g.row + pad), memory, fill, device)
+        storages = [storage]
+        views = {n: storage[:, off:off + size] for n, (off, size) in g.offsets().items()}
+    else:
+        storages = [_empty_on((num_blocks, size), memory, fill, device) for _, size in g.member_names()]
+        views = dict(zip(names, storages))
+    return GeometryCache(g, g.packed, memory, num_blocks, pad if g.packed else 0, storages, views)
+
+
+def _empty_on(shape: tuple[int, ...], memory: str, fill: int, device: int) -> Any:
+    if memory == "VRAM":
+        import torch
+
+        return torch.full(shape, fill, dtype=torch.uint8, device=f"cuda:{device}")
+    return np.full(shape, fill, dtype=np.uint8)

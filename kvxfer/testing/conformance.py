@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
 from typing import Any, Iterator
 
 import numpy as np
@@ -56,6 +53,7 @@ from ..errors import (
     UnknownPeerError,
 )
 from .buffers import SENTINEL, Cache, expected_after, make_cache
+from .peer import PeerProcess, spawn_args
 
 GEOM = {"num_layers": 5, "page": 384}
 SRC_BLOCKS = [7, 3, 4, 5, 11, 0]
@@ -476,43 +474,14 @@ class TwoProcessConformance(_Base):
             assert isinstance(info.value, PeerDisconnectedError), f"expected PeerDisconnectedError, got {info.value!r}"
 
 
-class _PeerProcess:
+class _PeerProcess(PeerProcess):
+    """The suite's peer: 12 blocks of the suite's geometry, rows padded with 32 spare bytes."""
+
     def __init__(self, backend: str, options: dict[str, Any], memory: str, cache: str, seed: int | None, name: str,
                  timeout: float, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", backend, "--name", name, "--cache", cache,
-               "--memory", memory, "--blocks", "12", "--layers", str(GEOM["num_layers"]), "--page", str(GEOM["page"]),
-               "--pad", "32", "--options", json.dumps(options), "--replicated"]
-        if seed is not None:
-            cmd += ["--seed", str(seed)]
-        cmd += list(extra)
-        self.timeout = timeout
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        first = self._readline()
-        self.metadata = base64.b64decode(first["metadata"])
-
-    def _readline(self) -> dict[str, Any]:
-        import selectors
-
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(self.timeout):
-            self.kill()
-            raise TimeoutError("peer process did not answer in time")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"peer failed: {reply['error']}: {reply['message']}")
-        return reply
-
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._readline()
+        super().__init__(spawn_args(backend, name=name, cache=cache, memory=memory, blocks=12,
+                                    layers=GEOM["num_layers"], page=GEOM["page"], pad=32, options=options,
+                                    replicated=True, seed=seed) + list(extra), timeout=timeout, env=env)
 
     def pages(self) -> np.ndarray:
         raw = base64.b64decode(self.call({"cmd": "pages"})["pages"])
@@ -520,17 +489,3 @@ class _PeerProcess:
 
     def padding(self) -> np.ndarray:
         return np.frombuffer(base64.b64decode(self.call({"cmd": "pages"})["padding"]), np.uint8)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
-            except Exception:
-                self.kill()

@@ -1,16 +1,28 @@
-"""A peer agent in its own process, driven over stdin/stdout with JSON lines.
+"""A peer agent in its own process, driven over stdin/stdout with JSON lines, and its driver.
 
-The conformance suite's two-process tests (and anyone debugging a backend by hand) start it
-with ``python -m kvxfer.testing.peer --backend nixl --cache packed ...``. It prints
-``{"metadata": <base64>}`` once registered, then answers one JSON command per line:
+The conformance suite's two-process tests, the demo and ``kvxfer bench`` start it through
+:class:`PeerProcess` (or by hand: ``python -m kvxfer.testing.peer --backend nixl ...``). The
+cache is either the suite's uniform one (``--cache packed|layers --layers --page``) or a
+model geometry (``--preset NAME|FILE --layout packed|layers``) whose blocks ``--seed`` fills
+with :func:`~kvxfer.testing.buffers.block_rows`. With ``--serve HOST:PORT`` it also serves its
+metadata over the side channel (token from ``KVXFER_PEER_TOKEN``). It prints one line once
+registered::
+
+    {"metadata": b64, "address": [host, port] | null, "pid": n, "timings": {"cache": s, "agent": s, "register": s}}
+
+then answers one JSON command per line:
 
 ``{"cmd": "add_peer", "metadata": b64}`` -> ``{"peer": name}``
-``{"cmd": "pages"}`` -> ``{"pages": b64 of (layers, blocks, page) bytes, "padding": b64}``
+``{"cmd": "metadata"}`` -> ``{"metadata": b64}``
+``{"cmd": "pages"}`` -> ``{"pages": b64 of (layers, blocks, page) bytes, "padding": b64}`` (suite cache)
+``{"cmd": "fill", "byte": v}`` or ``{"cmd": "fill", "seed": s, "blocks": [...]}`` -> ``{"ok": true}``
+``{"cmd": "verify", "dst": [...], "src": [...], "seed": s}`` -> ``{"problem": null | text}`` (geometry cache)
 ``{"cmd": "notifications", "timeout": s, "count": n}`` -> ``{"notifications": {peer: [b64]}}``
 ``{"cmd": "exit"}``
 
-Between commands it keeps driving the backend's progress, so backends without a progress
-thread still complete one-sided transfers that target this process.
+A failing command answers ``{"error": type, "message": text}``. Between commands it keeps
+driving the backend's progress, so backends without a progress thread still complete
+one-sided transfers that target this process; peers that contact its side channel are added.
 """
 
 from __future__ import annotations
@@ -18,25 +30,34 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
+import queue
 import select
+import selectors
+import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from .. import Agent
-from .buffers import make_cache
+from .buffers import allocate, make_cache
+
+__all__ = ["PeerProcess", "InProcessPeer", "PeerError", "main", "TOKEN_ENV"]
+
+TOKEN_ENV = "KVXFER_PEER_TOKEN"
 
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvxfer.testing.peer", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", required=True)
     ap.add_argument("--name", default="peer")
     ap.add_argument("--cache", choices=("packed", "layers"), default="packed")
     ap.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM")
+    ap.add_argument("--device", type=int, default=0, help="CUDA device for VRAM")
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--page", type=int, default=256)
@@ -45,22 +66,72 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--options", default="{}", help="backend options as JSON")
     ap.add_argument("--replicated", action="store_true")
     ap.add_argument("--cuda-device", type=int, default=None, help="GPU for VRAM caches (default: the current one)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--preset", help="a model geometry (preset name or spec file) instead of --layers/--page")
+    ap.add_argument("--layout", choices=("packed", "layers"), default=None, help="with --preset (default: its own)")
+    ap.add_argument("--serve", metavar="HOST:PORT", help="also serve metadata over the side channel")
+    return ap
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+    t0 = time.perf_counter()
     if args.cuda_device is not None:
         import torch
 
         torch.cuda.set_device(args.cuda_device)
+    if args.preset:
+        from ..presets import resolve
 
-    cache = make_cache(args.cache, num_blocks=args.blocks, num_layers=args.layers, page=args.page, pad=args.pad,
-                       memory=args.memory, seed=args.seed)
+        geometry = resolve(args.preset)
+        cache: Any = allocate(geometry, args.blocks, packed=None if args.layout is None else args.layout == "packed",
+                              memory=args.memory, device=args.device, pad=args.pad)
+        if args.seed is not None:
+            cache.fill_blocks(args.seed)
+    else:
+        if args.memory == "VRAM" and args.device:
+            import torch
+
+            torch.cuda.set_device(args.device)
+        cache = make_cache(args.cache, num_blocks=args.blocks, num_layers=args.layers, page=args.page, pad=args.pad,
+                           memory=args.memory, seed=args.seed)
+    return cache, {"cache": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The command channel is a private copy of stdout; fd 1 goes to stderr, because transport
+    # libraries print diagnostics on it.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    cache, timings = _build(args)
+    t0 = time.perf_counter()
     agent = Agent(args.name, backend=args.backend, **json.loads(args.options))
-    agent.register(cache.views, replicated=args.replicated)
-    out = sys.stdout
-    out.write(json.dumps({"metadata": _b64(agent.metadata())}) + "\n")
+    t1 = time.perf_counter()
+    if args.preset:
+        agent.register(cache.geometry.spec_for(cache.views) if cache.memory == "DRAM" else cache.views,
+                       **({} if cache.memory == "DRAM" else _discovery(cache.geometry)))
+    else:
+        agent.register(cache.views, replicated=args.replicated)
+    timings.update(agent=t1 - t0, register=time.perf_counter() - t1)
+    incoming: queue.Queue[bytes] = queue.Queue()
+    server = None
+    if args.serve:
+        from ..sidechannel import MetadataServer
+
+        host, _, port = args.serve.rpartition(":")
+        server = MetadataServer(agent.metadata, host or "127.0.0.1", int(port or 0),
+                                token=os.environ.get(TOKEN_ENV) or None, on_peer=incoming.put)
+    out.write(json.dumps({"metadata": _b64(agent.metadata()), "address": list(server.address) if server else None,
+                          "pid": os.getpid(), "timings": timings}) + "\n")
     out.flush()
     pending_notes: dict[str, list[bytes]] = {}
     try:
         while True:
+            while not incoming.empty():  # peers that contacted the side channel
+                try:
+                    agent.add_peer(incoming.get_nowait())
+                except Exception as exc:  # a bad peer must not stop this one
+                    print(f"peer: refused a peer: {exc}", file=sys.stderr)
             ready, _, _ = select.select([sys.stdin], [], [], 0.001)
             if not ready:
                 agent.progress()
@@ -71,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd: dict[str, Any] = json.loads(line)
             reply: dict[str, Any]
             try:
-                reply = _handle(agent, cache, cmd, pending_notes)
+                reply = handle(agent, cache, cmd, pending_notes)
             except Exception as exc:  # report, keep serving: the test decides what it means
                 reply = {"error": type(exc).__name__, "message": str(exc)}
             if reply.get("exit"):
@@ -79,15 +150,34 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps(reply) + "\n")
             out.flush()
     finally:
+        if server is not None:
+            server.close()
         agent.close()
 
 
-def _handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[bytes]]) -> dict[str, Any]:
+def _discovery(geometry: Any) -> dict[str, Any]:
+    """Discovery options matching a geometry, for CUDA tensors (spec_for takes host arrays)."""
+    return {"replicated": geometry.replicated(), "layout": geometry.layout, "block_tokens": geometry.block_tokens,
+            "tp_rank": geometry.tp_rank, "tp_size": geometry.tp_size}
+
+
+def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[bytes]]) -> dict[str, Any]:
+    """Answer one command (shared by the child process and :class:`InProcessPeer`)."""
     c = cmd.get("cmd")
     if c == "add_peer":
         return {"peer": agent.add_peer(base64.b64decode(cmd["metadata"]))}
+    if c == "metadata":
+        return {"metadata": _b64(agent.metadata())}
     if c == "pages":
         return {"pages": _b64(cache.layer_pages().tobytes()), "padding": _b64(cache.padding().tobytes())}
+    if c == "fill":
+        if "seed" in cmd:
+            cache.fill_blocks(int(cmd["seed"]), cmd.get("blocks"))
+        else:
+            cache.reset(int(cmd.get("byte", 0xAA)))
+        return {"ok": True}
+    if c == "verify":
+        return {"problem": cache.verify(cmd["dst"], cmd["src"], int(cmd["seed"]))}
     if c == "notifications":
         deadline = time.monotonic() + float(cmd.get("timeout", 5.0))
         want = int(cmd.get("count", 1))
@@ -103,6 +193,147 @@ def _handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list
     if c == "exit":
         return {"exit": True}
     raise ValueError(f"unknown command {c!r}")
+
+
+class PeerError(RuntimeError):
+    """The peer process failed to start, answered with an error, or did not answer in time."""
+
+
+class PeerProcess:
+    """Drive ``python -m kvxfer.testing.peer`` from the parent: start, call, close.
+
+    ``args`` are the child's command-line options (see :func:`spawn_args`). Every read is
+    bounded by ``timeout``; a child that hangs is killed and reported as :class:`PeerError`.
+    """
+
+    def __init__(self, args: Sequence[str], *, timeout: float = 60.0, token: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.timeout = timeout
+        started = time.perf_counter()
+        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        if token:
+            child_env[TOKEN_ENV] = token
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.peer", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=child_env)
+        try:
+            self.ready = self._readline()
+        except BaseException:
+            self.kill()
+            raise
+        self.startup_seconds = time.perf_counter() - started
+        self.metadata = base64.b64decode(self.ready["metadata"])
+        addr = self.ready.get("address")
+        self.address: tuple[str, int] | None = (addr[0], int(addr[1])) if addr else None
+
+    @classmethod
+    def spawn(cls, backend: str, *, timeout: float = 60.0, token: str | None = None, **options: Any) -> "PeerProcess":
+        """Start a peer; ``options`` are the child's flags by name (``blocks=12, seed=7``)."""
+        return cls(spawn_args(backend, **options), timeout=timeout, token=token)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _readline(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(self.timeout):
+                self.kill()
+                raise PeerError(f"peer process did not answer within {self.timeout:g} s")
+        finally:
+            sel.close()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise PeerError(f"peer process exited with {self.proc.wait()}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise PeerError(f"peer failed: {reply['error']}: {reply['message']}")
+        return reply
+
+    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._readline()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcessPeer:
+    """The same commands as :class:`PeerProcess`, answered by an agent in this process.
+
+    For backends that cannot cross processes, so callers drive one peer interface either way.
+    """
+
+    def __init__(self, backend: str, cache: Any, *, name: str = "peer", options: dict[str, Any] | None = None):
+        self.cache = cache
+        self.agent = Agent(name, backend=backend, **(options or {}))
+        geometry = getattr(cache, "geometry", None)
+        if geometry is not None and cache.memory == "DRAM":
+            self.agent.register(geometry.spec_for(cache.views))
+        elif geometry is not None:
+            self.agent.register(cache.views, **_discovery(geometry))
+        else:
+            self.agent.register(cache.views, replicated=True)
+        self._notes: dict[str, list[bytes]] = {}
+        self.address = None
+        self.pid = os.getpid()
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return handle(self.agent, self.cache, cmd, self._notes)
+
+    def close(self) -> None:
+        self.agent.close()
+
+    def __enter__(self) -> "InProcessPeer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def spawn_args(backend: str, **options: Any) -> list[str]:
+    """Command-line flags for the child from keyword options (``True`` flags, ``None`` skipped)."""
+    out = ["--backend", backend]
+    for key, value in options.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 if __name__ == "__main__":
