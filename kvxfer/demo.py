@@ -1,11 +1,12 @@
-"""``make demo``: a prefill process and a decode process move a real KV request and verify it.
+"""``kvxfer demo`` (``make demo``): prefill and decode move a real KV request and verify it.
 
-Prefill registers a block-outermost 61-layer MLA cache (64-token blocks, 576 bf16 channels,
-4.5 MB rows) filled with seeded random bytes and serves its metadata over the TCP side
-channel. Decode fetches that metadata and pulls one request twice: into a packed cache
-(whole rows: one descriptor per block) and into per-layer regions (61 descriptors per
-block). It checks every byte of the request against the seeded bytes, checks that every
-other byte still holds the 0xAA sentinel, and prints what each way cost.
+Prefill, in its own process (:mod:`kvxfer.testing.peer`), registers a block-outermost cache of
+a model preset (default: 61-layer MLA, 64-token blocks, 4.5 MB rows) whose blocks hold
+seeded random bytes, and serves its metadata over the TCP side channel with a token. Decode
+fetches that metadata and pulls one request twice: into a packed cache (whole rows: one
+descriptor per block) and into per-layer regions (one descriptor per layer and block). It
+checks every byte of the request against the seeded bytes and that every other byte still
+holds the 0xAA sentinel, then prints what each way cost and where the time went.
 
 The backend is NIXL when installed, otherwise the in-process loopback (then prefill runs in
 the same process, and the demo says so). VRAM is used where torch sees a GPU.
@@ -14,215 +15,231 @@ the same process, and the demo says so). VRAM is used where torch sees a GPU.
 from __future__ import annotations
 
 import argparse
-import json
+import glob
 import os
-import subprocess
+import secrets
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import Agent
-from .plugin.registry import available_backends
-from .presets import PRESETS
+from .errors import KvxferError
 
-SENTINEL = 0xAA
+__all__ = ["add_arguments", "run", "main", "VerificationError"]
 
 
-@dataclass
-class Geometry:
-    layers: int
-    page: int
-    pool: int
-    request: int
-    seed: int
-
-    @property
-    def row(self) -> int:
-        return self.layers * self.page
-
-    def prefill_blocks(self) -> np.ndarray:
-        return np.random.default_rng(self.seed).permutation(self.pool)[: self.request]
-
-    def decode_blocks(self) -> np.ndarray:
-        return np.random.default_rng(self.seed + 1).permutation(self.pool)[: self.request]
-
-    def row_bytes(self, block: int) -> np.ndarray:
-        """The bytes prefill stores in a block: reproducible from (seed, block) alone."""
-        return np.random.default_rng((self.seed, block)).integers(0, 256, self.row, dtype=np.uint8)
+class VerificationError(KvxferError):
+    """The bytes decode received are not the bytes prefill holds, or others changed."""
 
 
-def _torch_cuda() -> Any:
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from .cli.app import add_json, positive_int
+
+    ap.add_argument("--backend", default="auto", help="auto (nixl if it runs here, else loopback), or any "
+                                                      "backend `kvxfer backends` lists")
+    ap.add_argument("--tokens", type=positive_int, default=16384, help="request length in tokens (default 16384, "
+                                                                        "sized for a small machine)")
+    ap.add_argument("--preset", default="mla-61", metavar="NAME|FILE", help="model geometry: a preset or a "
+                                                                            "spec file (default mla-61)")
+    ap.add_argument("--memory", choices=("auto", "DRAM", "VRAM"), default="auto",
+                    help="where both caches live (auto: VRAM when torch sees a GPU)")
+    ap.add_argument("--seed", type=int, default=2026, help="seed of the bytes prefill holds and of the block ids")
+    ap.add_argument("--token", default=None, help="shared secret for the metadata side channel (default: a "
+                                                  "random one per run)")
+    add_json(ap)
+
+
+def _cuda_devices() -> int:
+    """GPUs torch sees; 0 without importing torch on machines that have no NVIDIA device node."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return 0
     try:
         import torch
     except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def _alloc(shape: tuple[int, ...], memory: str, device: int) -> Any:
-    if memory == "VRAM":
-        import torch
+def _pick_backend(requested: str, notes: list[str]) -> str:
+    from .plugin.registry import available_backends
 
-        return torch.full(shape, SENTINEL, dtype=torch.uint8, device=f"cuda:{device}")
-    return np.full(shape, SENTINEL, dtype=np.uint8)
-
-
-def _host(x: Any) -> np.ndarray:
-    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
-
-
-def _packed_views(storage: Any, g: Geometry) -> dict[str, Any]:
-    return {f"layer.{i}": storage[:, i * g.page:(i + 1) * g.page] for i in range(g.layers)}
+    status = {s.name: s for s in available_backends()}
+    if requested != "auto":
+        return requested
+    if "nixl" in status and status["nixl"].available:
+        return "nixl"
+    why = status["nixl"].reason if "nixl" in status else "the nixl plugin is not installed"
+    notes.append(f"NOTE: nixl is unavailable ({why}); falling back to the loopback backend, in one process. "
+                 "Install it with: pip install 'kvxfer[nixl]'")
+    return "loopback"
 
 
-def prefill_cache(g: Geometry, memory: str, device: int) -> Any:
-    storage = _alloc((g.pool, g.row), memory, device)
-    for b in g.prefill_blocks().tolist():
-        data = g.row_bytes(b)
-        if memory == "VRAM":
-            import torch
+def _process_age() -> float:
+    """Seconds since this process started (Linux; 0 elsewhere): the interpreter and imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
-            storage[b].copy_(torch.from_numpy(data))
-        else:
-            storage[b] = data
-    return storage
+
+class _Clock:
+    """Seconds spent per phase, in the order phases first appear."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def time(self, phase: str) -> "_Lap":
+        return _Lap(self, phase)
 
 
-def run_prefill(args: argparse.Namespace) -> int:
-    """Child process: register, serve metadata, keep the backend progressing until told to stop."""
-    from .sidechannel import MetadataServer
+class _Lap:
+    def __init__(self, clock: _Clock, phase: str):
+        self.clock, self.phase = clock, phase
 
-    g = Geometry(**json.loads(args.geometry))
-    storage = prefill_cache(g, args.memory, args.device)
-    with Agent("prefill", backend=args.backend) as agent:
-        agent.register(_packed_views(storage, g), replicated=True)
-        with MetadataServer(agent.metadata(), "127.0.0.1", 0, token=args.token) as server:
-            host, port = server.address
-            print(json.dumps({"host": host, "port": port}), flush=True)
-            import select
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
 
-            while True:  # until decode closes our stdin
-                ready, _, _ = select.select([sys.stdin], [], [], 0.001)
-                if ready and not sys.stdin.readline():
-                    break
-                agent.progress()
+    def __exit__(self, *exc: object) -> None:
+        self.clock.add(self.phase, time.perf_counter() - self.t0)
+
+
+PHASES = {
+    "start-up": "processes, imports and backend initialisation",
+    "cache fill": "prefill writes the seeded bytes of every block",
+    "decode caches": "decode allocates its two caches, filled with the sentinel",
+    "registration": "registering memory with the backend, both sides",
+    "handshake": "side-channel fetch, add_peer and the first connection",
+    "transfers": "the two timed reads, posted and waited for",
+    "verification": "checking every byte, and the sentinel around the request",
+    "shutdown": "closing the agents and the prefill process",
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    from .agent import Agent
+    from .cli.output import emit_json
+    from .plugin.registry import get_backend_class
+    from .presets import resolve
+    from .testing.buffers import allocate
+    from .testing.peer import InProcessPeer, PeerProcess
+
+    age = _process_age()
+    wall0 = time.perf_counter() - age
+    clock = _Clock()
+    clock.add("start-up", age)
+    notes: list[str] = []
+    geometry = resolve(args.preset)
+    with clock.time("start-up"):
+        backend = _pick_backend(args.backend, notes)
+        cross = get_backend_class(backend).capabilities.cross_process
+    gpus = _cuda_devices() if args.memory != "DRAM" else 0
+    memory = args.memory if args.memory != "auto" else ("VRAM" if gpus else "DRAM")
+    if memory == "VRAM" and not (gpus or _cuda_devices()):
+        raise KvxferError("--memory VRAM needs a CUDA device that torch can see")
+    token = args.token or secrets.token_hex(16)
+    n = geometry.blocks_for(args.tokens)
+    pool = n + max(8, n // 8)
+    decode_dev = 1 if memory == "VRAM" and gpus > 1 else 0
+    for note in notes:
+        print(note)
+
+    peer: Any
+    if cross:
+        from .sidechannel import fetch
+
+        peer = PeerProcess.spawn(backend, name="prefill", preset=args.preset, layout="packed", blocks=pool,
+                                 seed=args.seed, memory=memory, device=0, serve="127.0.0.1:0", timeout=300,
+                                 token=token)
+        t = peer.ready["timings"]
+        clock.add("start-up", peer.startup_seconds - t["cache"] - t["register"])
+        clock.add("cache fill", t["cache"])
+        clock.add("registration", t["register"])
+        assert peer.address is not None
+        with clock.time("handshake"):
+            metadata = fetch(*peer.address, token=token, timeout=30)
+        mode = f"two processes (prefill pid {peer.pid}, decode pid {os.getpid()})"
+    else:
+        with clock.time("cache fill"):
+            cache = allocate(geometry, pool, packed=True, memory=memory)
+            cache.fill_blocks(args.seed)
+        with clock.time("registration"):
+            peer = InProcessPeer(backend, cache, name="prefill")
+            metadata = peer.metadata
+        mode = "one process (this backend cannot cross processes)"
+    rng_p, rng_d = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
+    pb, db = rng_p.permutation(pool)[:n], rng_d.permutation(pool)[:n]
+    results = []
+    try:
+        for label, packed in (("whole rows", True), ("per-layer regions", False)):
+            with clock.time("decode caches"):
+                dst = allocate(geometry, pool, packed=packed, memory=memory, device=decode_dev)
+            with clock.time("start-up"):
+                agent = Agent(f"decode-{'rows' if packed else 'layers'}", backend=backend, timeout=300)
+            try:
+                with clock.time("registration"):
+                    dst.register(agent)
+                with clock.time("handshake"):
+                    name = agent.add_peer(metadata)
+                    agent.read(name, [], []).wait()  # connect before timing
+                with clock.time("transfers"):
+                    tr = agent.read(name, db, pb).wait()
+                with clock.time("verification"):
+                    problem = dst.verify(db, pb, args.seed)
+                if problem:
+                    raise VerificationError(f"VERIFY FAILED ({label}): {problem}")
+                s = tr.stats
+                results.append({"layout": label, "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes,
+                                "seconds": s.seconds, "gbps": s.gbps, "path": s.path, "verified": "every byte"})
+            finally:
+                with clock.time("shutdown"):
+                    agent.close()
+                    del dst
+    finally:
+        with clock.time("shutdown"):
+            peer.close()
+    total = time.perf_counter() - wall0
+    timings = [{"phase": k, "seconds": v, "share": v / total, "what": PHASES[k]} for k, v in clock.phases.items()]
+    other = total - sum(clock.phases.values())
+    timings.append({"phase": "other", "seconds": other, "share": other / total, "what": "the rest of this process"})
+    report = {"backend": backend, "memory": memory, "mode": mode, "preset": geometry.name, "tokens": args.tokens,
+              "blocks": n, "row_bytes": geometry.row, "results": results, "timings": timings,
+              "total_seconds": total}
+    if args.json:
+        emit_json(report)
+    else:
+        _print(report, geometry)
     return 0
 
 
-def _decode_side(backend: str, metadata: bytes, g: Geometry, memory: str, device: int) -> list[dict[str, Any]]:
-    rows_store = _alloc((g.pool, g.row), memory, device)
-    layer_stores = [_alloc((g.pool, g.page), memory, device) for _ in range(g.layers)]
-    pb, db = g.prefill_blocks(), g.decode_blocks()
-    results = []
-    for label, views in (("whole rows", _packed_views(rows_store, g)),
-                         ("per-layer regions", {f"layer.{i}": s for i, s in enumerate(layer_stores)})):
-        with Agent(f"decode-{'rows' if label == 'whole rows' else 'layers'}", backend=backend, timeout=300) as agent:
-            agent.register(views, replicated=True)
-            peer = agent.add_peer(metadata)
-            agent.read(peer, [], []).wait()  # connect before timing
-            t = agent.read(peer, db, pb)
-            t.wait()
-            results.append({"how": label, "descriptors": t.stats.descriptors, "posts": t.stats.posts,
-                            "bytes": t.stats.nbytes, "seconds": t.stats.seconds})
-    # Verify every byte: requested blocks hold prefill's bytes, all others the sentinel.
-    moved = np.zeros(g.pool, dtype=bool)
-    moved[db] = True
-    rows_h = _host(rows_store)
-    layers_h = [_host(s) for s in layer_stores]
-    for d, p in zip(db.tolist(), pb.tolist()):
-        want = g.row_bytes(p)
-        if not np.array_equal(rows_h[d], want):
-            raise SystemExit(f"VERIFY FAILED: whole-row block {d} differs from prefill block {p}")
-        for i, s in enumerate(layers_h):
-            if not np.array_equal(s[d], want[i * g.page:(i + 1) * g.page]):
-                raise SystemExit(f"VERIFY FAILED: layer {i} of block {d} differs from prefill block {p}")
-    if not (rows_h[~moved] == SENTINEL).all() or not all((s[~moved] == SENTINEL).all() for s in layers_h):
-        raise SystemExit("VERIFY FAILED: bytes outside the request changed")
-    return results
+def _print(r: dict[str, Any], geometry: Any) -> None:
+    from .cli.table import Column, count, print_table
 
-
-def _print_table(results: list[dict[str, Any]], backend: str, memory: str, mode: str, g: Geometry) -> None:
-    print(f"\nkvxfer demo: decode pulled {g.request} blocks ({g.request * 64} tokens) of a {g.layers}-layer MLA "
-          f"cache, {g.row / 1e6:.2f} MB rows")
-    print(f"backend={backend} memory={memory} {mode}")
-    print(f"{'decode layout':<20} {'descriptors':>12} {'posts':>6} {'GB':>7} {'seconds':>9} {'GB/s':>8}  verified")
-    for r in results:
-        gbps = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] else float("nan")
-        print(f"{r['how']:<20} {r['descriptors']:>12,} {r['posts']:>6} {r['bytes'] / 1e9:>7.3f} "
-              f"{r['seconds']:>9.4f} {gbps:>8.2f}  every byte")
-    print("sentinel (0xAA) intact outside the request in both decode caches\n")
+    print(f"kvxfer demo: decode pulled {r['blocks']} blocks ({r['tokens']} tokens) of {geometry.description}; "
+          f"{geometry.row / 1e6:.2f} MB rows")
+    print(f"backend={r['backend']} memory={r['memory']} {r['mode']}")
+    print_table(r["results"], [Column("layout", "decode layout"), Column("descriptors", fmt=count),
+                               Column("posts"), Column("bytes", "GB", lambda v: f"{v / 1e9:.3f}"),
+                               Column("seconds", fmt="{:.4f}"), Column("gbps", "GB/s", "{:.2f}"),
+                               Column("verified")])
+    print("sentinel (0xAA) intact outside the request in both decode caches")
+    print_table(r["timings"], [Column("phase", "where the time went"), Column("seconds", fmt="{:.3f}"),
+                               Column("share", fmt=lambda v: f"{v:.0%}"), Column("what")],
+                caption=f"total {r['total_seconds']:.2f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvxfer demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="auto", help="auto (nixl, else loopback), nixl, ucx or loopback")
-    ap.add_argument("--tokens", type=int, default=16384, help="request length (default sized for a small machine)")
-    ap.add_argument("--memory", choices=("auto", "DRAM", "VRAM"), default="auto")
-    ap.add_argument("--seed", type=int, default=2026)
-    ap.add_argument("--token", default=None, help="shared secret for the metadata side channel")
-    ap.add_argument("--role", choices=("main", "prefill"), default="main", help=argparse.SUPPRESS)
-    ap.add_argument("--geometry", help=argparse.SUPPRESS)
-    ap.add_argument("--device", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.role == "prefill":
-        return run_prefill(args)
+    """``python -m kvxfer.demo [options]``: the same as ``kvxfer demo``."""
+    from .cli.app import main as cli_main
 
-    status = {s.name: s for s in available_backends()}
-    backend = args.backend
-    if backend == "auto":
-        if "nixl" in status and status["nixl"].available:
-            backend = "nixl"
-        else:
-            why = status["nixl"].reason if "nixl" in status else "the nixl plugin is not installed"
-            print(f"NOTE: nixl is unavailable ({why}); falling back to the loopback backend, in one process. "
-                  f"Install it with: pip install 'kvxfer[nixl]'")
-            backend = "loopback"
-    torch = _torch_cuda()
-    memory = args.memory if args.memory != "auto" else ("VRAM" if torch is not None else "DRAM")
-    p = PRESETS["mla-61"]
-    n = p.blocks_for(args.tokens)
-    g = Geometry(p.layers, p.page, pool=n + max(8, n // 8), request=n, seed=args.seed)
-    decode_dev = 1 if (memory == "VRAM" and torch is not None and torch.cuda.device_count() > 1) else 0
-
-    from .plugin.registry import get_backend_class
-
-    if get_backend_class(backend).capabilities.cross_process:
-        from .sidechannel import fetch
-
-        cmd = [sys.executable, "-m", "kvxfer.demo", "--role", "prefill", "--backend", backend, "--memory", memory,
-               "--geometry", json.dumps(g.__dict__), "--device", "0"]
-        if args.token:
-            cmd += ["--token", args.token]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                raise SystemExit(f"prefill process failed to start (exit {proc.wait()})")
-            addr = json.loads(line)
-            metadata = fetch(addr["host"], addr["port"], token=args.token, timeout=30)
-            t0 = time.perf_counter()
-            results = _decode_side(backend, metadata, g, memory, decode_dev)
-            mode = f"two processes (prefill pid {proc.pid}, decode pid {os.getpid()}), took {time.perf_counter() - t0:.1f} s"
-        finally:
-            if proc.stdin:
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    else:
-        storage = prefill_cache(g, memory, 0)
-        with Agent("prefill", backend=backend) as prefill:
-            prefill.register(_packed_views(storage, g), replicated=True)
-            results = _decode_side(backend, prefill.metadata(), g, memory, decode_dev)
-        mode = "one process (this backend cannot cross processes)"
-    _print_table(results, backend, memory, mode, g)
-    return 0
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

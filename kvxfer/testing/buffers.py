@@ -118,8 +118,9 @@ def block_rows(seed: int, blocks: Any, row: int) -> np.ndarray:
     """``(len(blocks), row)`` bytes: the logical rows of those blocks for ``seed``."""
     ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
     out = np.empty((ids.shape[0], row), dtype=np.uint8)
-    for i, b in enumerate(ids.tolist()):
-        out[i] = np.frombuffer(np.random.default_rng((seed, b)).bytes(row), dtype=np.uint8)
+    words = -(-row // 8)
+    for i, b in enumerate(ids.tolist()):  # raw PCG64 output: ~6x faster than Generator.bytes
+        out[i] = np.random.default_rng((seed, b)).bit_generator.random_raw(words).view(np.uint8)[:row]
     return out
 
 
@@ -140,11 +141,20 @@ class GeometryCache:
     storages: list[Any]
     views: dict[str, Any]
 
-    CHUNK_BYTES = 256 << 20  # rows generated at a time while filling or checking
+    CHUNK_BYTES = 16 << 20  # rows generated at a time while filling or checking (cache-sized)
 
     def _chunks(self, blocks: np.ndarray) -> list[np.ndarray]:
         per = max(1, self.CHUNK_BYTES // max(1, self.geometry.row))
         return [blocks[i:i + per] for i in range(0, blocks.shape[0], per)]
+
+    def register(self, agent: Any) -> Any:
+        """Register with ``agent``: host arrays through the geometry's spec, CUDA tensors through
+        discovery with the geometry's options; returns the spec."""
+        g = self.geometry
+        if self.memory == "DRAM":
+            return agent.register(g.spec_for(self.views))
+        return agent.register(self.views, replicated=g.replicated(), layout=g.layout, block_tokens=g.block_tokens,
+                              tp_rank=g.tp_rank, tp_size=g.tp_size)
 
     def reset(self, fill: int = SENTINEL) -> None:
         for s in self.storages:

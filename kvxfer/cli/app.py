@@ -1,0 +1,105 @@
+"""Argument parsing and the one place where errors become a single line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn, Sequence
+
+from ..errors import KvxferError
+from .output import CliError, json_stdout
+
+__all__ = ["main", "build_parser", "CliError"]
+
+#: Exit codes: 1 = kvxfer refused or failed (typed error), 2 = bad command-line input.
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that points at ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> Parser:
+    from .. import __version__
+    from . import backends, bench, demo, doctor, plan
+
+    ap = Parser(prog="kvxfer", description="Move KV-cache blocks between inference workers.")
+    ap.add_argument("--version", action="version", version=f"kvxfer {__version__}")
+    ap.add_argument("-v", "--verbose", action="count", default=0,
+                    help="log to stderr through the 'kvxfer' logger (-v: info, -vv: debug)")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    for mod in (backends, plan, bench, demo, doctor):
+        mod.add_parser(sub)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``kvxfer`` command; returns its exit status."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.verbose:
+        from ..observe import enable_logging
+
+        enable_logging("DEBUG" if args.verbose > 1 else "INFO")
+    prog = f"kvxfer {args.command}"
+    try:
+        with json_stdout(bool(getattr(args, "json", False))):
+            return int(args.fn(args) or 0)
+    except CliError as exc:
+        return _fail(prog, str(exc), EXIT_USAGE)
+    except KvxferError as exc:
+        return _fail(prog, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    except OSError as exc:
+        return _fail(prog, str(exc), EXIT_FAILED)
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted", 130)
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    one_line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"{prog}: error: {one_line}", file=sys.stderr)
+    return code
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (``1024,4096``); ``k`` means x1024."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        out.append(positive_int(part[:-1] if mult > 1 else part) * mult)
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return out
+
+
+def rank_of(text: str) -> tuple[int, int]:
+    """argparse type: ``RANK/SIZE`` for tensor or pipeline parallelism (``1/8``)."""
+    rank, sep, size = text.partition("/")
+    try:
+        r, s = int(rank), int(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK/SIZE such as 0/8, got {text!r}") from None
+    if not sep or s < 1 or not 0 <= r < s:
+        raise argparse.ArgumentTypeError(f"expected RANK/SIZE with 0 <= RANK < SIZE, got {text!r}")
+    return r, s
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the data as JSON instead of a table")
+
+

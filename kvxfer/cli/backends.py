@@ -1,0 +1,81 @@
+"""``kvxfer backends``: every installed backend, whether it runs here, and what to install."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .app import add_json
+from .output import emit_json
+from .table import Column, print_table
+
+__all__ = ["add_parser", "backend_rows"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("backends", help="list installed backends, their capabilities and whether they run here",
+                       description="List every backend the installed plugins offer, with its plugin, version "
+                                   "and capabilities; say why one cannot run here and how to fix it. Plugins "
+                                   "that fail to load are listed as broken, with their error.")
+    add_json(p)
+    p.set_defaults(fn=run)
+
+
+def describe_capabilities(caps: Any) -> dict[str, Any]:
+    return {
+        "memory": sorted(k.value for k in caps.memory_kinds),
+        "ops": sorted(o.value for o in caps.ops),
+        "notifications": caps.notifications,
+        "cross_process": caps.cross_process,
+        "needs_progress": caps.needs_progress,
+        "merges_runs": caps.merges_runs,
+        "strided_lists": caps.strided_lists,
+        "cheap_prepare": caps.cheap_prepare,
+        "max_descriptors": caps.max_descriptors,
+    }
+
+
+def _short(caps: dict[str, Any] | None) -> str | None:
+    if caps is None:
+        return None
+    words = ["+".join(caps["memory"]), "+".join(o.lower() for o in caps["ops"])]
+    words += [w for w, on in (("notify", caps["notifications"]), ("cross-process", caps["cross_process"]),
+                              ("needs-progress", caps["needs_progress"])) if on]
+    return " ".join(words)
+
+
+def backend_rows() -> list[dict[str, Any]]:
+    """One dict per backend, then one per broken plugin; backends that can run are loaded."""
+    from ..plugin.registry import available_backends, broken_plugins, registry
+
+    rows: list[dict[str, Any]] = []
+    for s in available_backends():
+        caps = None
+        status, reason = ("available", None) if s.available else ("unavailable", s.reason)
+        if s.available:
+            try:
+                caps = describe_capabilities(registry()[s.name].load().capabilities)
+            except Exception as exc:  # its module fails to import: say so, keep listing
+                status, reason = "broken", f"{type(exc).__name__}: {exc}"
+        rows.append({"backend": s.name, "plugin": s.plugin, "distribution": s.distribution, "version": s.version,
+                     "status": status, "capabilities": caps, "summary": s.summary or None, "reason": reason,
+                     "install": s.install if status != "available" else None})
+    for b in broken_plugins():
+        rows.append({"backend": None, "plugin": b.name, "distribution": b.distribution, "version": b.version,
+                     "status": "broken", "capabilities": None, "summary": None,
+                     "reason": f"failed to load ({b.stage}): {b.error}", "install": None})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = backend_rows()
+    if args.json:
+        emit_json(rows)
+        return 0
+    for r in rows:
+        r["detail"] = r["summary"] if r["status"] == "available" else (
+            f"{r['reason']}" + (f"; install: {r['install']}" if r["install"] else ""))
+        r["caps"] = _short(r["capabilities"])
+    print_table(rows, [Column("backend"), Column("plugin"), Column("version"), Column("status"),
+                       Column("caps", "capabilities"), Column("detail")])
+    return 0

@@ -1,0 +1,52 @@
+"""How commands print: a table for people, or JSON on an untouched stdout for programs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import IO, Any, Iterator
+
+from .table import dumps
+
+__all__ = ["CliError", "json_stdout", "emit_json"]
+
+
+class CliError(Exception):
+    """Bad input noticed after parsing (an unknown preset, an impossible option mix)."""
+
+
+_json_out: list[IO[str]] = []
+
+
+@contextlib.contextmanager
+def json_stdout(active: bool) -> Iterator[None]:
+    """While a ``--json`` command runs, anything else written to stdout goes to stderr.
+
+    Transport libraries print banners and log lines on file descriptor 1 (NIXL does); with
+    fd 1 pointed at stderr for the duration, stdout carries exactly one JSON document.
+    """
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    real = os.fdopen(saved, "w", closefd=True)
+    os.dup2(2, 1)
+    old_stdout = sys.stdout
+    sys.stdout = sys.stderr
+    _json_out.append(real)
+    try:
+        yield
+    finally:
+        _json_out.pop()
+        sys.stdout.flush()
+        sys.stdout = old_stdout
+        os.dup2(saved, 1)
+        real.close()
+
+
+def emit_json(data: Any) -> None:
+    out = _json_out[-1] if _json_out else sys.stdout
+    out.write(dumps(data) + "\n")
+    out.flush()
