@@ -1,3 +1,247 @@
+"""``kvxfer bench``: bandwidth and descriptors over request sizes and layouts, every byte checked.
+
+The remote worker holds a model geometry (a preset or a spec file) in one process with the
+caller (``--processes 1``) or in a child (``--processes 2``, through the peer harness of
+:mod:`kvxfer.testing.peer`). Each run resets the destination to the 0xAA sentinel, moves one
+request of random blocks, and checks that the requested blocks hold the source's seeded
+bytes and that nothing else changed: checks run outside the timed part, and a mismatch stops
+the bench with an error. Times are the transfers' own (first post until done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
 from typing import Any
+
+import numpy as np
+
+from .app import add_json, int_list, positive_int
+from .output import CliError, emit_json
+from .table import Column, count, print_table
+
+__all__ = ["add_parser", "run", "plot"]
+
+LAYOUTS = {"packed": True, "layers": False}
+PLOT_INSTALL = "pip install 'kvxfer[plot]'"
+
+
 def add_parser(sub: Any) -> None:
-    sub.add_parser("bench")
+    p = sub.add_parser("bench", help="measure transfers over request sizes and layouts, verifying every byte",
+                       description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--backend", default="loopback", help="any backend `kvxfer backends` lists (default loopback)")
+    p.add_argument("--processes", type=int, choices=(1, 2), default=1,
+                   help="1: both agents in this process; 2: the remote one in a child process")
+    p.add_argument("--preset", default="mla-61", metavar="NAME|FILE", help="model geometry (default mla-61)")
+    p.add_argument("--tokens", type=int_list, default=[1024, 4096, 16384], metavar="N,N,...",
+                   help="request sizes in tokens (default 1024,4096,16384; 4k means 4096)")
+    p.add_argument("--layouts", default="packed:packed,layers:packed", metavar="LOCAL:REMOTE,...",
+                   help="cache layouts per side, packed (one row per block) or layers (one region per layer); "
+                        "default packed:packed,layers:packed")
+    p.add_argument("--op", choices=("read", "write"), default="read", help="read pulls into the local cache, "
+                                                                            "write pushes into the remote one")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per point, after one warm-up")
+    p.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM")
+    p.add_argument("--options", default="{}", metavar="JSON", help="backend options, for example "
+                                                                   "'{\"progress_thread\": true}'")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds")
+    p.add_argument("--plot", metavar="FILE.png", help="draw GB/s and descriptors against request size "
+                                                      f"(needs matplotlib: {PLOT_INSTALL})")
+    add_json(p)
+    p.set_defaults(fn=run)
+
+
+def _layouts(text: str) -> list[tuple[str, str]]:
+    out = []
+    for item in text.split(","):
+        local, sep, remote = item.strip().partition(":")
+        if not sep or local not in LAYOUTS or remote not in LAYOUTS:
+            raise CliError(f"--layouts: {item!r} is not LOCAL:REMOTE with each packed or layers")
+        out.append((local, remote))
+    return list(dict.fromkeys(out))
+
+
+def _check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]], dict[str, Any]]:
+    from ..plugin.registry import get_backend_class
+    from ..presets import resolve
+
+    try:
+        options = json.loads(args.options)
+    except ValueError as exc:
+        raise CliError(f"--options is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise CliError("--options must be a JSON object")
+    if args.timeout <= 0:
+        raise CliError("--timeout must be positive")
+    layouts = _layouts(args.layouts)
+    geometry = resolve(args.preset)
+    if args.plot:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise CliError(f"--plot: folder {folder} does not exist")
+        _pyplot()  # fail before measuring, not after
+    caps = get_backend_class(args.backend).capabilities
+    if args.processes == 2 and not caps.cross_process:
+        raise CliError(f"backend {args.backend!r} cannot cross processes; use --processes 1")
+    if args.op.upper() not in {o.value for o in caps.ops}:
+        raise CliError(f"backend {args.backend!r} does not support {args.op}")
+    return geometry, layouts, options
+
+
+class _Point:
+    """Timed runs of one (layout, size) point."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.plan: list[float] = []
+        self.stats: Any = None
+        self.verified = 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..agent import Agent
+    from ..testing.buffers import allocate
+    from ..testing.peer import InProcessPeer, PeerProcess
+
+    geometry, layouts, options = _check_args(args)
+    sizes = sorted(set(args.tokens))
+    nmax = geometry.blocks_for(sizes[-1])
+    pool = nmax + max(4, nmax // 8)
+    source_remote = args.op == "read"
+    rows: list[dict[str, Any]] = []
+    progress, task = _progress(len(layouts) * len(sizes) * (args.repeat + 1))
+    with progress:
+        for remote_layout in dict.fromkeys(r for _, r in layouts):
+            if args.processes == 2:
+                peer: Any = PeerProcess.spawn(args.backend, name="remote", preset=args.preset, layout=remote_layout,
+                                              blocks=pool, memory=args.memory, options=options,
+                                              seed=args.seed if source_remote else None, timeout=args.timeout)
+            else:
+                cache = allocate(geometry, pool, packed=LAYOUTS[remote_layout], memory=args.memory)
+                if source_remote:
+                    cache.fill_blocks(args.seed)
+                peer = InProcessPeer(args.backend, cache, name="remote", options=options)
+            try:
+                for local_layout in (lo for lo, r in layouts if r == remote_layout):
+                    local = allocate(geometry, pool, packed=LAYOUTS[local_layout], memory=args.memory)
+                    if not source_remote:
+                        local.fill_blocks(args.seed)
+                    with Agent("local", backend=args.backend, timeout=args.timeout, **options) as agent:
+                        local.register(agent)
+                        name = agent.add_peer(peer.metadata)
+                        agent.read(name, [], []).wait()  # connect outside the timed runs
+                        for tokens in sizes:
+                            n = geometry.blocks_for(tokens)
+                            pt = _measure(args, agent, name, peer, local, n, pool, lambda: progress.advance(task))
+                            rows.append(_row(args, f"{local_layout}:{remote_layout}", tokens, n, pt))
+                    del local
+            finally:
+                peer.close()
+    order = [f"{lo}:{r}" for lo, r in layouts]
+    rows.sort(key=lambda r: (order.index(r["layout"]), r["tokens"]))
+    if args.plot:
+        plot(rows, args.plot, title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, "
+                                    f"{geometry.name}, {args.memory}")
+    if args.json:
+        emit_json(rows)
+        return 0
+    print_table(rows, [Column("layout", "local:remote"), Column("tokens", fmt=count), Column("blocks", fmt=count),
+                       Column("descriptors", fmt=count), Column("posts"),
+                       Column("bytes", "GB", lambda v: f"{v / 1e9:.3f}"),
+                       Column("median_seconds", "median ms", lambda v: f"{v * 1e3:.2f}"),
+                       Column("gbps", "GB/s", "{:.2f}"), Column("plan_seconds", "plan ms", lambda v: f"{v * 1e3:.3f}"),
+                       Column("verified", "verified runs")],
+                title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, {geometry.name} "
+                      f"({geometry.row / 1e6:.2f} MB rows), {args.memory}; median of {args.repeat}",
+                caption=f"plot: {args.plot}" if args.plot else None)
+    return 0
+
+
+def _measure(args: argparse.Namespace, agent: Any, name: str, peer: Any, local: Any, n: int, pool: int,
+             tick: Any) -> _Point:
+    from ..demo import VerificationError
+
+    rng = np.random.default_rng((args.seed, n))
+    src, dst = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
+    pt = _Point()
+    for i in range(args.repeat + 1):  # run 0 warms up (plans, prepared lists, page faults)
+        if args.op == "read":
+            local.reset()
+            t = agent.read(name, dst, src).wait(args.timeout)
+            problem = local.verify(dst, src, args.seed)
+        else:
+            peer.call({"cmd": "fill", "byte": 0xAA})
+            t = agent.write(name, src, dst).wait(args.timeout)
+            problem = peer.call({"cmd": "verify", "dst": dst.tolist(), "src": src.tolist(), "seed": args.seed})["problem"]
+        if problem:
+            raise VerificationError(f"VERIFY FAILED at {n} blocks: {problem}")
+        pt.verified += 1
+        if i:
+            pt.seconds.append(t.stats.seconds)
+            pt.plan.append(t.stats.plan_seconds)
+        pt.stats = t.stats
+        tick()
+    return pt
+
+
+def _row(args: argparse.Namespace, layout: str, tokens: int, blocks: int, pt: _Point) -> dict[str, Any]:
+    med = statistics.median(pt.seconds)
+    s = pt.stats
+    return {"backend": args.backend, "processes": args.processes, "op": args.op, "memory": args.memory,
+            "preset": args.preset, "layout": layout, "tokens": tokens, "blocks": blocks,
+            "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "path": s.path,
+            "median_seconds": med, "min_seconds": min(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
+            "plan_seconds": statistics.median(pt.plan), "verified": pt.verified}
+
+
+def _progress(total: int) -> tuple[Any, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .table import console
+
+    con = console(stderr=True)
+    progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con,
+                        transient=True, disable=not con.is_terminal)
+    return progress, progress.add_task("bench", total=total)
+
+
+def _pyplot() -> Any:
+    from ..errors import MissingDependencyError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingDependencyError(f"--plot needs matplotlib; install it with: {PLOT_INSTALL}") from None
+    return plt
+
+
+def plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
+    """GB/s and descriptors per transfer against request size, one line per layout pair."""
+    plt = _pyplot()
+    fig, (ax_bw, ax_desc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        mine = [r for r in rows if r["layout"] == layout]
+        xs = [r["tokens"] for r in mine]
+        ax_bw.plot(xs, [r["gbps"] for r in mine], marker="o", label=layout)
+        ax_desc.plot(xs, [r["descriptors"] for r in mine], marker="o", label=layout)
+    sizes = sorted({r["tokens"] for r in rows})
+    for ax, ylabel in ((ax_bw, "GB/s (median)"), (ax_desc, "descriptors per transfer")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{x:,}" for x in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("request size (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(title="local:remote")
+    ax_desc.set_yscale("log")
+    ax_bw.set_ylim(bottom=0)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
