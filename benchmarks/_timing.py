@@ -1,9 +1,18 @@
-"""Wall-clock sampling shared by the benchmark scripts (run as ``python benchmarks/x.py``)."""
+"""Wall-clock sampling and the table printer shared by the benchmark scripts.
+
+Run them as ``python benchmarks/x.py``. Tables go through kvxfer's one printer
+(:mod:`kvxfer.cli.table`): rows are dicts, columns say how to format them, and ``--json``
+output can reuse the same rows.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Callable
+
+from kvxfer.cli.table import Column, count, print_table
+
+__all__ = ["samples", "Column", "count", "print_table"]
 
 
 def samples(fn: Callable[[], object], repeat: int) -> list[float]:

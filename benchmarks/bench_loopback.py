@@ -16,7 +16,7 @@ import statistics
 
 import numpy as np
 
-from _timing import samples
+from _timing import Column, count, print_table, samples
 
 import kvxfer
 from kvxfer.presets import PRESETS
@@ -81,10 +81,12 @@ def main() -> None:
     pr = rows.plan(peer_r, db, sb)
     pl = layers.plan(peer_l, db, sb)
     desc = {"kvxfer loopback, whole rows": pr.descriptors, "kvxfer loopback, per layer": pl.descriptors}
-    print(f"mla-61, {n} blocks x {p.row / 1e6:.2f} MB = {nbytes / 1e9:.2f} GB per request; median of {args.repeat}")
-    print(f"{'copy':<30} {'descriptors':>12} {'ms':>9} {'GB/s':>7}")
-    for label, t in results:
-        print(f"{label:<30} {desc.get(label, '-'):>12} {t * 1e3:>9.1f} {nbytes / t / 1e9:>7.2f}")
+    print_table([{"copy": label, "descriptors": desc.get(label), "ms": t * 1e3, "gbps": nbytes / t / 1e9}
+                 for label, t in results],
+                [Column("copy"), Column("descriptors", fmt=count), Column("ms", fmt="{:.1f}"),
+                 Column("gbps", "GB/s", "{:.2f}")],
+                title=f"mla-61, {n} blocks x {p.row / 1e6:.2f} MB = {nbytes / 1e9:.2f} GB per request; "
+                      f"median of {args.repeat}")
     for a in (rows, layers, prefill):
         a.close()
 

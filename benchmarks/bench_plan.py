@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from _timing import samples
+from _timing import Column, count, print_table, samples
 
 from kvxfer import plan
 from kvxfer.presets import PRESETS
@@ -37,8 +37,7 @@ def main() -> None:
     pool = 4 * n
     rng = np.random.default_rng(0)
     lb, rb = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
-    print(f"mla-61, {args.tokens} tokens = {n} blocks of {p.row / 1e6:.2f} MB rows, pool {pool} blocks")
-    print(f"{'case':<22} {'descriptors':>12} {'first ms':>9} {'median ms':>10} {'min ms':>8} {'target ms':>10}")
+    rows = []
     for label, remote_packed, target in (("whole rows", True, 1.0), ("split rows (per layer)", False, 10.0)):
         local = p.spec(pool)
         remote = p.spec(pool, packed=remote_packed)
@@ -46,16 +45,21 @@ def main() -> None:
         first = plan(local, remote, lb, rb)
         first_ms = (time.perf_counter() - t0) * 1e3
         med, best = _time(lambda: plan(local, remote, lb, rb), args.repeat)
-        print(f"{label:<22} {first.descriptors:>12,} {first_ms:>9.3f} {med:>10.3f} {best:>8.3f} {target:>10.1f}")
+        rows.append({"case": label, "descriptors": first.descriptors, "first": first_ms, "median": med, "min": best,
+                     "target": target})
     # Explicit descriptor arrays, for backends that take addresses rather than indices.
     local, remote = p.spec(pool), p.spec(pool, packed=False)
     pl = plan(local, remote, lb, rb)
     med, best = _time(lambda: pl.remote_descriptors(), max(10, args.repeat // 10))
-    print(f"{'explicit split arrays':<22} {pl.descriptors:>12,} {'':>9} {med:>10.3f} {best:>8.3f}")
+    rows.append({"case": "explicit split arrays", "descriptors": pl.descriptors, "median": med, "min": best})
     med, best = _time(lambda: plan(local, remote, lb, rb, coalesce=True), max(10, args.repeat // 10))
-    print(f"{'split + coalesce':<22} {plan(local, remote, lb, rb, coalesce=True).descriptors:>12,} {'':>9} "
-          f"{med:>10.3f} {best:>8.3f}")
-
+    rows.append({"case": "split + coalesce", "descriptors": plan(local, remote, lb, rb, coalesce=True).descriptors,
+                 "median": med, "min": best})
+    ms = "{:.3f}"
+    print_table(rows, [Column("case"), Column("descriptors", fmt=count), Column("first", "first ms", ms),
+                       Column("median", "median ms", ms), Column("min", "min ms", ms),
+                       Column("target", "target ms", "{:.1f}")],
+                title=f"mla-61, {args.tokens} tokens = {n} blocks of {p.row / 1e6:.2f} MB rows, pool {pool} blocks")
 
 if __name__ == "__main__":
     main()
