@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd]"
+	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
 	touch $(STAMP)
 
 # System packages some tests need: etcd (the metadata directory) and iproute2 (network
@@ -35,13 +35,13 @@ test: venv deps
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) -m kvxfer.demo
+	$(VENV)/bin/kvxfer demo
 
 bench: venv
 	$(PY) benchmarks/bench_plan.py
 
 plan: venv
-	$(PY) -m kvxfer.cli plan
+	$(VENV)/bin/kvxfer plan
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks

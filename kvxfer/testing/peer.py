@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(args.name, backend=args.backend, **json.loads(args.options))
     t1 = time.perf_counter()
     if args.preset:
-        agent.register(cache.geometry.spec_for(cache.views) if cache.memory == "DRAM" else cache.views,
-                       **({} if cache.memory == "DRAM" else _discovery(cache.geometry)))
+        cache.register(agent)
     else:
         agent.register(cache.views, replicated=args.replicated)
     timings.update(agent=t1 - t0, register=time.perf_counter() - t1)
@@ -153,12 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.close()
         agent.close()
-
-
-def _discovery(geometry: Any) -> dict[str, Any]:
-    """Discovery options matching a geometry, for CUDA tensors (spec_for takes host arrays)."""
-    return {"replicated": geometry.replicated(), "layout": geometry.layout, "block_tokens": geometry.block_tokens,
-            "tp_rank": geometry.tp_rank, "tp_size": geometry.tp_size}
 
 
 def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[bytes]]) -> dict[str, Any]:
@@ -292,11 +285,8 @@ class InProcessPeer:
     def __init__(self, backend: str, cache: Any, *, name: str = "peer", options: dict[str, Any] | None = None):
         self.cache = cache
         self.agent = Agent(name, backend=backend, **(options or {}))
-        geometry = getattr(cache, "geometry", None)
-        if geometry is not None and cache.memory == "DRAM":
-            self.agent.register(geometry.spec_for(cache.views))
-        elif geometry is not None:
-            self.agent.register(cache.views, **_discovery(geometry))
+        if hasattr(cache, "geometry"):
+            cache.register(self.agent)
         else:
             self.agent.register(cache.views, replicated=True)
         self._notes: dict[str, list[bytes]] = {}
