@@ -121,3 +121,140 @@ def test_third_party_plugin_installs_and_passes_conformance(tmp_path: Path) -> N
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+# -- broken plugins ----------------------------------------------------------------------
+# Installed with `pip install --target` into a private folder that only the subprocesses see
+# (through PYTHONPATH): the shared environment, and every other process using it, never see
+# the broken distribution, so nothing needs uninstalling afterwards.
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> str:
+    target = tmp_path_factory.mktemp("broken-site")
+    build = tmp_path_factory.mktemp("broken-build")
+    import shutil
+
+    src = build / "pkg"
+    shutil.copytree(HERE / "broken_plugin", src)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return str(target)
+
+
+def _with_broken(site: str) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([site, *sys.path])}
+
+
+def test_broken_plugins_leave_loopback_agents_working(broken_site: str) -> None:
+    r = _run("""
+        import warnings, numpy as np, kvxfer
+        from kvxfer.plugin.registry import broken_plugins
+        src = np.arange(6 * 32, dtype=np.uint8).reshape(6, 32)
+        dst = np.full((6, 32), 0xAA, np.uint8)
+        a, b = kvxfer.Agent("a", backend="loopback"), kvxfer.Agent("b", backend="loopback")
+        a.register({"kv": src}); b.register({"kv": dst})
+        b.read(b.add_peer(a.metadata()), [0, 4], [5, 1]).wait(10)
+        want = np.full((6, 32), 0xAA, np.uint8); want[0] = src[5]; want[4] = src[1]
+        assert (dst == want).all()
+        print(sorted((p.name, p.stage, p.distribution) for p in broken_plugins()))
+        print(sorted(s.name for s in kvxfer.available_backends()))
+    """, **_with_broken(broken_site))
+    assert r.returncode == 0, r.stderr
+    broken, names = r.stdout.splitlines()
+    assert broken == str(sorted([("broken_import", "import", "kvxfer-broken-example"),
+                                 ("misspelt_hook", "hooks", "kvxfer-broken-example"),
+                                 ("raises_on_register", "register", "kvxfer-broken-example")]))
+    assert "'loopback'" in names and "half-registered" not in names and "never-seen" not in names
+    # loud: each one is a warning on stderr naming the plugin and its error
+    assert "kvxfer_dependency_that_is_not_installed" in r.stderr
+    assert "unknown hook 'kvxfer_register_backend'" in r.stderr
+    assert "registration blew up" in r.stderr
+
+
+def test_cli_lists_broken_plugins_with_their_errors(broken_site: str) -> None:
+    env = {**os.environ, **_with_broken(broken_site)}
+    r = subprocess.run([sys.executable, "-m", "kvxfer.cli", "backends", "--json"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    rows = json.loads(r.stdout)
+    by_plugin = {row["plugin"]: row for row in rows}
+    assert by_plugin["loopback"]["status"] == "available"
+    assert by_plugin["broken_import"]["status"] == "broken"
+    assert "ModuleNotFoundError" in by_plugin["broken_import"]["reason"]
+    assert "kvxfer_register_backend" in by_plugin["misspelt_hook"]["reason"]
+    assert "registration blew up" in by_plugin["raises_on_register"]["reason"]
+    assert by_plugin["raises_on_register"]["version"] == "0.0.1"
+    table = subprocess.run([sys.executable, "-m", "kvxfer.cli", "backends"], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert any(line.split()[:1] == ["loopback"] and "available" in line for line in lines)
+    assert sum(" broken " in line for line in lines) == 3
+    r = _run("""
+        import kvxfer
+        try:
+            kvxfer.Agent("x", backend="half-registered")
+        except kvxfer.UnknownBackendError as e:
+            print(e)
+    """, **_with_broken(broken_site))
+    assert "broken plugins" in r.stdout and "raises_on_register" in r.stdout
+
+
+class _Misspelt:
+    @kvxfer.hookimpl
+    def kvxfer_transfer_finishd(self, stats: object) -> None:  # the hook is kvxfer_transfer_finished
+        pass
+
+
+def test_misspelt_observer_hook_fails_loudly() -> None:
+    import pluggy
+
+    from kvxfer.observe import add_observer
+
+    obj = _Misspelt()
+    with pytest.raises(pluggy.PluginValidationError, match="kvxfer_transfer_finishd"):
+        add_observer(obj)
+    assert not plugins.plugin_manager().is_registered(obj)
+
+
+class _Duplicate:
+    @kvxfer.hookimpl
+    def kvxfer_register_backends(self, register: Callable[..., None]) -> None:
+        register("loopback", "kvxfer_loopback.backend:LoopbackBackend")
+
+
+def test_duplicate_backend_name_marks_only_the_second_plugin_broken() -> None:
+    plugins.reset_plugins()
+    try:
+        with pytest.warns(plugins.PluginWarning, match="already registered"):
+            plugins.plugin_manager().register(_Duplicate(), name="dup")
+            broken = plugins.broken_plugins()
+        assert [(b.name, b.stage) for b in broken] == [("dup", "register")]
+        assert {s.name: s.plugin for s in kvxfer.available_backends()}["loopback"] == "loopback"
+    finally:
+        plugins.reset_plugins()
+
+
+def test_agent_created_hook_sees_every_agent() -> None:
+    seen: list[object] = []
+
+    class Tracer:
+        @kvxfer.hookimpl
+        def kvxfer_agent_created(self, agent: kvxfer.Agent) -> None:
+            seen.append(agent)
+
+    from kvxfer.observe import add_observer, remove_observer
+
+    tracer = Tracer()
+    add_observer(tracer)
+    try:
+        with kvxfer.Agent("traced", backend="loopback") as a:
+            assert seen == [a] and a.name == "traced"
+    finally:
+        remove_observer(tracer)
+    with kvxfer.Agent("untraced", backend="loopback"):
+        assert len(seen) == 1

@@ -206,7 +206,7 @@ def _build_registry() -> dict[str, BackendInfo]:
     # Call each plugin's hook on its own (still through pluggy, so tracing sees it): a failure
     # names the plugin that made it, and only that plugin's backends are dropped.
     plugins = [impl.plugin for impl in pm.hook.kvxfer_register_backends.get_hookimpls()]
-    for plugin in reversed(plugins):  # registration order: pluggy lists the last one first
+    for plugin in plugins:  # in registration order: on a clash the first one keeps the name
         name = pm.get_name(plugin) or repr(plugin)
         mine: dict[str, BackendInfo] = {}
         others = [p for p in plugins if p is not plugin]

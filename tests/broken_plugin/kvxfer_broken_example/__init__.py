@@ -1,0 +1,1 @@
+"""Broken kvxfer plugins: see the modules."""
