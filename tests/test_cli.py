@@ -1,0 +1,314 @@
+"""The ``kvxfer`` command end to end, through its installed entry point, as a user runs it.
+
+Numbers in the JSON outputs are checked against counts computed here from the model's
+geometry, not against the planner; bytes moved by ``bench`` are checked by ``bench`` itself,
+and a test proves that check fails when a backend moves the wrong blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvxfer
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = REPO / "docs" / "specs"
+MLA_ROW = 61 * 64 * 576 * 2  # bytes per block of the mla-61 preset: layers x tokens x channels x bf16
+
+
+def _entry() -> list[str]:
+    """The installed ``kvxfer`` script next to this interpreter, else ``python -m kvxfer.cli``."""
+    script = Path(sys.executable).with_name("kvxfer")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvxfer.cli"]
+
+
+def kvxfer_cmd(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_entry(), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
+def as_json(r: subprocess.CompletedProcess[str]) -> Any:
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("kvxfer"), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_version_through_both_entry_points() -> None:
+    r = kvxfer_cmd("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvxfer {kvxfer.__version__}"
+    r = subprocess.run([sys.executable, "-m", "kvxfer.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == f"kvxfer {kvxfer.__version__}"
+
+
+def test_backends_table_and_json() -> None:
+    rows = as_json(kvxfer_cmd("backends", "--json"))
+    loop = next(r for r in rows if r["backend"] == "loopback")
+    assert loop["status"] == "available" and loop["plugin"] == "loopback"
+    assert "DRAM" in loop["capabilities"]["memory"] and loop["capabilities"]["cross_process"] is False
+    r = kvxfer_cmd("backends")
+    assert r.returncode == 0
+    header, *body = [ln for ln in r.stdout.splitlines() if ln.strip() and not set(ln.strip()) <= {"─"}]
+    assert header.split()[:4] == ["backend", "plugin", "version", "status"]
+    assert any(ln.split()[0] == "loopback" and "available" in ln for ln in body)
+
+
+def test_blocked_backend_shows_unavailable_reason_and_install_hint() -> None:
+    rows = as_json(kvxfer_cmd("backends", "--json", KVXFER_LIBUCP="/nonexistent/libucp.so"))
+    ucx = next((r for r in rows if r["backend"] == "ucx"), None)
+    if ucx is None:
+        pytest.skip("the ucx plugin is not installed")
+    if ucx["status"] == "available":
+        pytest.skip("a libucp is found without KVXFER_LIBUCP on this machine")
+    assert ucx["status"] == "unavailable" and ucx["install"] == "pip install 'kvxfer[ucx]'"
+
+
+def test_plan_presets_json_counts() -> None:
+    rows = as_json(kvxfer_cmd("plan", "--preset", "mla-61", "--tokens", "6400", "--json"))
+    assert [(r["local"], r["remote"], r["mode"]) for r in rows] == [
+        ("mla-61 packed", "mla-61 packed", "whole-row"), ("mla-61 packed", "mla-61 layers", "split")]
+    blocks = 6400 // 64
+    assert [r["descriptors"] for r in rows] == [blocks, blocks * 61]
+    assert all(r["bytes"] == blocks * MLA_ROW and r["blocks"] == blocks for r in rows)
+    assert "per layer" in rows[1]["why"]
+
+
+def test_plan_default_table_lists_every_preset() -> None:
+    from kvxfer.presets import PRESETS
+
+    r = kvxfer_cmd("plan", "--tokens", "1000")
+    assert r.returncode == 0, r.stderr
+    for name in PRESETS:
+        assert f"{name} packed" in r.stdout
+    assert "descriptors" in r.stdout and "why" in r.stdout
+
+
+@pytest.mark.parametrize("spec,members_per_block", [
+    ("glm5-mla.toml", 78 * 2),          # kv + indexer per layer, replicated
+    ("llama3-70b-tp8.toml", 80 * 2),    # k + v per layer
+    ("qwen-hybrid.json", 24 * 2),       # pipeline stage 0 of 2: layers 0-23, two members each
+])
+def test_plan_spec_files(spec: str, members_per_block: int) -> None:
+    rows = as_json(kvxfer_cmd("plan", "--local", str(SPECS / spec), "--local-layout", "packed",
+                              "--remote-layout", "both", "--tokens", "4096", "--json"))
+    whole, split = rows
+    assert whole["mode"] == "whole-row" and split["mode"] == "split"
+    blocks = whole["blocks"]
+    assert whole["descriptors"] == blocks and split["descriptors"] == blocks * members_per_block
+    assert whole["bytes"] == split["bytes"]
+
+
+def test_plan_tp_options() -> None:
+    # GQA pages are head-split: rank 0 and rank 1 of TP8 hold different heads -> split rows.
+    rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "1/8",
+                              "--tokens", "160", "--json"))
+    assert rows[0]["mode"] == "split" and rows[0]["descriptors"] == 10 * 160
+    assert "TP slices differ" in rows[0]["why"]
+    assert rows[0]["bytes"] == 10 * 80 * 2 * 16 * 128 * 2  # blocks x layers x K,V x tokens x head_dim x bf16
+    # MLA is replicated: any two ranks move whole rows.
+    rows = as_json(kvxfer_cmd("plan", "--local", "glm5-mla", "--local-tp", "0/8", "--remote-tp", "5/8",
+                              "--tokens", "640", "--json"))
+    assert rows[0]["mode"] == "whole-row" and rows[0]["descriptors"] == 10
+    # Different TP sizes hold different page sizes: refused, with what differs.
+    rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "0/4",
+                              "--tokens", "160", "--json"))
+    assert rows[0]["mode"] == "refused" and "tp_size" in rows[0]["why"] and rows[0]["descriptors"] is None
+
+
+def test_plan_list() -> None:
+    rows = as_json(kvxfer_cmd("plan", "--list", "--json"))
+    by = {r["preset"]: r for r in rows}
+    assert by["mla-61"]["row_bytes"] == MLA_ROW
+    assert by["llama3-70b"]["row_bytes"] == 80 * 2 * 16 * 8 * 128 * 2
+    assert by["qwen-hybrid"]["row_bytes"] == 12 * 2 * 64 * 2 * 256 * 2 + 36 * (32 * 256 * 3 * 2 + 32 * 128 * 128 * 2)
+    assert by["glm5-mla"]["row_bytes"] == 78 * 64 * (576 * 2 + 132)
+
+
+@pytest.fixture(scope="module")
+def bad_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
+    p = tmp_path_factory.mktemp("specs") / "bad.toml"
+    p.write_text('layers = 2\nblock_tokens = 16\n[[groups]]\nlayers = "all"\n'
+                 '[[groups.members]]\ndtype = "bf61"\nhead_dim = 8\n')
+    return str(p)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["plan", "--preset", "foo"], ["no preset named 'foo'"]),
+    (["plan", "--tokens", "0"], ["--tokens", "positive"]),
+    (["plan", "--local", "/nonexistent/model.toml"], ["cannot read"]),
+    (["plan", "--local", "BAD_SPEC"], ["groups[0].members[0].dtype", "bf61"]),
+    (["plan", "--local-tp", "3/2"], ["RANK/SIZE"]),
+    (["plan", "--local", "mla-61", "--preset", "glm-99"], ["--preset"]),
+    (["plan", "--no-such-option"], ["unrecognized arguments"]),
+    (["no-such-command"], ["invalid choice"]),
+    (["bench", "--layouts", "packed:rows"], ["--layouts"]),
+    (["bench", "--processes", "2", "--backend", "loopback"], ["cannot cross processes"]),
+    (["bench", "--backend", "no-such-backend"], ["no backend named"]),
+    (["bench", "--tokens", "12,x"], ["--tokens"]),
+    (["bench", "--options", "{not json"], ["--options"]),
+    (["bench", "--plot", "/nonexistent/folder/x.png"], ["--plot"]),
+    (["demo", "--tokens", "-5"], ["--tokens"]),
+    (["demo", "--backend", "no-such-backend"], ["no backend named"]),
+    (["doctor", "--listen", "nonsense"], ["--listen"]),
+])
+def test_bad_input_is_one_line_and_nonzero(args: list[str], needles: list[str], bad_spec: str) -> None:
+    r = kvxfer_cmd(*[bad_spec if a == "BAD_SPEC" else a for a in args], timeout=300)
+    assert_one_line_error(r, *needles)
+
+
+def test_bench_loopback_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    rows = as_json(kvxfer_cmd("bench", "--tokens", "64,192", "--repeat", "1", "--json", "--plot", str(png),
+                              "--layouts", "packed:packed,layers:packed,packed:layers"))
+    got = {(r["layout"], r["tokens"]): r for r in rows}
+    assert set(got) == {(lo, t) for lo in ("packed:packed", "layers:packed", "packed:layers") for t in (64, 192)}
+    for (layout, tokens), r in got.items():
+        blocks = tokens // 64
+        assert r["blocks"] == blocks and r["bytes"] == blocks * MLA_ROW
+        assert r["descriptors"] == (blocks if layout == "packed:packed" else blocks * 61)
+        assert r["verified"] == 2 and r["gbps"] > 0  # warm-up + 1 timed run, each checked byte for byte
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(str(png)).shape[:2]
+    assert w > 600 and h > 300
+
+
+def test_bench_table_output() -> None:
+    r = kvxfer_cmd("bench", "--tokens", "64", "--repeat", "1", "--op", "write")
+    assert r.returncode == 0, r.stderr
+    assert "GB/s" in r.stdout and "verified runs" in r.stdout and "write" in r.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend,op", [("nixl", "write"), ("ucx", "read")])
+def test_bench_two_processes(backend: str, op: str) -> None:
+    status = {s.name: s for s in kvxfer.available_backends()}
+    if backend not in status or not status[backend].available:
+        pytest.skip(f"{backend} is not available here")
+    rows = as_json(kvxfer_cmd("bench", "--backend", backend, "--processes", "2", "--op", op, "--tokens", "128",
+                              "--repeat", "1", "--json", "--layouts", "packed:packed,layers:packed"))
+    assert [r["descriptors"] for r in rows] == [2, 2 * 61]
+    assert all(r["verified"] == 2 and r["processes"] == 2 for r in rows)
+
+
+_SWAPPED = """
+import sys
+import numpy as np
+import kvxfer
+from kvxfer_loopback.backend import LoopbackBackend
+from kvxfer.plugin.registry import plugin_manager
+
+
+class Swapped(LoopbackBackend):
+    # Moves the right amount of bytes from the wrong remote blocks.
+    name = "swapped"
+
+    def post(self, op, local, local_idx, remote, remote_idx, notification):
+        return super().post(op, local, local_idx, remote, np.roll(remote_idx, 1), notification)
+
+
+class Plugin:
+    @kvxfer.hookimpl
+    def kvxfer_register_backends(self, register):
+        register("swapped", Swapped)
+
+
+plugin_manager().register(Plugin(), name="swapped")
+from kvxfer.cli import main
+sys.exit(main(["bench", "--backend", "swapped", "--tokens", "128", "--repeat", "1", "--layouts", "LAYOUT"]))
+"""
+
+
+@pytest.mark.parametrize("layout", ["packed:packed", "layers:packed"])
+def test_bench_catches_wrong_bytes(layout: str) -> None:
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SWAPPED).replace("LAYOUT", layout)],
+                       capture_output=True, text=True, timeout=300)
+    assert_one_line_error(r, "VerificationError", "VERIFY FAILED")
+
+
+def test_demo_help_shows_real_options() -> None:
+    r = kvxfer_cmd("demo", "--help")
+    assert r.returncode == 0
+    for opt in ("--backend", "--tokens", "--preset", "--memory", "--seed", "--token", "--json"):
+        assert opt in r.stdout
+    assert "rest" not in r.stdout.split("options:")[0].split("usage:")[1]
+
+
+def test_demo_json_on_loopback() -> None:
+    report = as_json(kvxfer_cmd("demo", "--backend", "loopback", "--tokens", "256", "--json"))
+    assert report["backend"] == "loopback" and report["blocks"] == 4
+    whole, layers = report["results"]
+    assert (whole["descriptors"], layers["descriptors"]) == (4, 4 * 61)
+    assert whole["bytes"] == layers["bytes"] == 4 * MLA_ROW
+    phases = [t["phase"] for t in report["timings"]]
+    for p in ("start-up", "registration", "handshake", "transfers", "verification"):
+        assert p in phases
+    assert abs(sum(t["seconds"] for t in report["timings"]) - report["total_seconds"]) < 1e-6
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_doctor_json_and_a_failing_peer() -> None:
+    r = kvxfer_cmd("doctor", "--json", "--peer", f"127.0.0.1:{_closed_port()}")
+    assert r.returncode == 1, r.stderr  # the unreachable peer is a failure
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    for name in ("nixl", "ucx", "cuda", "cuda_ipc", "cpus", "progress thread", "side channel", "peer"):
+        assert name in checks, sorted(checks)
+    assert checks["side channel"]["status"] == "ok"
+    assert checks["peer"]["status"] == "fail" and "MetadataServer" in checks["peer"]["fix"]
+    for c in checks.values():
+        assert c["status"] in ("ok", "warn", "fail", "info")
+        if c["status"] in ("warn", "fail"):
+            assert c["fix"], c
+
+
+def test_doctor_table() -> None:
+    r = kvxfer_cmd("doctor")
+    assert r.returncode in (0, 1), r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout.splitlines()[0].split()[:4] == ["check", "status", "detail", "fix"]
+    assert "side channel" in r.stdout
+
+
+def test_json_stdout_stays_clean_when_a_library_prints(tmp_path: Path) -> None:
+    """Anything written to file descriptor 1 during a --json command lands on stderr."""
+    code = textwrap.dedent("""
+        import os, sys
+        import kvxfer.cli.backends as b
+        real = b.backend_rows
+        def noisy():
+            os.write(1, b"banner from a C library\\n")
+            print("and from Python")
+            return real()
+        b.backend_rows = noisy
+        from kvxfer.cli import main
+        sys.exit(main(["backends", "--json"]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)
+    assert "banner from a C library" in r.stderr and "and from Python" in r.stderr
+
