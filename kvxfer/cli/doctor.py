@@ -225,7 +225,7 @@ def check_cpus() -> list[Check]:
     if usable <= 2:
         out.append(Check("progress thread", "warn",
                          f"NIXL's progress thread busy-spins a whole core; with {usable} usable core(s) it starves "
-                         "the threads that move bytes (measured: 5.9 -> 1.8 GB/s on 2 cores)",
+                         "the threads that move bytes (measurements: BENCHMARKS.md, NIXL section)",
                          "keep progress_thread off (the default) and let the target call Agent.progress() or "
                          "Agent.notifications() while it waits"))
     else:

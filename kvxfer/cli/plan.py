@@ -62,13 +62,14 @@ def explain(p: Any) -> str:
     for lr in local.regions:
         rr = remote.regions[where[lr.members[0].name]]
         replicated = all(m.replicated for m in lr.members)
-        if lr.layout.canonical == rr.layout.canonical and len(lr.members) == 1:
+        same = lr.layout.canonical == rr.layout.canonical
+        if same and not (replicated or same_slice):
+            why = "TP slices differ and members are head-split"
+        elif same and len(lr.members) == 1:
             why = "one region per layer on both sides: one descriptor per layer and block"
-        elif lr.layout.canonical == rr.layout.canonical and (replicated or same_slice):
+        elif same:
             why = "same members in the same row layout on both sides" + (
                 "" if replicated else " (head-split members: same TP slice)")
-        elif lr.layout.canonical == rr.layout.canonical:
-            why = "TP slices differ and members are head-split"
         elif len(rr.members) < len(lr.members):
             why = "the remote keeps one region per layer"
         elif len(rr.members) > len(lr.members):
