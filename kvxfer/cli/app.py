@@ -99,6 +99,15 @@ def rank_of(text: str) -> tuple[int, int]:
     return r, s
 
 
+def plain(doc: str | None, paragraph: int = 1) -> str:
+    """One paragraph of a module docstring as plain text for ``--help`` (no reST markup)."""
+    import re
+
+    text = (doc or "").split("\n\n")[paragraph].replace("\n", " ")
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the data as JSON instead of a table")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .app import add_json, int_list, positive_int
+from .app import add_json, int_list, plain, positive_int
 from .output import CliError, emit_json
 from .table import Column, count, print_table
 
@@ -30,7 +30,7 @@ PLOT_INSTALL = "pip install 'kvxfer[plot]'"
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="measure transfers over request sizes and layouts, verifying every byte",
-                       description=(__doc__ or "").split("\n\n")[1].replace("\n", " "))
+                       description=plain(__doc__))
     p.add_argument("--backend", default="loopback", help="any backend `kvxfer backends` lists (default loopback)")
     p.add_argument("--processes", type=int, choices=(1, 2), default=1,
                    help="1: both agents in this process; 2: the remote one in a child process")

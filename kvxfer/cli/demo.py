@@ -7,8 +7,9 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     from .. import demo
+    from .app import plain
 
     p = sub.add_parser("demo", help="prefill and decode move a real KV request, verify it and show the costs",
-                       description=(demo.__doc__ or "").split("\n\n")[1].replace("\n", " "))
+                       description=plain(demo.__doc__))
     demo.add_arguments(p)
     p.set_defaults(fn=demo.run)
