@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from ..errors import KvxferError
 from .output import CliError, json_stdout
