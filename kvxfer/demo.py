@@ -125,7 +125,7 @@ PHASES = {
 
 def run(args: argparse.Namespace) -> int:
     from .agent import Agent
-    from .cli.output import emit_json
+    from .cli.output import check_memory, emit_json
     from .plugin.registry import get_backend_class
     from .presets import resolve
     from .testing.buffers import allocate
@@ -148,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     n = geometry.blocks_for(args.tokens)
     pool = n + max(8, n // 8)
     decode_dev = 1 if memory == "VRAM" and gpus > 1 else 0
+    if memory == "DRAM":  # prefill's cache and decode's two, one after the other
+        check_memory(3 * pool * geometry.row, "this demo")
     for note in notes:
         print(note)
 

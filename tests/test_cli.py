@@ -167,6 +167,8 @@ def bad_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
     (["demo", "--tokens", "-5"], ["--tokens"]),
     (["demo", "--backend", "no-such-backend"], ["no backend named"]),
     (["doctor", "--listen", "nonsense"], ["--listen"]),
+    (["demo", "--tokens", "100000000000"], ["GB of host memory"]),
+    (["bench", "--tokens", "100000000000"], ["GB of host memory"]),
 ])
 def test_bad_input_is_one_line_and_nonzero(args: list[str], needles: list[str], bad_spec: str) -> None:
     r = kvxfer_cmd(*[bad_spec if a == "BAD_SPEC" else a for a in args], timeout=300)
@@ -208,6 +210,15 @@ def test_bench_two_processes(backend: str, op: str) -> None:
                               "--repeat", "1", "--json", "--layouts", "packed:packed,layers:packed"))
     assert [r["descriptors"] for r in rows] == [2, 2 * 61]
     assert all(r["verified"] == 2 and r["processes"] == 2 for r in rows)
+
+
+def test_a_peer_process_that_fails_is_one_line() -> None:
+    status = {s.name: s for s in kvxfer.available_backends()}
+    if "ucx" not in status or not status["ucx"].available:
+        pytest.skip("ucx is not available here")
+    r = kvxfer_cmd("bench", "--backend", "ucx", "--processes", "2", "--tokens", "64", "--repeat", "1",
+                   "--options", '{"no_such_option": 1}')
+    assert_one_line_error(r, "PeerError", "no_such_option")
 
 
 _SWAPPED = """

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .app import add_json, int_list, plain, positive_int
-from .output import CliError, emit_json
+from .output import CliError, check_memory, emit_json
 from .table import Column, count, print_table
 
 __all__ = ["add_parser", "run", "plot"]
@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     nmax = geometry.blocks_for(sizes[-1])
     pool = nmax + max(4, nmax // 8)
     source_remote = args.op == "read"
+    if args.memory == "DRAM":  # the remote cache and one local cache at a time
+        check_memory(2 * pool * geometry.row, "this bench")
     rows: list[dict[str, Any]] = []
     progress, task = _progress(len(layouts) * len(sizes) * (args.repeat + 1))
     with progress:

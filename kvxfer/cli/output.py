@@ -9,7 +9,7 @@ from typing import IO, Any, Iterator
 
 from .table import dumps
 
-__all__ = ["CliError", "json_stdout", "emit_json"]
+__all__ = ["CliError", "json_stdout", "emit_json", "check_memory"]
 
 
 class CliError(Exception):
@@ -50,3 +50,16 @@ def emit_json(data: Any) -> None:
     out = _json_out[-1] if _json_out else sys.stdout
     out.write(dumps(data) + "\n")
     out.flush()
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Refuse a run whose host buffers would not fit in available memory (Linux; else no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if nbytes > 0.8 * available:
+        raise CliError(f"{what} needs about {nbytes / 1e9:.1f} GB of host memory and {available / 1e9:.1f} GB is "
+                       "available; pass a smaller --tokens or a smaller model")

@@ -36,10 +36,12 @@ import select
 import selectors
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
 from .. import Agent
+from ..errors import KvxferError
 from .buffers import allocate, make_cache
 
 __all__ = ["PeerProcess", "InProcessPeer", "PeerError", "main", "TOKEN_ENV"]
@@ -188,7 +190,7 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
     raise ValueError(f"unknown command {c!r}")
 
 
-class PeerError(RuntimeError):
+class PeerError(KvxferError, RuntimeError):
     """The peer process failed to start, answered with an error, or did not answer in time."""
 
 
@@ -206,12 +208,16 @@ class PeerProcess:
         child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         if token:
             child_env[TOKEN_ENV] = token
+        # The child's stderr goes to a file: a failure then reports its last line instead of
+        # interleaving a traceback with the parent's output.
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.peer", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=child_env)
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_env)
         try:
             self.ready = self._readline()
         except BaseException:
             self.kill()
+            self._stderr.close()
             raise
         self.startup_seconds = time.perf_counter() - started
         self.metadata = base64.b64decode(self.ready["metadata"])
@@ -239,11 +245,24 @@ class PeerProcess:
             sel.close()
         line = self.proc.stdout.readline()
         if not line:
-            raise PeerError(f"peer process exited with {self.proc.wait()}")
+            code = self.proc.wait()
+            raise PeerError(f"peer process exited with {code}: {self.stderr_tail() or 'no message'}")
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
             raise PeerError(f"peer failed: {reply['error']}: {reply['message']}")
         return reply
+
+    def stderr_text(self) -> str:
+        """Everything the child wrote on stderr so far."""
+        self._stderr.flush()
+        self._stderr.seek(0)
+        text = self._stderr.read()
+        self._stderr.seek(0, os.SEEK_END)
+        return text
+
+    def stderr_tail(self) -> str:
+        lines = [ln.strip() for ln in self.stderr_text().splitlines() if ln.strip()]
+        return lines[-1] if lines else ""
 
     def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -265,7 +284,7 @@ class PeerProcess:
                 self.proc.wait(timeout=30)
             except Exception:
                 self.kill()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout, self._stderr):
             if f is not None:
                 f.close()
 
