@@ -199,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                     raise VerificationError(f"VERIFY FAILED ({label}): {problem}")
                 s = tr.stats
                 results.append({"layout": label, "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes,
-                                "seconds": s.seconds, "gbps": s.gbps, "path": s.path, "verified": "every byte"})
+                                "seconds": s.seconds, "gbps": s.gbps, "mode": s.mode, "path": s.path,
+                                "verified": "every byte"})
             finally:
                 with clock.time("shutdown"):
                     agent.close()

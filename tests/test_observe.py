@@ -64,7 +64,7 @@ def test_stats_describe_the_transfer(pair: Any, recorder: Recorder) -> None:
     np.testing.assert_array_equal(dst, _moved(src, before, [2, 5, 7], [7, 0, 3]))
     s = t.stats
     assert (s.descriptors, s.nbytes, s.posts) == (3, 3 * ROW, 1)
-    assert (s.backend, s.op, s.peer, s.path) == ("loopback", "READ", "prefill", "whole-row")
+    assert (s.backend, s.op, s.peer, s.mode) == ("loopback", "READ", "prefill", "whole-row")
     assert s.plan_seconds > 0 and s.post_seconds > 0 and s.seconds is not None and s.seconds >= s.post_seconds
     assert s.completion_seconds is not None and s.completion_seconds >= 0
     assert s.telemetry is None  # loopback reports no telemetry of its own
@@ -197,7 +197,7 @@ def test_prometheus_exporter_is_scraped_over_http(pair: Any) -> None:
         exporter.close()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
-    labels = (("backend", "loopback"), ("op", "READ"), ("path", "whole-row"))
+    labels = (("backend", "loopback"), ("mode", "whole-row"), ("op", "READ"), ("path", ""))
     assert samples[("kvxfer_transfers_total", tuple(sorted(labels + (("status", "done"),))))] == 2
     assert samples[("kvxfer_transfer_bytes_total", labels)] == 5 * ROW
     assert samples[("kvxfer_transfer_descriptors_total", labels)] == 5

@@ -194,7 +194,7 @@ def _row(args: argparse.Namespace, layout: str, tokens: int, blocks: int, pt: _P
     s = pt.stats
     return {"backend": args.backend, "processes": args.processes, "op": args.op, "memory": args.memory,
             "preset": args.preset, "layout": layout, "tokens": tokens, "blocks": blocks,
-            "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "path": s.path,
+            "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "mode": s.mode, "path": s.path,
             "median_seconds": med, "min_seconds": min(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
             "plan_seconds": statistics.median(pt.plan), "verified": pt.verified}
 
