@@ -23,10 +23,12 @@ from .plugin.backend import Backend, Capabilities
 from .errors import *  # noqa: F403
 from .plugin.hookspecs import hookimpl
 from .from_tensors import spec_from_arrays, spec_from_pointers, spec_from_tensors
-from .layout import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region, spec_diff
+from .compat import check_pairing, spec_diff
+from .layout import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
 from .memory import Allocation, DescriptorList, MemoryKind, Op
 from .metadata import AgentMetadata
-from .planner import Leg, TransferPlan, plan
+from .pageformat import PageFormat, Shard
+from .planner import Leg, Pairing, TransferPlan, pair, plan
 from .plugin.registry import BackendStatus, available_backends
 from .transfer import Status, Transfer, TransferStats
 
@@ -34,7 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent", "Peer", "Backend", "Capabilities", "hookimpl", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec",
-    "Member", "PackedLayout", "Region", "spec_diff", "Allocation", "DescriptorList", "MemoryKind", "Op",
+    "Member", "PackedLayout", "Region", "PageFormat", "Shard", "spec_diff", "check_pairing", "pair", "Pairing", "Allocation", "DescriptorList", "MemoryKind", "Op",
     "AgentMetadata", "Leg", "TransferPlan", "plan", "BackendStatus", "available_backends", "Status", "Transfer",
     "TransferStats", "errors", "__version__", "spec_from_tensors", "spec_from_arrays", "spec_from_pointers",
 ] + list(errors.__all__)

@@ -30,7 +30,7 @@ from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata
 from .observe import transfer_finished
-from .planner import Leg, TransferPlan, plan
+from .planner import Leg, Pairing, TransferPlan, pair, plan
 from .plugin.registry import get_backend_class, plugin_manager
 from .transfer import Transfer, TransferStats, _Post
 
@@ -48,13 +48,18 @@ def _new_generation() -> int:
 
 @dataclass
 class Peer:
-    """What the agent knows about one remote worker."""
+    """What the agent knows about one remote worker.
+
+    Everything planned for the peer lives here (the checked pairing, the prepared lists),
+    so dropping the peer releases all of it.
+    """
 
     name: str
     generation: int
     key: str  # the backend's name for it
     spec: KVCacheSpec | None
     prepared: dict[tuple[Granularity, MemoryKind], Any] = field(default_factory=dict)
+    pairing: Pairing | None = None
 
 
 class Agent:
@@ -78,6 +83,7 @@ class Agent:
         caps = self.backend.capabilities
         self._coalesce = (not caps.merges_runs and caps.cheap_prepare) if coalesce is None else bool(coalesce)
         self.spec: KVCacheSpec | None = None
+        self._held: Any = None  # what register() was given: kept alive until deregister()
         self._reg_handle: Any = None
         self._registered_before = False
         self._local_prepared: dict[tuple[Granularity, MemoryKind], Any] = {}
@@ -100,8 +106,10 @@ class Agent:
     def register(self, kv: Any = None, /, **options: Any) -> KVCacheSpec:
         """Register a KV cache: a :class:`KVCacheSpec`, or ``{layer: tensor|array}``.
 
-        Discovery options (``replicated``, ``tp_rank``, ``tp_size``, ``layout``...) are passed
-        to :func:`kvxfer.spec_from_tensors`. Returns the spec that peers will see.
+        Discovery options (``replicated``, ``tp_rank``, ``tp_size``, ``dims``...) are passed
+        to :func:`kvxfer.spec_from_tensors`. Returns the spec that peers will see. The agent
+        holds references to the tensors (and the spec) until :meth:`deregister` or
+        :meth:`close`, so temporaries cannot be freed while transfers may touch them.
         """
         self._check_open()
         if self.spec is not None:
@@ -127,6 +135,9 @@ class Agent:
             self.generation = _new_generation()
         self._registered_before = True
         self.spec = spec
+        self._held = kv
+        for peer in self._peers.values():
+            peer.pairing = None  # planned against the previous local spec
         return spec
 
     def deregister(self) -> None:
@@ -141,7 +152,10 @@ class Agent:
         self._local_prepared.clear()
         self.backend.deregister(self._reg_handle)
         self.spec = None
+        self._held = None
         self._reg_handle = None
+        for peer in self._peers.values():
+            peer.pairing = None
 
     # -- peers ----------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -154,7 +168,10 @@ class Agent:
         """Add (or refresh) a peer from its metadata; returns its name.
 
         A newer generation of a known peer means it restarted: the old connection and
-        every list prepared for it are dropped first. An older generation is refused.
+        every list prepared for it are dropped first. An older generation is refused. When
+        both sides have registered a cache, a peer whose cache cannot be paired with ours is
+        refused here with a :class:`~kvxfer.errors.LayoutMismatchError` subclass, before
+        any connection is made (see :meth:`check`).
         """
         self._check_open()
         md = AgentMetadata.decode(metadata)
@@ -173,9 +190,30 @@ class Agent:
                     raise MetadataError(f"peer {md.name!r} sent a different spec under the same generation")
                 return known.name
             self._drop_peer(known)
+        pairing = pair(self.spec, md.spec) if self.spec is not None and md.spec is not None else None
         key = self.backend.add_remote(md.name, md.blob)
-        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec)
+        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing)
         return md.name
+
+    def check(self, peer: str) -> Pairing:
+        """Check that our cache and the peer's can be paired; raises the typed refusal.
+
+        ``add_peer`` runs this check when both caches are registered; call it after
+        registering later, or to inspect the pairing (whole rows or split, per region).
+        """
+        self._check_open()
+        p = self._peer(peer)
+        if self.spec is None:
+            raise SpecError("register a KV cache before checking a peer")
+        if p.spec is None:
+            raise SpecError(f"peer {p.name!r} registered no KV cache")
+        return self._pairing(p)
+
+    def _pairing(self, peer: Peer) -> Pairing:
+        assert self.spec is not None and peer.spec is not None
+        if peer.pairing is None or not peer.pairing.matches(self.spec, peer.spec):
+            peer.pairing = pair(self.spec, peer.spec)
+        return peer.pairing
 
     def remove_peer(self, name: str) -> None:
         self._check_open()
@@ -192,6 +230,7 @@ class Agent:
             except KvxferError:
                 pass
         peer.prepared.clear()
+        peer.pairing = None
         self.backend.remove_remote(peer.key)
         self._peers.pop(peer.name, None)
 
@@ -213,7 +252,8 @@ class Agent:
             raise SpecError("register a KV cache before transferring")
         if peer.spec is None:
             raise SpecError(f"peer {peer.name!r} registered no KV cache")
-        return plan(self.spec, peer.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce)
+        return plan(self.spec, peer.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce,
+                    pairing=self._pairing(peer))
 
     def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
         """Pull the peer's ``remote_blocks`` into our ``local_blocks``."""

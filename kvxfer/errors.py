@@ -11,6 +11,11 @@ __all__ = [
     "KvxferError",
     "SpecError",
     "LayoutMismatchError",
+    "DtypeMismatchError",
+    "PageFormatMismatchError",
+    "HeadSliceMismatchError",
+    "BlockTokensMismatchError",
+    "DuplicateBlockIdError",
     "BlockIdOutOfRangeError",
     "BlockCountMismatchError",
     "MetadataError",
@@ -45,9 +50,27 @@ class LayoutMismatchError(KvxferError):
     def __init__(self, message: str, diff: list[tuple[str, object, object]] | None = None):
         self.diff = list(diff or [])
         if self.diff:
-            lines = "\n".join(f"  {f}: local={lv!r} remote={rv!r}" for f, lv, rv in self.diff)
-            message = f"{message}\n{lines}"
+            shown = self.diff[:24]  # the message stays readable; ``diff`` keeps everything
+            lines = "\n".join(f"  {f}: local={lv!r} remote={rv!r}" for f, lv, rv in shown)
+            more = f"\n  (+{len(self.diff) - len(shown)} more differences)" if len(self.diff) > len(shown) else ""
+            message = f"{message}\n{lines}{more}"
         super().__init__(message)
+
+
+class DtypeMismatchError(LayoutMismatchError):
+    """The two sides' pages hold different element types (bf16 against fp16)."""
+
+
+class PageFormatMismatchError(LayoutMismatchError):
+    """The pages order or shape their elements differently (NHD against HND, other extents)."""
+
+
+class HeadSliceMismatchError(LayoutMismatchError):
+    """The two sides hold different KV heads: another tensor-parallel rank's or size's slice."""
+
+
+class BlockTokensMismatchError(LayoutMismatchError):
+    """The two sides put a different number of tokens in one block."""
 
 
 class BlockIdOutOfRangeError(KvxferError, IndexError):
@@ -56,6 +79,10 @@ class BlockIdOutOfRangeError(KvxferError, IndexError):
 
 class BlockCountMismatchError(KvxferError, ValueError):
     """Local and remote block lists have different lengths."""
+
+
+class DuplicateBlockIdError(KvxferError, ValueError):
+    """A destination block id appears twice in one request: which source would win is undefined."""
 
 
 class MetadataError(KvxferError, ValueError):

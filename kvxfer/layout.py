@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -24,9 +25,10 @@ import numpy as np
 
 from .errors import SpecError
 from .memory import Allocation, DescriptorList, MemoryKind, _expect_keys, _int
+from .pageformat import PageFormat, Shard
 
-__all__ = ["Member", "PackedLayout", "Region", "KVCacheSpec", "Granularity", "KNOWN_LAYOUTS",
-           "spec_diff"]
+__all__ = ["Member", "PackedLayout", "Region", "KVCacheSpec", "Granularity", "KNOWN_LAYOUTS", "PageFormat",
+           "Shard"]
 
 #: Layout names kvxfer knows. B = block, L = layer, H = heads, N = tokens, C = channels.
 KNOWN_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
@@ -42,6 +44,8 @@ MAX_BLOCKS = 1 << 40
 #: claiming more would make every prepared list a memory bomb; 2^26 covers a 200k-block
 #: pool of a 160-member GQA cache.
 MAX_DESCRIPTORS = 1 << 26
+MAX_LAYER = 1 << 24
+_ROLE = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
 
 
 class Granularity(str, enum.Enum):
@@ -53,17 +57,26 @@ class Granularity(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Member:
-    """One named page kind inside a block (``layer.17`` or ``layer.17.k``).
+    """One named page kind inside a block (``layer.17``, ``layer.17.k``, ``layer.3.ssm``).
 
-    ``replicated`` says every tensor-parallel rank holds the same bytes (MLA latent cache);
-    head-split members hold only this rank's heads, which is what forbids whole-row moves
-    between ranks that hold different slices.
+    ``replicated`` says every tensor-parallel rank holds the same bytes (an MLA latent
+    cache); a head-split member holds only this rank's KV heads, described by ``shard``
+    (``None`` there means: the spec's ``tp_rank``/``tp_size``, heads not described).
+    ``page`` says what the bytes are (element type, axes, shape); without it the page is
+    opaque and pairs only with another opaque page of the same size. ``role`` names what
+    the page holds (``k``, ``v``, ``kv``, ``latent``, ``state`` or empty); ``layer`` is the
+    model layer index when known. The planner refuses to pair members whose page, role or
+    slice differ, because a byte copy between them would deliver wrong values.
     """
 
     name: str
     size: int
     offset: int = 0
     replicated: bool = True
+    page: PageFormat | None = None
+    role: str = ""
+    shard: Shard | None = None
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME:
@@ -72,19 +85,43 @@ class Member:
         object.__setattr__(self, "offset", _int(f"member {self.name}: offset", self.offset))
         if not isinstance(self.replicated, bool):
             raise SpecError(f"member {self.name}: replicated must be a bool")
+        if self.page is None:
+            object.__setattr__(self, "page", PageFormat.opaque(self.size))
+        elif not isinstance(self.page, PageFormat):
+            raise SpecError(f"member {self.name}: page must be a PageFormat")
+        elif self.page.nbytes != self.size:
+            raise SpecError(f"member {self.name}: page {self.page.describe()} is {self.page.nbytes} bytes, "
+                            f"the member is {self.size}")
+        if not isinstance(self.role, str) or not (self.role == "" or _ROLE.fullmatch(self.role)):
+            raise SpecError(f"member {self.name}: role {self.role!r} must be empty or a short lowercase word")
+        if self.shard is not None:
+            if not isinstance(self.shard, Shard):
+                raise SpecError(f"member {self.name}: shard must be a Shard")
+            if self.replicated:
+                raise SpecError(f"member {self.name}: a replicated member holds every head and has no shard")
+            h = self.page.extent("H")
+            if self.shard.heads is not None and h is not None and self.shard.heads[1] - self.shard.heads[0] != h:
+                raise SpecError(f"member {self.name}: shard holds {self.shard.heads[1] - self.shard.heads[0]} "
+                                f"heads but the page has H={h}")
+        if self.layer is not None:
+            object.__setattr__(self, "layer", _int(f"member {self.name}: layer", self.layer, hi=MAX_LAYER))
 
     @property
     def end(self) -> int:
         return self.offset + self.size
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "offset": self.offset,
-                "replicated": self.replicated}
+        assert self.page is not None
+        return {"name": self.name, "size": self.size, "offset": self.offset, "replicated": self.replicated,
+                "role": self.role, "layer": self.layer, "page": self.page.to_dict(),
+                "shard": self.shard.to_dict() if self.shard is not None else None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Member":
-        _expect_keys("member", d, {"name", "size", "offset", "replicated"})
-        return cls(d["name"], d["size"], d["offset"], d["replicated"])
+        _expect_keys("member", d, {"name", "size", "offset", "replicated", "role", "layer", "page", "shard"})
+        shard = Shard.from_dict(d["shard"]) if d["shard"] is not None else None
+        return cls(d["name"], d["size"], d["offset"], d["replicated"], PageFormat.from_dict(d["page"]), d["role"],
+                   shard, d["layer"])
 
 
 @dataclass(frozen=True)
@@ -127,12 +164,13 @@ class PackedLayout:
         return max(m.end for m in self.members) - self.row_start
 
     @functools.cached_property
-    def canonical(self) -> tuple[tuple[int, str, int, bool], ...]:
-        """Members as ``(offset from row start, name, size, replicated)`` in row order.
+    def canonical(self) -> tuple[tuple[int, str, int], ...]:
+        """Members as ``(offset from row start, name, size)`` in row order.
 
         Sorting makes comparisons independent of the order a peer lists its members in.
+        What the pages hold is checked member by member before rows are compared.
         """
-        return tuple(sorted((m.offset - self.row_start, m.name, m.size, m.replicated) for m in self.members))
+        return tuple(sorted((m.offset - self.row_start, m.name, m.size) for m in self.members))
 
     def to_dict(self) -> dict[str, Any]:
         return {"stride": self.stride, "members": [m.to_dict() for m in self.members]}
@@ -212,6 +250,8 @@ class KVCacheSpec:
     tp_rank: int = 0
     tp_size: int = 1
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The tensors or arrays a spec was discovered from: a spec keeps its memory alive.
+    _keepalive: tuple[Any, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         allocs = tuple(self.allocations)
@@ -345,27 +385,6 @@ class KVCacheSpec:
             tuple(Region.from_dict(r) for r in d["regions"]),
             layout=d["layout"], block_tokens=d["block_tokens"], tp_rank=d["tp_rank"], tp_size=d["tp_size"],
         )
-
-
-def spec_diff(local: KVCacheSpec, remote: KVCacheSpec) -> list[tuple[str, object, object]]:
-    """Field-by-field differences that matter for pairing two specs."""
-    diff: list[tuple[str, object, object]] = []
-    for f in ("layout", "block_tokens", "tp_size", "tp_rank"):
-        lv, rv = getattr(local, f), getattr(remote, f)
-        if lv != rv:
-            diff.append((f, lv, rv))
-    lm = {m.name: m for m in local.members}
-    rm = {m.name: m for m in remote.members}
-    only_l, only_r = sorted(lm.keys() - rm.keys()), sorted(rm.keys() - lm.keys())
-    if only_l or only_r:
-        diff.append(("members", _abbrev(only_l) or "-", _abbrev(only_r) or "-"))
-    for name in sorted(lm.keys() & rm.keys()):
-        a, b = lm[name], rm[name]
-        if a.size != b.size:
-            diff.append((f"members[{name}].size", a.size, b.size))
-        if a.replicated != b.replicated:
-            diff.append((f"members[{name}].replicated", a.replicated, b.replicated))
-    return diff
 
 
 def _abbrev(names: Iterable[str], limit: int = 6) -> str:

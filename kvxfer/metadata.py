@@ -20,7 +20,7 @@ from .layout import KVCacheSpec
 
 __all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: members say what their pages hold (dtype, axes, role, heads)
 MAGIC = b"KVXFMETA"
 #: Upper bound on encoded metadata; a 200-member spec plus a NIXL blob is well under 1 MiB.
 MAX_METADATA_BYTES = 16 << 20

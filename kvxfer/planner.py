@@ -1,30 +1,29 @@
-"""The transfer planner: as few descriptors as the two sides' layouts allow.
+"""The transfer planner: as few descriptors as the two sides' layouts allow, or a refusal.
 
-For every local region the planner looks for a remote region with the same packed layout
-(same member names, sizes and relative offsets, compared in row order). If one exists and
-the whole row may move (every member replicated, or both sides hold the same head slice),
-that region pair moves as **one descriptor per block**. Otherwise the row is split at the
-member offsets and each member moves on its own, matched by name; row strides may differ
-and padding is never moved. Per-member regions on both sides are the one-member case of the
-first rule, so the table of DESIGN.md section 3 falls out without special cases.
+A spec pair is checked and turned into leg templates once (:mod:`kvxfer.pairing`): every
+member pair must mean the same bytes on both sides (:mod:`kvxfer.compat`), else the pair
+is refused before any byte moves. A local region whose remote counterpart lists the same
+members at the same relative offsets moves as **one descriptor per block**; otherwise the
+row is split at the member offsets and each member moves on its own, matched by name; row
+strides may differ and padding is never moved. docs/geometry.md has the table.
 
-Everything after name matching is vectorized over blocks: a 95k-descriptor split plan is a
+Per request, everything is vectorized over blocks: a 95k-descriptor split plan is a
 handful of numpy broadcasts, not a Python loop.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import BlockCountMismatchError, BlockIdOutOfRangeError, LayoutMismatchError
-from .layout import Granularity, KVCacheSpec, spec_diff
+from .errors import BlockCountMismatchError, BlockIdOutOfRangeError, DuplicateBlockIdError
+from .layout import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind, Op
+from .pairing import Group, Pairing, cached_pairing, pair
 
-__all__ = ["plan", "TransferPlan", "Leg", "as_block_ids"]
+__all__ = ["plan", "pair", "Pairing", "TransferPlan", "Leg", "as_block_ids", "check_unique"]
 
 
 def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
@@ -56,22 +55,56 @@ def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
     return arr
 
 
+def check_unique(blocks: np.ndarray, num_blocks: int, side: str) -> None:
+    """Refuse a destination block named twice: which source lands there would be undefined.
+
+    ``blocks`` has passed :func:`as_block_ids`. A scatter into a flag array is the cheapest
+    test for the pool sizes engines use; huge sparse pools sort instead.
+    """
+    n = int(blocks.shape[0])
+    if n < 2:
+        return
+    if n <= 16:
+        vals = blocks.tolist()
+        if len(set(vals)) == n:
+            return
+    elif num_blocks <= 16 * n + 65536:
+        seen = np.zeros(num_blocks, dtype=bool)
+        seen[blocks] = True
+        if int(np.count_nonzero(seen)) == n:
+            return
+        vals = blocks.tolist()
+    else:
+        s = np.sort(blocks)
+        if not (s[1:] == s[:-1]).any():
+            return
+        vals = s.tolist()
+    seen_ids: set[int] = set()
+    dup = next(v for v in vals if v in seen_ids or seen_ids.add(v))  # type: ignore[func-returns-value]
+    raise DuplicateBlockIdError(f"{side} block id {dup} is a destination more than once in one request; "
+                                "each destination block takes exactly one source block")
+
+
 class Leg:
     """One backend post: index arrays into one local and one remote prepared list.
 
     A plan has one leg per ``(local kind, local granularity, remote kind, remote granularity)``
-    it touches; the common cases have exactly one. Descriptors are in block-major order:
-    block ``i``'s pieces (``sizes``), then block ``i+1``'s. When the plan was coalesced the
-    leg carries explicit descriptor lists instead (``local_idx``/``remote_idx`` are ``None``).
+    it touches; the common cases have exactly one. Descriptors are in block-major order
+    (block ``i``'s pieces, ``sizes``, then block ``i+1``'s) or, when ``member_major``, piece
+    by piece (every block of piece 0, then of piece 1), whichever lets more of them merge.
+    When the plan was coalesced the leg carries explicit descriptor lists instead
+    (``local_idx``/``remote_idx`` are ``None``).
     """
 
     __slots__ = ("local_granularity", "local_kind", "remote_granularity", "remote_kind", "local_idx",
-                 "remote_idx", "sizes", "blocks", "local_descs", "remote_descs", "descriptors", "nbytes")
+                 "remote_idx", "sizes", "blocks", "local_descs", "remote_descs", "descriptors", "nbytes",
+                 "member_major")
 
     def __init__(self, local_granularity: Granularity, local_kind: MemoryKind, remote_granularity: Granularity,
                  remote_kind: MemoryKind, local_idx: np.ndarray | None, remote_idx: np.ndarray | None,
                  sizes: np.ndarray, blocks: int, local_descs: DescriptorList | None = None,
-                 remote_descs: DescriptorList | None = None, block_bytes: int | None = None) -> None:
+                 remote_descs: DescriptorList | None = None, block_bytes: int | None = None,
+                 member_major: bool = False) -> None:
         self.local_granularity = local_granularity
         self.local_kind = local_kind
         self.remote_granularity = remote_granularity
@@ -82,6 +115,7 @@ class Leg:
         self.blocks = blocks
         self.local_descs = local_descs
         self.remote_descs = remote_descs
+        self.member_major = member_major
         # Plain attributes, computed once: every transfer reads them.
         self.descriptors: int = len(local_descs) if local_descs is not None else blocks * int(sizes.shape[0])
         if local_descs is not None:
@@ -98,6 +132,8 @@ class Leg:
         """Bytes of every descriptor, in order."""
         if self.local_descs is not None:
             return self.local_descs.lengths.astype(np.int64)
+        if self.member_major:
+            return np.repeat(self.sizes, self.blocks)
         return np.tile(self.sizes, self.blocks)
 
 
@@ -198,135 +234,17 @@ def _coalesce(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
     return lo, ro
 
 
-@dataclass(frozen=True)
-class _Seg:
-    """One per-block copy: a descriptor template on each side (index base and multiplier)."""
-
-    lkind: MemoryKind
-    lgran: Granularity
-    lbase: int
-    rkind: MemoryKind
-    rgran: Granularity
-    rbase: int
-    size: int
-    # Where block 0's bytes sit on each side, and the block strides: what alias detection needs.
-    lplace: tuple[int, int, int] = (0, 0, 0)  # (device, address, stride)
-    rplace: tuple[int, int, int] = (0, 0, 0)
-
-
-def _drop_aliases(segs: list[_Seg]) -> list[_Seg]:
-    """Drop segments whose bytes another segment already moves to the same place.
-
-    Members that alias (a ring viewing each row from byte 0, or per-member regions over the
-    same pages) would otherwise move those bytes twice. Segment ``m`` is redundant when some
-    kept segment ``k`` with the same kinds, devices and strides on both sides contains ``m``'s
-    local bytes and maps them with the same displacement to the remote side: then copying
-    ``k`` already copies ``m`` for every block pair. Runs once per spec pair (cached).
-    """
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, s in enumerate(segs):
-        (ld, la, ls), (rd, ra, rs) = s.lplace, s.rplace
-        groups.setdefault((s.lkind, ld, ls, s.rkind, rd, rs, ra - la), []).append(i)
-    drop: set[int] = set()
-    for idx in groups.values():
-        if len(idx) < 2:
-            continue
-        idx.sort(key=lambda i: (segs[i].lplace[1], -segs[i].size))
-        end = -1
-        for i in idx:
-            e = segs[i].lplace[1] + segs[i].size
-            if e <= end:
-                drop.add(i)  # inside an earlier, kept segment
-            else:
-                end = e
-    return [s for i, s in enumerate(segs) if i not in drop]
-
-
-def _pairing(local: KVCacheSpec, remote: KVCacheSpec) -> tuple[list[_Group], int, int]:
-    """Decide, per local region, whole rows or split members (cached per spec pair)."""
-    # Keyed by identity (hashing a 100-member spec per plan would cost more than planning);
-    # the remote object is kept in the entry so its id cannot be reused while cached.
-    key = ("pairing", id(remote))
-    hit = local._cache.get(key)
-    if hit is not None and hit[0] is remote:
-        return hit[1]
-    rmem = {m.name: (ri, mi, m) for ri, r in enumerate(remote.regions) for mi, m in enumerate(r.members)}
-    diff = spec_diff(local, remote)
-    bad = [d for d in diff if d[0] == "members" or d[0].startswith("members[") and d[0].endswith(".size")]
-    if bad:
-        raise LayoutMismatchError("the two KV cache specs do not hold the same members", diff)
-    same_slice = local.tp_rank == remote.tp_rank and local.tp_size == remote.tp_size
-    lrow, rrow = local.list_bases(Granularity.ROWS), remote.list_bases(Granularity.ROWS)
-    lmb, rmb = local.list_bases(Granularity.MEMBERS), remote.list_bases(Granularity.MEMBERS)
-    segs: list[_Seg] = []
-    whole = split = 0
-
-    def place(spec: KVCacheSpec, ri: int, offset: int) -> tuple[int, int, int]:
-        r = spec.regions[ri]
-        a = spec.allocations[r.allocation]
-        return (a.device, a.address + r.offset + offset, r.block_stride)
-
-    for li, lr in enumerate(local.regions):
-        first = lr.members[0].name
-        ri = rmem[first][0]
-        rr = remote.regions[ri]
-        replicated = same_slice or all(m.replicated for m in lr.members)
-        if replicated and lr.layout.canonical == rr.layout.canonical:
-            whole += 1
-            segs.append(_Seg(local.region_kind(li), Granularity.ROWS, int(lrow[li]),
-                             remote.region_kind(ri), Granularity.ROWS, int(rrow[ri]), lr.layout.row_len,
-                             place(local, li, lr.layout.row_start), place(remote, ri, rr.layout.row_start)))
-            continue
-        split += 1
-        for mi, m in enumerate(lr.members):
-            rri, rmi, rm = rmem[m.name]
-            rreg = remote.regions[rri]
-            segs.append(_Seg(local.region_kind(li), Granularity.MEMBERS, int(lmb[li]) + mi * lr.num_blocks,
-                             remote.region_kind(rri), Granularity.MEMBERS, int(rmb[rri]) + rmi * rreg.num_blocks,
-                             m.size, place(local, li, m.offset), place(remote, rri, rm.offset)))
-    segs = _drop_aliases(segs)
-    out = (_groups(segs, local.num_blocks, remote.num_blocks), whole, split)
-    local._cache[key] = (remote, out)
-    return out
-
-
-@dataclass(frozen=True)
-class _Group:
-    """The segments of one leg as arrays, built once per spec pair (not per transfer)."""
-
-    key: tuple[Granularity, MemoryKind, Granularity, MemoryKind]
-    lbase: np.ndarray
-    rbase: np.ndarray
-    sizes: np.ndarray
-    dtype: type
-    block_bytes: int
-
-
-def _groups(segs: Sequence[_Seg], lblocks: int, rblocks: int) -> list[_Group]:
-    by_key: dict[tuple[Any, ...], list[_Seg]] = {}
-    for s in segs:
-        by_key.setdefault((s.lgran, s.lkind, s.rgran, s.rkind), []).append(s)
-    out = []
-    for key, group in by_key.items():
-        lbase = np.array([s.lbase for s in group], dtype=np.int64)
-        rbase = np.array([s.rbase for s in group], dtype=np.int64)
-        # int32 indices (what NIXL wants) whenever every index of both lists fits.
-        fits = max(int(lbase.max()) + lblocks, int(rbase.max()) + rblocks) < np.iinfo(np.int32).max
-        dtype = np.int32 if fits else np.int64
-        sizes = np.array([s.size for s in group], dtype=np.int64)
-        out.append(_Group(key, lbase.astype(dtype), rbase.astype(dtype),  # type: ignore[arg-type]
-                          sizes, dtype, int(sizes.sum())))
-    return out
-
-
 def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, remote_blocks: Any,
-         op: Op | str = Op.READ, *, coalesce: bool = False) -> TransferPlan:
+         op: Op | str = Op.READ, *, coalesce: bool = False, pairing: Pairing | None = None) -> TransferPlan:
     """Plan moving ``local_blocks[i] <-> remote_blocks[i]`` for every ``i``.
 
     ``op`` is from the local side's point of view: READ pulls remote bytes into the local
-    blocks, WRITE pushes local bytes into the remote blocks. With ``coalesce=True``, runs
-    that are contiguous on both sides become one descriptor (for backends that do not
-    merge runs themselves); the legs then carry explicit descriptor lists.
+    blocks, WRITE pushes local bytes into the remote blocks; the destination side's ids must
+    be distinct. With ``coalesce=True``, runs that are contiguous on both sides become one
+    descriptor (for backends that do not merge runs themselves); the legs then carry
+    explicit descriptor lists. ``pairing``: the result of :func:`pair` for these two specs,
+    kept by the caller; without it the pairing is remembered with the remote spec.
+    Incompatible specs raise a :class:`~kvxfer.errors.LayoutMismatchError` subclass.
     """
     op = Op(op)
     lb = as_block_ids(local_blocks, local_spec.num_blocks, "local")
@@ -334,8 +252,14 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     if lb.shape[0] != rb.shape[0]:
         raise BlockCountMismatchError(
             f"local and remote block lists differ in length ({lb.shape[0]} vs {rb.shape[0]}); pair every block")
-    groups, whole, split = _pairing(local_spec, remote_spec)
-    legs = _legs(groups, lb, rb)
+    if op is Op.READ:
+        check_unique(lb, local_spec.num_blocks, "local")
+    else:
+        check_unique(rb, remote_spec.num_blocks, "remote")
+    if pairing is None or not pairing.matches(local_spec, remote_spec):
+        pairing = cached_pairing(local_spec, remote_spec)
+    whole, split = pairing.whole_rows, pairing.split_rows
+    legs = _legs(pairing.groups, lb, rb)
     if coalesce:
         tmp = TransferPlan(local_spec, remote_spec, op, legs, whole, split, False)
         merged = []
@@ -345,21 +269,24 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
                                _alloc_starts(remote_spec, leg.remote_kind))
             merged.append(Leg(leg.local_granularity, leg.local_kind, leg.remote_granularity, leg.remote_kind,
                               None, None, leg.sizes, leg.blocks, DescriptorList(lo, leg.local_kind),
-                              DescriptorList(ro, leg.remote_kind)))
+                              DescriptorList(ro, leg.remote_kind), member_major=leg.member_major))
         legs = tuple(merged)
     return TransferPlan(local_spec, remote_spec, op, legs, whole, split, coalesce)
 
 
-def _legs(groups: Sequence[_Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg, ...]:
+def _legs(groups: Sequence[Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg, ...]:
     n = int(lb.shape[0])
     legs = []
     for g in groups:
         lbi: np.ndarray = lb.astype(g.dtype, copy=False)
         rbi: np.ndarray = rb.astype(g.dtype, copy=False)
-        if g.lbase.shape[0] == 1:  # whole rows: one descriptor per block
+        if g.lbase.shape[0] == 1:  # one piece per block (whole rows of one region)
             li, ri = lbi + g.lbase[0], rbi + g.rbase[0]
-        else:  # block-major: all of block i's pieces, then block i+1's
+        elif g.member_major:  # piece by piece: consecutive blocks of a piece sit side by side
+            li = (g.lbase[:, None] + lbi[None, :]).reshape(-1)
+            ri = (g.rbase[:, None] + rbi[None, :]).reshape(-1)
+        else:  # block by block: all of block i's pieces, then block i+1's
             li = (lbi[:, None] + g.lbase[None, :]).reshape(-1)
             ri = (rbi[:, None] + g.rbase[None, :]).reshape(-1)
-        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes))
+        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
     return tuple(legs)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer import KVCacheSpec, Member, MemoryKind, Op, SpecError, TransferPlan, plan, spec_from_arrays, spec_from_pointers, spec_from_tensors
+from kvxfer import HeadSliceMismatchError, KVCacheSpec, Member, MemoryKind, Op, SpecError, TransferPlan, plan, spec_from_arrays, spec_from_pointers, spec_from_tensors
 
 B, L, N, H, C = 6, 4, 4, 2, 8  # blocks, layers, tokens per block, heads, channels
 
@@ -244,10 +244,11 @@ def test_seed_case_99_views_over_one_block_outermost_storage() -> None:
     assert (dst_storage[untouched] == 0).all()
     # Consecutive ids merge further when asked: blocks 7,8 <- 2,3 are one run on both sides.
     assert plan(dst, src, lb, rb, coalesce=True).descriptors == len(lb) - 1
-    # The same storage as a head-split cache across different ranks must split per layer.
+    # The same storage as a head-split cache: different ranks hold different heads, refused.
     hs = spec_from_tensors(views(src_storage), replicated=False, tp_rank=1, tp_size=4)
     hd = spec_from_tensors(views(dst_storage), replicated=False, tp_rank=2, tp_size=4)
-    assert plan(hd, hs, lb, rb).descriptors == len(lb) * layers
+    with pytest.raises(HeadSliceMismatchError, match="TP rank 2 of 4.*TP rank 1 of 4"):
+        plan(hd, hs, lb, rb)
 
 
 # -- raw pointers -----------------------------------------------------------------------------
@@ -275,7 +276,8 @@ def test_from_pointers_layer_outermost() -> None:
     s = spec_from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)],
                                   layout="LBNHC")
     assert len(s.allocations) == 1 and [r.offset for r in s.regions] == [0, 1000]
-    bl = spec_from_pointers((1 << 28, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)])
+    bl = spec_from_pointers((1 << 28, 10 * 250, 0), num_blocks=10, members=[("a", 100), ("b", 150)],
+                            layout="BLNHC")
     assert plan(bl, s, [1, 2], [3, 4]).descriptors == 4
     with pytest.raises(SpecError):
         spec_from_pointers((1 << 20, 10 * 250, 0), num_blocks=10, members=[("a", 100)], layout="XX")

@@ -263,7 +263,7 @@ def test_from_dict_fuzz_raises_only_spec_error(path_index: int, junk: object) ->
 
 def test_many_duplicate_member_names_fail_fast() -> None:
     """A hostile peer's 60k members with duplicate names must not cost quadratic time."""
-    members = [{"name": f"m{i % 30000}", "size": 1, "offset": 0, "replicated": True} for i in range(60000)]
+    members = [Member(f"m{i % 30000}", 1).to_dict() for i in range(60000)]
     d = spec().to_dict()
     d["regions"][0]["layout"]["members"] = members
     with pytest.raises(SpecError, match="duplicate"):

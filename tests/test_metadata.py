@@ -88,7 +88,7 @@ def test_non_bytes() -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("version", True), ("version", 1.0), ("version", "1"), ("version", 2), ("version", None),
+    ("version", True), ("version", 2.0), ("version", "2"), ("version", 1), ("version", 3), ("version", None),
     ("generation", True), ("generation", -1), ("generation", 0), ("generation", 1 << 64), ("generation", 1.5),
     ("generation", "7"), ("name", 1), ("name", None), ("backend", ["nixl"]), ("blob", "not base64!"),
     ("blob", 5), ("blob", None), ("spec", 5), ("spec", []), ("spec", "x"),

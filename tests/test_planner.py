@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from geometry_strategies import (SENTINEL, Model, RegionGeom, SideGeom, apply_plan, block_pairs, inside_allocations, models,
                                  no_overlap, pattern, reference_copy, side_geoms)
-from kvxfer import (Allocation, BlockCountMismatchError, BlockIdOutOfRangeError, KVCacheSpec, LayoutMismatchError,
+from kvxfer import (Allocation, BlockCountMismatchError, BlockIdOutOfRangeError, HeadSliceMismatchError, KVCacheSpec,
+                    LayoutMismatchError,
                     Member, Op, PackedLayout, Region, TransferPlan, plan)
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,19 +27,27 @@ PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 # ---------------------------------------------------------------------------------------
 
 def whole_row_regions(lg: SideGeom, rg: SideGeom) -> list[int]:
-    """Local regions that DESIGN.md section 3 allows to move as whole rows."""
-    same_slice = (lg.tp_rank, lg.tp_size) == (rg.tp_rank, rg.tp_size)
+    """Local regions whose remote counterpart lists the same members at the same offsets."""
     out = []
     for i, r in enumerate(lg.regions):
         rr, _ = rg.where(r.members[0].name)
 
-        def canon(reg: RegionGeom) -> set[tuple[int, str, int, bool]]:
+        def canon(reg: RegionGeom) -> set[tuple[int, str, int]]:
             lo = min(m.offset for m in reg.members)
-            return {(m.offset - lo, m.name, m.size, m.replicated) for m in reg.members}
+            return {(m.offset - lo, m.name, m.size) for m in reg.members}
 
-        if (same_slice or all(m.replicated for m in r.members)) and canon(r) == canon(rr):
+        if canon(r) == canon(rr):
             out.append(i)
     return out
+
+
+def refused(model: Model, lg: SideGeom, rg: SideGeom) -> bool:
+    """Head-split pages pair only with the same slice; replicated or TP-1 pages hold every head."""
+
+    def slice_of(side: SideGeom, name: str) -> tuple[int, int]:
+        return (0, 1) if model.replicated[name] or side.tp_size == 1 else (side.tp_rank, side.tp_size)
+
+    return any(slice_of(lg, n) != slice_of(rg, n) for n in model.names + list(model.aliases))
 
 
 def expected_per_block(model: Model, lg: SideGeom, rg: SideGeom) -> int:
@@ -110,6 +119,10 @@ def test_plans_move_exactly_the_requested_member_bytes(sc, seed: int, shuffle: i
     names = model.names + list(model.aliases)
 
     lspec, rspec = lg.spec(), rg.spec(shuffle=shuffle)
+    if refused(model, lg, rg):
+        with pytest.raises(HeadSliceMismatchError, match="TP rank"):
+            plan(lspec, rspec, lb, rb, op)
+        return
     p = plan(lspec, rspec, lb, rb, op)
     # Counts of DESIGN.md section 3, computed from the geometry alone.
     assert p.descriptors == len(lb) * expected_per_block(model, lg, rg)
@@ -161,6 +174,8 @@ def test_coalescing_merges_only_contiguous_runs_and_keeps_bytes(sc, seed: int) -
     src.make_arena(pattern(src.arena_bytes, seed))
     dst.make_arena(SENTINEL)
     lspec, rspec = lg.spec(), rg.spec()
+    if refused(model, lg, rg):
+        return  # refusals are checked by the test above
     plain = plan(lspec, rspec, lb, rb, op)
     merged = plan(lspec, rspec, lb, rb, op, coalesce=True)
     assert merged.coalesced and merged.nbytes == plain.nbytes
@@ -237,10 +252,13 @@ def test_per_member_both_sides_is_one_descriptor_per_member() -> None:
     assert p.descriptors == 3 * L
 
 
-def test_head_split_members_between_different_ranks_split_the_row() -> None:
+def test_head_split_members_between_different_ranks_are_refused() -> None:
     lspec = packed(rep=False, tp_rank=0, tp_size=2)
-    assert plan(lspec, packed(base=1 << 24, rep=False, tp_rank=1, tp_size=2), *BLOCKS).descriptors == 3 * L
-    # Same head slice: whole rows again.
+    with pytest.raises(HeadSliceMismatchError) as ei:
+        plan(lspec, packed(base=1 << 24, rep=False, tp_rank=1, tp_size=2), *BLOCKS)
+    assert ("members[layer.0, layer.1, layer.2, layer.3 (+1 more)].heads", "TP rank 0 of 2 (heads not described)",
+            "TP rank 1 of 2 (heads not described)") in ei.value.diff
+    # Same head slice: whole rows.
     assert plan(lspec, packed(base=1 << 24, rep=False, tp_rank=0, tp_size=2), *BLOCKS).descriptors == 3
     # Replicated (MLA) pages move whole whatever the ranks.
     assert plan(packed(tp_rank=0, tp_size=2), packed(base=1 << 24, tp_rank=1, tp_size=2), *BLOCKS).descriptors == 3
@@ -259,17 +277,18 @@ def test_coalescing_consecutive_blocks_of_packed_rows() -> None:
 def test_coalescing_never_crosses_an_allocation_boundary() -> None:
     """Two storages that happen to sit back to back in memory are still two registrations."""
     nb = 4
-    a1 = 1 << 20  # layer.1's storage, then layer.0's right after it
-    a0 = a1 + PAGE * nb
+    a0 = 1 << 20  # layer.0's storage, then layer.1's right after it
+    a1 = a0 + PAGE * nb
     local = KVCacheSpec((Allocation(a0, PAGE * nb), Allocation(a1, PAGE * nb)),
                         tuple(Region(i, 0, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),)))
                               for i in range(2)))
     remote = KVCacheSpec((Allocation(1 << 30, 2 * PAGE * nb),),
-                         (Region(0, PAGE * nb, nb, PackedLayout(PAGE, (Member("layer.0", PAGE, 0, True),))),
-                          Region(0, 0, nb, PackedLayout(PAGE, (Member("layer.1", PAGE, 0, True),)))))
-    # Pair (3, 3) then (0, 0): layer.1 of block 3 ends exactly where layer.0 of block 0
-    # begins on both sides, but locally that crosses from one allocation into the next.
-    blocks = ([3, 0], [3, 0])
+                         tuple(Region(0, i * PAGE * nb, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),)))
+                               for i in range(2)))
+    # Per-member regions on both sides are planned member by member: layer.0 of blocks 0
+    # and 3, then layer.1 of blocks 0 and 3. layer.0 of block 3 ends exactly where layer.1
+    # of block 0 begins on both sides, but locally that crosses into the next allocation.
+    blocks = ([0, 3], [0, 3])
     p = plan(local, remote, *blocks)
     assert p.descriptors == 4 and p.runs == 4
     merged = plan(local, remote, *blocks, coalesce=True)
@@ -278,9 +297,9 @@ def test_coalescing_never_crosses_an_allocation_boundary() -> None:
         la, ra = merged.explicit(leg)
         assert inside_allocations(local, la.array) and inside_allocations(remote, ra.array)
     # Within one allocation on both sides the same pattern does merge.
-    one = KVCacheSpec((Allocation(a1, 2 * PAGE * nb),),
-                      (Region(0, PAGE * nb, nb, PackedLayout(PAGE, (Member("layer.0", PAGE, 0, True),))),
-                       Region(0, 0, nb, PackedLayout(PAGE, (Member("layer.1", PAGE, 0, True),)))))
+    one = KVCacheSpec((Allocation(a0, 2 * PAGE * nb),),
+                      tuple(Region(0, i * PAGE * nb, nb, PackedLayout(PAGE, (Member(f"layer.{i}", PAGE, 0, True),)))
+                            for i in range(2)))
     assert plan(one, remote, *blocks, coalesce=True).descriptors == 3
 
 

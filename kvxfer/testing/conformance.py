@@ -216,16 +216,45 @@ class BackendConformance(_Base):
         finally:
             c.close()
 
-    def test_head_split_members_move_per_member_between_ranks(self, agents: tuple[Agent, Agent]) -> None:
+    def test_head_split_pages_of_another_rank_are_refused(self, agents: tuple[Agent, Agent]) -> None:
+        from ..errors import HeadSliceMismatchError
+
         a, b = agents
         src, dst = self._caches("packed", "packed")
         a.register(src.views, replicated=False, tp_rank=0, tp_size=2)
         b.register(dst.views, replicated=False, tp_rank=1, tp_size=2)
+        before = dst.layer_pages()
+        with pytest.raises(HeadSliceMismatchError, match="TP rank 1 of 2.*TP rank 0 of 2"):
+            b.add_peer(a.metadata())
+        assert "prefill" not in b.peers
+        np.testing.assert_array_equal(dst.layer_pages(), before)
+
+    def test_head_split_pages_of_the_same_rank_move_whole_rows(self, agents: tuple[Agent, Agent]) -> None:
+        a, b = agents
+        src, dst = self._caches("packed", "packed")
+        a.register(src.views, replicated=False, tp_rank=1, tp_size=2)
+        b.register(dst.views, replicated=False, tp_rank=1, tp_size=2)
         snap = _Snapshot(src, dst)
         peer = b.add_peer(a.metadata())
-        assert b.plan(peer, DST_BLOCKS, SRC_BLOCKS).mode == "split"
+        assert b.plan(peer, DST_BLOCKS, SRC_BLOCKS).mode == "whole-row"
         b.read(peer, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
         snap.check(DST_BLOCKS, SRC_BLOCKS)
+
+    def test_duplicate_destination_blocks_are_refused(self, agents: tuple[Agent, Agent]) -> None:
+        from ..errors import DuplicateBlockIdError
+
+        a, b = agents
+        src, dst = self._registered(a, b)
+        before = dst.layer_pages()
+        peer = b.add_peer(a.metadata())
+        with pytest.raises(DuplicateBlockIdError, match="local block id 0"):
+            b.read(peer, [0, 0], [1, 2])
+        b.read(peer, [1, 2], [0, 0]).wait(self.timeout)  # one source into two destinations is fine
+        np.testing.assert_array_equal(dst.layer_pages()[:, 1], src.layer_pages()[:, 0])
+        np.testing.assert_array_equal(dst.layer_pages()[:, 2], src.layer_pages()[:, 0])
+        others = np.ones(before.shape[1], dtype=bool)
+        others[[1, 2]] = False
+        np.testing.assert_array_equal(dst.layer_pages()[:, others], before[:, others])
 
     def test_empty_request_completes(self, agents: tuple[Agent, Agent]) -> None:
         a, b = agents
@@ -356,7 +385,11 @@ class BackendConformance(_Base):
         src, _ = self._caches("packed", "packed")
         a.register(src.views, replicated=True)
         md = a.metadata()
-        for bad in (b"", b"garbage", md[:-5], md.replace(b'"version":1', b'"version":9')):
+        from ..metadata import PROTOCOL_VERSION
+
+        newer = md.replace(f'"version":{PROTOCOL_VERSION}'.encode(), b'"version":99')
+        assert newer != md
+        for bad in (b"", b"garbage", md[:-5], newer):
             with pytest.raises(MetadataError):
                 b.add_peer(bad)
 
@@ -387,7 +420,16 @@ class BackendConformance(_Base):
         dst = make_cache("packed", num_blocks=8, num_layers=4, page=384, memory=self.memory)
         a.register(src.views, replicated=True)
         b.register(dst.views, replicated=True)
+        with pytest.raises(LayoutMismatchError, match="layer.3"):
+            b.add_peer(a.metadata())  # refused before any connection or transfer
+        assert not b.peers
+        # A peer added before our cache was registered is checked on demand, and at the
+        # first transfer.
+        b.deregister()
         peer = b.add_peer(a.metadata())
+        b.register(dst.views, replicated=True)
+        with pytest.raises(LayoutMismatchError, match="layer.3"):
+            b.check(peer)
         with pytest.raises(LayoutMismatchError, match="layer.3"):
             b.read(peer, [0], [0])
 
