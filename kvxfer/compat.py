@@ -21,7 +21,7 @@ __all__ = ["Refusal", "refusals", "check_pairing", "spec_diff", "head_slice"]
 
 # Most basic first: the raised error is the class of the first refusal in this order.
 _ORDER: tuple[type[LayoutMismatchError], ...] = (BlockTokensMismatchError, LayoutMismatchError, DtypeMismatchError,
-                                                 PageFormatMismatchError, HeadSliceMismatchError)
+                                                 HeadSliceMismatchError, PageFormatMismatchError)
 _HEADLINE = {
     BlockTokensMismatchError: "the two sides put a different number of tokens in a block",
     LayoutMismatchError: "the two KV cache specs do not hold the same members",

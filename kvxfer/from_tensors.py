@@ -6,8 +6,8 @@ Rules (docs/geometry.md has the table of recognised engine shapes):
   pair, ``N`` tokens, ``H`` heads, ``D`` head dim or latent channels, ``S`` state, ``X``
   other), taken from the ``dims`` option or recognised from the shape; shapes that could
   mean two things are refused until ``dims`` says which.
-* ``L`` makes one member per layer; ``K`` makes ``.k``/``.v`` members when K and V are not
-  inside one block's page (vLLM's ``[2, blocks, ...]``), or when ``kv_dim`` asks for it.
+* ``L`` makes one member per layer; ``K`` (or ``kv_dim``) makes ``.k``/``.v`` members, so
+  vLLM's ``[2, blocks, ...]`` and FlashInfer's ``[blocks, 2, ...]`` name the same members.
 * Views over one storage are **one** allocation, however many views there are.
 * If ``num_blocks * block stride == storage bytes`` the storage is block-outermost: every
   block is one row holding all the views' pages, so all those views become members of
@@ -174,14 +174,10 @@ def _page(t: _Tensor, letters: str, shape: tuple[int, ...], strides: tuple[int, 
 
 
 def _pieces(entry: str, base: str, t: _Tensor, dims: str, role: str, kv_dim: int | None) -> list[_Piece]:
-    """Split one tensor into members: one per layer (``L``), ``.k``/``.v`` where K/V must split."""
+    """Split one tensor into members: one per layer (``L``), ``.k`` and ``.v`` (``K``)."""
     _check_dims(t, dims)
-    if kv_dim is not None:
-        if not 0 <= kv_dim < len(t.shape) or t.shape[kv_dim] != 2:
-            raise SpecError(f"{t.name}: kv_dim={kv_dim} needs size 2 there, shape is {t.shape}")
-        dims = dims[:kv_dim] + "K" + dims[kv_dim + 1:]
-        if dims.count("K") != 1:
-            raise SpecError(f"{t.name}: kv_dim={kv_dim} and dims name two K/V dimensions")
+    if kv_dim is not None and dims[kv_dim] != "K":
+        raise SpecError(f"{t.name}: kv_dim={kv_dim} but dims {dims!r} do not put K/V there")
     # (name suffix, pointer offset, role, layer) per piece, then the dims that remain.
     parts: list[tuple[str, int, str, int | None]] = [("", 0, role, None)]
     keep = list(range(len(dims)))
@@ -189,17 +185,11 @@ def _pieces(entry: str, base: str, t: _Tensor, dims: str, role: str, kv_dim: int
         li = dims.index("L")
         parts = [(f"{s}.{j}", off + j * t.strides[li], r, j) for s, off, r, _ in parts for j in range(t.shape[li])]
         keep.remove(li)
-    if "K" in dims:
+    if "K" in dims:  # K and V become members of their own, so every engine's K/V layout pairs by name
         ki = dims.index("K")
-        inner = [i for i in keep if i != dims.index("B")]
-        whole = _page(t, "".join(dims[i] for i in inner), tuple(t.shape[i] for i in inner),
-                      tuple(t.strides[i] for i in inner))
-        if kv_dim is not None or whole is None:  # K/V are not one dense page: two members
-            parts = [(f"{s}.{kv}", off + j * t.strides[ki], kv, lay)
-                     for s, off, _, lay in parts for j, kv in enumerate(("k", "v"))]
-            keep.remove(ki)
-        elif not role:
-            parts = [(s, off, "kv", lay) for s, off, _, lay in parts]
+        parts = [(f"{s}.{kv}", off + j * t.strides[ki], kv, lay)
+                 for s, off, _, lay in parts for j, kv in enumerate(("k", "v"))]
+        keep.remove(ki)
     bi = dims.index("B")
     inner = [i for i in keep if i != bi]
     letters = "".join(dims[i] for i in inner)
@@ -207,7 +197,7 @@ def _pieces(entry: str, base: str, t: _Tensor, dims: str, role: str, kv_dim: int
     if page is None:
         raise SpecError(f"{t.name}: one block's page is not contiguous (shape {t.shape}, strides {t.strides}); "
                         "pass a view whose page dims are dense")
-    if not role and "K" not in page.axes:
+    if not role:
         role = "state" if "S" in page.axes else "latent" if ("N" in page.axes and "D" in page.axes
                                                              and "H" not in letters) else ""
     nb, bstride = t.shape[bi], t.strides[bi]
@@ -302,9 +292,18 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
         for base, tensor, form, dd in _entries(name, x, d):
             t = _describe(base, tensor)
             keep.append(tensor)
-            letters = dd if dd is not None else _auto_dims(t, form)
+            kd = kv_dim if form == "tensor" else None
+            if kd is not None and (not 0 <= kd < len(t.shape) or t.shape[kd] != 2):
+                raise SpecError(f"{base}: kv_dim={kd} needs size 2 there, shape is {t.shape}")
+            if dd is not None:
+                letters = dd
+            elif kd is not None:  # recognise the shape without the K/V dimension, then put K back
+                rest = _auto_dims(dataclasses.replace(t, shape=t.shape[:kd] + t.shape[kd + 1:]), form)
+                letters = rest[:kd] + "K" + rest[kd:]
+            else:
+                letters = _auto_dims(t, form)
             role = ("k" if base.endswith(".k") else "v") if form == "kv" else ""
-            pieces += _pieces(name, base, t, letters, role, kv_dim if form == "tensor" else None)
+            pieces += _pieces(name, base, t, letters, role, kd)
     is_rep = _replication(replicated)
     members_of = {p.name: p for p in pieces}
     if len(members_of) != len(pieces):

@@ -147,7 +147,7 @@ class Shard:
         tp = f"TP rank {self.tp_rank} of {self.tp_size}"
         if self.heads is None:
             return f"{tp} (heads not described)"
-        return f"KV heads [{self.heads[0]}, {self.heads[1]}) of {self.total_heads} ({tp})"
+        return f"heads [{self.heads[0]}, {self.heads[1]}) of {self.total_heads} ({tp})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size,
