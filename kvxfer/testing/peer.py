@@ -17,6 +17,8 @@ then answers one JSON command per line:
 ``{"cmd": "pages"}`` -> ``{"pages": b64 of (layers, blocks, page) bytes, "padding": b64}`` (suite cache)
 ``{"cmd": "fill", "byte": v}`` or ``{"cmd": "fill", "seed": s, "blocks": [...]}`` -> ``{"ok": true}``
 ``{"cmd": "verify", "dst": [...], "src": [...], "seed": s}`` -> ``{"problem": null | text}`` (geometry cache)
+``{"cmd": "logical"}`` -> ``{"logical": b64, "shape": [...], "dtype": name}`` (``--engine`` cache)
+``{"cmd": "write", "peer": name, "local": [...], "remote": [...]}`` -> ``{"done": true}``
 ``{"cmd": "notifications", "timeout": s, "count": n}`` -> ``{"notifications": {peer: [b64]}}``
 ``{"cmd": "exit"}``
 
@@ -71,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", help="a model geometry (preset name or spec file) instead of --layers/--page")
     ap.add_argument("--layout", choices=("packed", "layers"), default=None, help="with --preset (default: its own)")
     ap.add_argument("--serve", metavar="HOST:PORT", help="also serve metadata over the side channel")
+    ap.add_argument("--engine", help="an engine-shaped cache: testing.engines.EngineCache as JSON")
     return ap
 
 
@@ -80,11 +83,15 @@ def _build(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
         import torch
 
         torch.cuda.set_device(args.cuda_device)
-    if args.preset:
+    if args.engine:
+        from .engines import EngineCache, build
+
+        cache: Any = build(EngineCache.from_json(args.engine), seed=args.seed)
+    elif args.preset:
         from ..presets import resolve
 
         geometry = resolve(args.preset)
-        cache: Any = allocate(geometry, args.blocks, packed=None if args.layout is None else args.layout == "packed",
+        cache = allocate(geometry, args.blocks, packed=None if args.layout is None else args.layout == "packed",
                               memory=args.memory, device=args.device, pad=args.pad)
         if args.seed is not None:
             cache.fill_blocks(args.seed)
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     if args.preset:
         cache.register(agent)
+    elif args.engine:
+        agent.register(cache.views, **cache.cache.register_options())
     else:
         agent.register(cache.views, replicated=args.replicated)
     timings.update(agent=t1 - t0, register=time.perf_counter() - t1)
@@ -171,6 +180,12 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
         else:
             cache.reset(int(cmd.get("byte", 0xAA)))
         return {"ok": True}
+    if c == "logical":
+        arr = cache.logical()
+        return {"logical": _b64(arr.tobytes()), "shape": list(arr.shape), "dtype": arr.dtype.name}
+    if c == "write":  # push our blocks into a peer's and wait for completion
+        agent.write(cmd["peer"], cmd["local"], cmd["remote"]).wait(float(cmd.get("timeout", 30.0)))
+        return {"done": True}
     if c == "verify":
         return {"problem": cache.verify(cmd["dst"], cmd["src"], int(cmd["seed"]))}
     if c == "notifications":
