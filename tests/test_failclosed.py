@@ -352,3 +352,10 @@ def test_shard_is_checked_against_the_page() -> None:
         Member("x", pg.nbytes, 0, True, pg, "k", Shard(1, 4, (2, 4), 8))
     with pytest.raises(SpecError, match="is 128 bytes, the member is 64"):
         Member("x", 64, 0, False, pg)
+
+
+def test_replicated_pages_with_other_head_counts_are_refused() -> None:
+    a = spec_from_arrays({"l0": np.zeros((4, N, 4, D), np.float16)}, replicated=True)
+    b = spec_from_arrays({"l0": np.zeros((4, N, 2, D), np.float16)}, replicated=True)
+    with pytest.raises(HeadSliceMismatchError, match="l0].heads: local='4 heads' remote='2 heads'"):
+        plan(a, b, [0], [0])
