@@ -28,9 +28,8 @@ _HEADLINE = {
     DtypeMismatchError: "the two sides' pages hold different element types; a byte copy would reinterpret them",
     PageFormatMismatchError: "the two sides lay out their pages differently; a byte copy would scramble tokens "
                              "and heads",
-    HeadSliceMismatchError: "the two sides hold different KV heads; a copy would deliver another rank's heads "
-                            "(pages that are identical on every rank, such as an MLA latent cache, are "
-                            "registered with replicated=True)",
+    HeadSliceMismatchError: "the two sides hold different KV heads (pages identical on every TP rank, "
+                            "such as MLA's, are registered with replicated=True)",
 }
 _GROUP_LIMIT = 4
 

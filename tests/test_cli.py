@@ -116,11 +116,16 @@ def test_plan_spec_files(spec: str, members_per_block: int) -> None:
 
 
 def test_plan_tp_options() -> None:
-    # GQA pages are head-split: rank 0 and rank 1 of TP8 hold different heads -> split rows.
+    # GQA pages are head-split: rank 0 and rank 1 of TP8 hold different heads -> refused.
     rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "1/8",
                               "--tokens", "160", "--json"))
-    assert rows[0]["mode"] == "split" and rows[0]["descriptors"] == 10 * 160
-    assert "TP slices differ" in rows[0]["why"]
+    assert rows[0]["mode"] == "refused" and rows[0]["descriptors"] is None
+    assert "different KV heads" in rows[0]["why"] and "TP rank 0 of 8 (heads not described) vs TP rank 1" in \
+        rows[0]["why"]
+    # The same rank moves whole rows.
+    rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "1/8", "--remote-tp", "1/8",
+                              "--tokens", "160", "--json"))
+    assert rows[0]["mode"] == "whole-row" and rows[0]["descriptors"] == 10
     assert rows[0]["bytes"] == 10 * 80 * 2 * 16 * 128 * 2  # blocks x layers x K,V x tokens x head_dim x bf16
     # MLA is replicated: any two ranks move whole rows.
     rows = as_json(kvxfer_cmd("plan", "--local", "glm5-mla", "--local-tp", "0/8", "--remote-tp", "5/8",
@@ -129,7 +134,8 @@ def test_plan_tp_options() -> None:
     # Different TP sizes hold different page sizes: refused, with what differs.
     rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "0/4",
                               "--tokens", "160", "--json"))
-    assert rows[0]["mode"] == "refused" and "tp_size" in rows[0]["why"] and rows[0]["descriptors"] is None
+    assert rows[0]["mode"] == "refused" and rows[0]["descriptors"] is None
+    assert "].size: 4096 vs 8192" in rows[0]["why"] and "TP rank 0 of 4" in rows[0]["why"]
 
 
 def test_plan_list() -> None:

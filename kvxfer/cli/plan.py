@@ -57,19 +57,16 @@ def explain(p: Any) -> str:
     """Why the planner moved whole rows or split them (from the two specs, not its arithmetic)."""
     local, remote = p.local_spec, p.remote_spec
     where = {m.name: ri for ri, r in enumerate(remote.regions) for m in r.members}
-    same_slice = (local.tp_rank, local.tp_size) == (remote.tp_rank, remote.tp_size)
     reasons: list[str] = []
-    for lr in local.regions:
+    for lr in local.regions:  # the pair passed the pairing rules: every member means the same bytes
         rr = remote.regions[where[lr.members[0].name]]
         replicated = all(m.replicated for m in lr.members)
         same = lr.layout.canonical == rr.layout.canonical
-        if same and not (replicated or same_slice):
-            why = "TP slices differ and members are head-split"
-        elif same and len(lr.members) == 1:
+        if same and len(lr.members) == 1:
             why = "one region per layer on both sides: one descriptor per layer and block"
         elif same:
             why = "same members in the same row layout on both sides" + (
-                "" if replicated else " (head-split members: same TP slice)")
+                "" if replicated else " (head-split members holding the same heads)")
         elif len(rr.members) < len(lr.members):
             why = "the remote keeps one region per layer"
         elif len(rr.members) > len(lr.members):
