@@ -32,6 +32,8 @@ from .metadata import AgentMetadata
 from .observe import transfer_finished
 from .planner import Leg, Pairing, TransferPlan, pair, plan
 from .plugin.registry import get_backend_class, plugin_manager
+from .group import TransferGroup
+from .reshard import Gather, cached_gather, pair_source, plan_gather
 from .transfer import Transfer, TransferStats, _Post
 
 __all__ = ["Agent", "Peer"]
@@ -59,7 +61,8 @@ class Peer:
     key: str  # the backend's name for it
     spec: KVCacheSpec | None
     prepared: dict[tuple[Granularity, MemoryKind], Any] = field(default_factory=dict)
-    pairing: Pairing | None = None
+    pairing: Pairing | Gather | None = None
+    source: bool = False  # added by add_source: may hold only part of our cache
 
 
 class Agent:
@@ -89,6 +92,7 @@ class Agent:
         self._local_prepared: dict[tuple[Granularity, MemoryKind], Any] = {}
         self._peers: dict[str, Peer] = {}
         self._inflight: set[Transfer] = set()
+        self._adding_source = False
         self._closed = False
         plugin_manager().hook.kvxfer_agent_created(agent=self)
 
@@ -190,12 +194,30 @@ class Agent:
                     raise MetadataError(f"peer {md.name!r} sent a different spec under the same generation")
                 return known.name
             self._drop_peer(known)
-        pairing = pair(self.spec, md.spec) if self.spec is not None and md.spec is not None else None
+        pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
         key = self.backend.add_remote(md.name, md.blob)
-        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing)
+        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing, source=self._adding_source)
         return md.name
 
-    def check(self, peer: str) -> Pairing:
+    def add_source(self, metadata: bytes) -> str:
+        """:meth:`add_peer` for a peer of another TP size, PP stage or block size.
+
+        Such a peer may hold only some of our heads or layers: it is accepted when every
+        page both sides hold can be copied correctly (:func:`kvxfer.reshard.pair_source`),
+        and refused with the typed error otherwise. Read it with :meth:`read_many`, or
+        with :meth:`read` when it alone holds everything we need.
+        """
+        self._adding_source = True
+        try:
+            return self.add_peer(metadata)
+        finally:
+            self._adding_source = False
+
+    def _pair_with(self, spec: KVCacheSpec, source: bool) -> Pairing | Gather:
+        assert self.spec is not None
+        return pair_source(self.spec, spec) if source else pair(self.spec, spec)
+
+    def check(self, peer: str) -> Pairing | Gather:
         """Check that our cache and the peer's can be paired; raises the typed refusal.
 
         ``add_peer`` runs this check when both caches are registered; call it after
@@ -209,10 +231,10 @@ class Agent:
             raise SpecError(f"peer {p.name!r} registered no KV cache")
         return self._pairing(p)
 
-    def _pairing(self, peer: Peer) -> Pairing:
+    def _pairing(self, peer: Peer) -> Pairing | Gather:
         assert self.spec is not None and peer.spec is not None
         if peer.pairing is None or not peer.pairing.matches(self.spec, peer.spec):
-            peer.pairing = pair(self.spec, peer.spec)
+            peer.pairing = self._pair_with(peer.spec, peer.source)
         return peer.pairing
 
     def remove_peer(self, name: str) -> None:
@@ -277,6 +299,9 @@ class Agent:
         t0 = time.perf_counter()
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
+        return self._post(op, peer, p, notify, t0)
+
+    def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float) -> Transfer:
         chunks = self._chunks(peer, p)
         stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0,
                               backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
@@ -312,6 +337,58 @@ class Agent:
     def _finished(self, t: Transfer) -> None:
         self._inflight.discard(t)
         transfer_finished(self, t)
+
+    def read_many(self, local_blocks: Any, remote_blocks: Mapping[str, Any],
+                  notify: bytes | None = None) -> TransferGroup:
+        """Gather ``local_blocks`` from several peers: ``{peer: its block ids}``, one request.
+
+        For peers of another TP or PP size: each local member's heads and layers come from
+        the peer that holds them (chosen as :mod:`kvxfer.reshard` says); a remote block
+        smaller than ours fills ``k`` consecutive ids per local block. Peers given that hold
+        nothing needed are not read and, with ``notify``, are told at once.
+        """
+        return self._many(Op.READ, local_blocks, remote_blocks, notify)
+
+    def write_many(self, local_blocks: Any, remote_blocks: Mapping[str, Any],
+                   notify: bytes | None = None) -> TransferGroup:
+        """Scatter our blocks into several peers; the mirror of :meth:`read_many`."""
+        return self._many(Op.WRITE, local_blocks, remote_blocks, notify)
+
+    def _many(self, op: Op, local_blocks: Any, remote_blocks: Mapping[str, Any],
+              notify: bytes | None) -> TransferGroup:
+        self._check_open()
+        t0 = time.perf_counter()
+        if op not in self.backend.capabilities.ops:
+            raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
+        if not isinstance(remote_blocks, Mapping) or not remote_blocks:
+            raise TypeError("remote_blocks must map each peer's name to its block ids")
+        if self.spec is None:
+            raise SpecError("register a KV cache before transferring")
+        peers = {n: self._peer(n) for n in remote_blocks}
+        specs = {}
+        for n, peer in peers.items():
+            if peer.spec is None:
+                raise SpecError(f"peer {n!r} registered no KV cache")
+            specs[n] = peer.spec
+        g = cached_gather(self.spec, specs)
+        only = next(iter(g.tables)) if len(g.tables) == 1 and not g.missing else None
+        if only is not None and isinstance(self._pairing(peers[only]), Pairing):  # same geometry: whole rows
+            plans = {only: self._plan(peers[only], local_blocks, remote_blocks[only], op)}
+        else:
+            plans = plan_gather(g, self.spec, specs, local_blocks, remote_blocks, op)
+        parts: dict[str, Transfer] = {}
+        try:
+            for n, p in plans.items():
+                parts[n] = self._post(op, peers[n], p, notify, t0)
+        except BaseException:
+            for t in parts.values():
+                t.cancel()
+            raise
+        unread = [n for n in peers if n not in plans]
+        if notify is not None:
+            for n in unread:
+                self.backend.notify(peers[n].key, bytes(notify))
+        return TransferGroup(parts, unread, self.timeout)
 
     def _chunks(self, peer: Peer, p: TransferPlan) -> list[tuple[Any, np.ndarray, Any, np.ndarray, list[Any]]]:
         """Turn plan legs into backend posts, honouring ``max_descriptors``."""

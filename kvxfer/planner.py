@@ -22,6 +22,7 @@ from .errors import BlockCountMismatchError, BlockIdOutOfRangeError, DuplicateBl
 from .layout import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind, Op
 from .pairing import Group, Pairing, cached_pairing, pair
+from .reshard import Gather, plan_gather
 
 __all__ = ["plan", "pair", "Pairing", "TransferPlan", "Leg", "as_block_ids", "check_unique"]
 
@@ -235,7 +236,7 @@ def _coalesce(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
 
 
 def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, remote_blocks: Any,
-         op: Op | str = Op.READ, *, coalesce: bool = False, pairing: Pairing | None = None) -> TransferPlan:
+         op: Op | str = Op.READ, *, coalesce: bool = False, pairing: Pairing | Gather | None = None) -> TransferPlan:
     """Plan moving ``local_blocks[i] <-> remote_blocks[i]`` for every ``i``.
 
     ``op`` is from the local side's point of view: READ pulls remote bytes into the local
@@ -244,9 +245,13 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     descriptor (for backends that do not merge runs themselves); the legs then carry
     explicit descriptor lists. ``pairing``: the result of :func:`pair` for these two specs,
     kept by the caller; without it the pairing is remembered with the remote spec.
-    Incompatible specs raise a :class:`~kvxfer.errors.LayoutMismatchError` subclass.
+    Incompatible specs raise a :class:`~kvxfer.errors.LayoutMismatchError` subclass; a
+    :class:`~kvxfer.reshard.Gather` pairing (another TP size, PP stage or block size) is
+    planned by :mod:`kvxfer.reshard`.
     """
     op = Op(op)
+    if isinstance(pairing, Gather) and pairing.matches(local_spec, remote_spec):
+        return plan_gather(pairing, local_spec, {"": remote_spec}, local_blocks, remote_blocks, op)[""]  # type: ignore[no-any-return]
     lb = as_block_ids(local_blocks, local_spec.num_blocks, "local")
     rb = as_block_ids(remote_blocks, remote_spec.num_blocks, "remote")
     if lb.shape[0] != rb.shape[0]:
@@ -256,7 +261,7 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
         check_unique(lb, local_spec.num_blocks, "local")
     else:
         check_unique(rb, remote_spec.num_blocks, "remote")
-    if pairing is None or not pairing.matches(local_spec, remote_spec):
+    if not isinstance(pairing, Pairing) or not pairing.matches(local_spec, remote_spec):
         pairing = cached_pairing(local_spec, remote_spec)
     whole, split = pairing.whole_rows, pairing.split_rows
     legs = _legs(pairing.groups, lb, rb)
