@@ -27,6 +27,7 @@ from .errors import (BlockCountMismatchError, BlockTokensMismatchError, DtypeMis
                      LayoutMismatchError, PageFormatMismatchError)
 from .layout import Granularity, KVCacheSpec, Member
 from .memory import DescriptorList, MemoryKind, Op
+from .pageformat import PageFormat
 
 __all__ = ["Gather", "Route", "gather", "cached_gather", "pair_source", "plan_gather", "sources", "readers", "may_free",
            "heads_of"]
@@ -129,6 +130,8 @@ def _pieces(name: str, lm: Member, rm: Member, lheads: tuple[int, int] | None, r
             "tokens inside them; register the cache from tensors (or give Member.page) to read a slice",
             [(f"members[{name}].page", lp.describe(), rp.describe())])
     if lp.axes != rp.axes:
+        lp, rp = _align(lp, rp)
+    if lp.axes != rp.axes:
         raise PageFormatMismatchError("the two sides lay out their pages differently; a byte copy would scramble "
                                       "tokens and heads", [(f"members[{name}].order", lp.axes, rp.axes)])
     sel: list[tuple[int, int, int]] = []  # per axis: (count, local start, remote start)
@@ -187,6 +190,27 @@ def _pieces(name: str, lm: Member, rm: Member, lheads: tuple[int, int] | None, r
         out = [(lo + t * lstr[i], ro + t * rstr[i], n) for lo, ro, n in out for t in range(sel[i][0])]
     lsub = rp.shape[lp.axes.index("N")] * lstr[lp.axes.index("N")] if k > 1 else 0
     return out, lsub
+
+
+def _align(lp: PageFormat, rp: PageFormat) -> tuple[PageFormat, PageFormat]:
+    """Both pages in one axis order when they differ only in where extent-1 axes are listed.
+
+    Discovery lists axes of extent 1 last (they carry no order), so one head of an HND page
+    reads ``NDH``; moving an extent-1 axis changes no byte offset.
+    """
+    if sorted(lp.axes) != sorted(rp.axes):
+        return lp, rp
+    for target in (lp.axes, rp.axes):
+        out = []
+        for p in (lp, rp):
+            big = [a for a, e in zip(p.axes, p.shape) if e > 1]
+            if [a for a in target if a in big] != big:
+                break
+            ext = dict(zip(p.axes, p.shape))
+            out.append(PageFormat(p.dtype, p.itemsize, target, tuple(ext[a] for a in target)))
+        else:
+            return out[0], out[1]
+    return lp, rp
 
 
 # -- the plan for a set of specs ------------------------------------------------------------
