@@ -183,3 +183,36 @@ def test_sources_rule() -> None:
     assert sources(0, 2, 16, 8) == [(0, (0, 1)), (2, (1, 2)), (4, (2, 3)), (6, (3, 4))]
     assert sources(1, 2, 16, 8) == [(9, (4, 5)), (11, (5, 6)), (13, (6, 7)), (15, (7, 8))]
     assert may_free(1, 16, 2, 8) and not may_free(9, 16, 2, 8)
+
+
+def _page_spec(members: list[tuple[str, kvxfer.MemoryKind, int, int]], tokens: int, blocks: int) -> kvxfer.KVCacheSpec:
+    """Per-member regions at fake addresses: ``(name, kind, address, channels)``, ND int16 pages."""
+    allocs, regions = [], []
+    for i, (name, kind, addr, ch) in enumerate(members):
+        pg = kvxfer.PageFormat("int16", 2, "ND", (tokens, ch))
+        m = kvxfer.Member(name, pg.nbytes, 0, True, pg, "latent")
+        allocs.append(kvxfer.Allocation(addr, pg.nbytes * blocks, kind, 0))
+        regions.append(kvxfer.Region(i, 0, blocks, kvxfer.PackedLayout(pg.nbytes, (m,))))
+    return kvxfer.KVCacheSpec(tuple(allocs), tuple(regions), layout="LBNHC", block_tokens=tokens)
+
+
+def test_host_mla_and_device_indexer_against_an_all_device_peer_plan_two_legs() -> None:
+    """Host DRAM MLA cache + VRAM indexer locally, all VRAM remotely, 16-token remote blocks."""
+    from kvxfer.reshard import gather, plan_gather
+
+    dram, vram = kvxfer.MemoryKind.DRAM, kvxfer.MemoryKind.VRAM
+    local = _page_spec([("mla.0", dram, 1 << 20, 32), ("idx.0", vram, 1 << 30, 8)], 64, 4)
+    remote = _page_spec([("mla.0", vram, 1 << 32, 32), ("idx.0", vram, 1 << 33, 8)], 16, 16)
+    g = gather(local, {"p": remote})
+    lb, rb = np.array([1, 3]), np.array([9, 2, 5, 0, 14])
+    plan = plan_gather(g, local, {"p": remote}, lb, {"p": rb})["p"]
+    legs = {(leg.local_kind, leg.remote_kind): leg for leg in plan.legs}
+    assert set(legs) == {(dram, vram), (vram, vram)}
+    for (lk, _), base_l, base_r, ch in [((dram, vram), 1 << 20, 1 << 32, 32), ((vram, vram), 1 << 30, 1 << 33, 8)]:
+        la, ra = plan.explicit(legs[(lk, vram)])
+        # independent addresses: remote page j lands at token (j % 4) * 16 of local block lb[j // 4]
+        page_l, page_r = 64 * ch * 2, 16 * ch * 2
+        want_l = [base_l + lb[j // 4] * page_l + (j % 4) * page_r for j in range(len(rb))]
+        want_r = [base_r + r * page_r for r in rb]
+        assert la.array[:, 0].tolist() == want_l and ra.array[:, 0].tolist() == want_r
+        assert (la.array[:, 1] == page_r).all()
