@@ -60,7 +60,7 @@ class Peer:
     generation: int
     key: str  # the backend's name for it
     spec: KVCacheSpec | None
-    prepared: dict[tuple[Granularity, MemoryKind], Any] = field(default_factory=dict)
+    prepared: dict[Any, Any] = field(default_factory=dict)
     pairing: Pairing | Gather | None = None
     source: bool = False  # added by add_source: may hold only part of our cache
 
@@ -89,7 +89,7 @@ class Agent:
         self._held: Any = None  # what register() was given: kept alive until deregister()
         self._reg_handle: Any = None
         self._registered_before = False
-        self._local_prepared: dict[tuple[Granularity, MemoryKind], Any] = {}
+        self._local_prepared: dict[Any, Any] = {}
         self._peers: dict[str, Peer] = {}
         self._inflight: set[Transfer] = set()
         self._adding_source = False
@@ -421,20 +421,24 @@ class Agent:
         return out
 
     def _prepared_local(self, leg: Leg) -> Any:
-        key = (leg.local_granularity, leg.local_kind)
+        key: Any = (leg.local_granularity, leg.local_kind) if leg.lists is None else (leg.lists, "local")
         h = self._local_prepared.get(key)
         if h is None:
             assert self.spec is not None
-            h = self.backend.prepare(None, self._list(self.spec, *key))
+            strided = self.backend.capabilities.strided_lists
+            h = self.backend.prepare(None, self._list(self.spec, *key) if leg.lists is None
+                                     else leg.lists.local(strided))
             self._local_prepared[key] = h
         return h
 
     def _prepared_remote(self, peer: Peer, leg: Leg) -> Any:
-        key = (leg.remote_granularity, leg.remote_kind)
+        key: Any = (leg.remote_granularity, leg.remote_kind) if leg.lists is None else (leg.lists, "remote")
         h = peer.prepared.get(key)
         if h is None:
             assert peer.spec is not None
-            h = self.backend.prepare(peer.key, self._list(peer.spec, *key))
+            strided = self.backend.capabilities.strided_lists
+            h = self.backend.prepare(peer.key, self._list(peer.spec, *key) if leg.lists is None
+                                     else leg.lists.remote(strided))
             peer.prepared[key] = h
         return h
 

@@ -99,13 +99,13 @@ class Leg:
 
     __slots__ = ("local_granularity", "local_kind", "remote_granularity", "remote_kind", "local_idx",
                  "remote_idx", "sizes", "blocks", "local_descs", "remote_descs", "descriptors", "nbytes",
-                 "member_major")
+                 "member_major", "lists")
 
     def __init__(self, local_granularity: Granularity, local_kind: MemoryKind, remote_granularity: Granularity,
                  remote_kind: MemoryKind, local_idx: np.ndarray | None, remote_idx: np.ndarray | None,
                  sizes: np.ndarray, blocks: int, local_descs: DescriptorList | None = None,
                  remote_descs: DescriptorList | None = None, block_bytes: int | None = None,
-                 member_major: bool = False) -> None:
+                 member_major: bool = False, lists: Any = None) -> None:
         self.local_granularity = local_granularity
         self.local_kind = local_kind
         self.remote_granularity = remote_granularity
@@ -117,6 +117,7 @@ class Leg:
         self.local_descs = local_descs
         self.remote_descs = remote_descs
         self.member_major = member_major
+        self.lists = lists  # lists of its own (a gather's sliced pages) instead of the specs' prepared ones
         # Plain attributes, computed once: every transfer reads them.
         self.descriptors: int = len(local_descs) if local_descs is not None else blocks * int(sizes.shape[0])
         if local_descs is not None:
@@ -172,6 +173,9 @@ class TransferPlan:
         if leg.local_descs is not None and leg.remote_descs is not None:
             return leg.local_descs, leg.remote_descs
         assert leg.local_idx is not None and leg.remote_idx is not None
+        if leg.lists is not None:
+            la, ra = leg.lists.local().array[leg.local_idx], leg.lists.remote().array[leg.remote_idx]
+            return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
         la = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind).array[leg.local_idx]
         ra = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind).array[leg.remote_idx]
         return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
