@@ -510,7 +510,7 @@ def plan_gather(g: Gather, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec
     lb = as_block_ids(local_blocks, local.num_blocks, "local")
     if op is Op.READ:
         check_unique(lb, local.num_blocks, "local")
-    out: dict[str, Any] = {}
+    todo: list[tuple[str, KVCacheSpec, np.ndarray, np.ndarray, np.ndarray, list[Any]]] = []
     for n, tabs in g.tables.items():
         spec = remotes[n]
         ids = remote_blocks[n] if isinstance(remote_blocks, Mapping) else remote_blocks
@@ -526,21 +526,33 @@ def plan_gather(g: Gather, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec
         else:
             j = np.arange(rb.shape[0], dtype=np.int64)
             lblk, sub = lb.astype(np.int64)[j // g.k], j % g.k
-        rb64 = rb.astype(np.int64, copy=False)
+        rb = rb.astype(np.int64, copy=False)
+        # Per leg: its index-array size, or None where descriptors meet and must be coalesced.
+        sizes = [None if _may_merge(t, g.lists[n][kk].combos, lblk, sub, rb) else t.shape[0] * rb.shape[0]
+                 for kk, t in tabs.items()]
+        todo.append((n, spec, rb, lblk, sub, sizes))
+    # Every index array of the request is a view into one buffer: one large allocation is
+    # far cheaper than dozens of fresh ones, whose page faults would dominate planning.
+    total = sum(x for *_, sizes in todo for x in sizes if x is not None)
+    wide = any(sl.dtype is np.int64 for per in g.lists.values() for sl in per.values())
+    buf = np.empty(2 * total, dtype=np.int64 if wide else np.int32)
+    at = 0
+    out: dict[str, Any] = {}
+    for n, spec, rb, lblk, sub, sizes in todo:
         legs = []
-        for (lk, rk), t in tabs.items():
-            sl = g.lists[n][(lk, rk)]
-            if not _may_merge(t, sl.combos, lblk, sub, rb64):  # index arrays into the prepared lists
-                if g.k == 1:
-                    li = (sl.lbase[:, 0:1] + lblk.astype(sl.dtype)[None, :]).reshape(-1)
-                else:
-                    li = (sl.lbase[:, sub] + lblk.astype(sl.dtype)[None, :]).reshape(-1)
-                ri = (sl.rbase[:, None] + rb.astype(sl.dtype, copy=False)[None, :]).reshape(-1)
+        for ((lk, rk), t), size in zip(g.tables[n].items(), sizes):
+            if size is not None:  # index arrays into the prepared sliced lists
+                sl = g.lists[n][(lk, rk)]
+                li, ri = buf[at:at + size], buf[at + size:at + 2 * size]
+                at += 2 * size
+                lbase = sl.lbase[:, 0:1] if g.k == 1 else sl.lbase[:, sub]
+                np.add(lbase, lblk.astype(buf.dtype)[None, :], out=li.reshape(t.shape[0], -1))
+                np.add(sl.rbase[:, None], rb.astype(buf.dtype)[None, :], out=ri.reshape(t.shape[0], -1))
                 legs.append(Leg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, li, ri, t[:, 7], int(rb.shape[0]),
                                 member_major=True, lists=sl))
                 continue
             la = t[:, 0:1] + lblk[None, :] * t[:, 1:2] + sub[None, :] * t[:, 2:3]  # piece-major: blocks merge
-            ra = t[:, 4:5] + rb.astype(np.int64)[None, :] * t[:, 5:6]
+            ra = t[:, 4:5] + rb[None, :] * t[:, 5:6]
             ln = np.repeat(t[:, 7], rb.shape[0])
             ld = np.stack([la.reshape(-1), ln, np.repeat(t[:, 3], rb.shape[0])], axis=1).astype(np.uint64)
             rd = np.stack([ra.reshape(-1), ln, np.repeat(t[:, 6], rb.shape[0])], axis=1).astype(np.uint64)
