@@ -172,9 +172,10 @@ class TransferPlan:
         if leg.local_descs is not None and leg.remote_descs is not None:
             return leg.local_descs, leg.remote_descs
         assert leg.local_idx is not None and leg.remote_idx is not None
-        la = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind).array[leg.local_idx]
-        ra = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind).array[leg.remote_idx]
-        return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
+        # From the strided lists: the cost follows the request, not the specs' sizes.
+        local = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind, strided=True)
+        remote = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind, strided=True)
+        return local.take(leg.local_idx), remote.take(leg.remote_idx)
 
     def local_descriptors(self) -> list[DescriptorList]:
         return [self.explicit(leg)[0] for leg in self.legs]
