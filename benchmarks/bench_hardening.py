@@ -1,0 +1,170 @@
+"""What the hardening costs and bounds: signed add_peer, side-channel waits, per-peer bounds.
+
+    python benchmarks/bench_hardening.py [--repeat 200] [--backends loopback,nixl,ucx]
+
+1. ``add_peer`` with and without a token (the HMAC over the metadata), per backend: median
+   of ``--repeat`` add/remove cycles of the same peer, and the tag check alone.
+2. Side channel: a token holder's ``exchange`` while 0 and while 64 slow clients (silent
+   sockets, half headers, HELLOs without AUTH) hold connections: median and slowest.
+3. A peer advertising one region of 2^26 blocks: ``add_peer`` plus a 5-block read, seconds
+   and resident growth, coalesced and with prepared lists.
+4. 300 restarts of a peer (new agent, new 3 MB cache, ``add_peer``, one read): resident
+   growth after a 30-restart warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from _timing import samples
+from rich.console import Console
+from rich.table import Table
+
+import kvxfer
+from kvxfer.metadata import unseal
+from kvxfer.sidechannel import MetadataServer, encode_header, exchange
+from kvxfer.sidechannel.frames import HELLO
+from kvxfer.testing.buffers import SENTINEL, make_cache
+from kvxfer.tokens import token_key
+
+
+def rss_mb() -> float:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def add_peer_cost(backends: list[str], repeat: int) -> Table:
+    table = Table(title="add_peer: unsigned vs signed metadata (median of add+remove cycles)")
+    for col in ("backend", "metadata bytes", "unsigned ms", "signed ms", "signed - unsigned µs", "tag check µs"):
+        table.add_column(col, justify="right")
+    for backend in backends:
+        meds = []
+        size = 0
+        check_us = 0.0
+        for token in (None, "bench-token"):
+            src = make_cache("packed", num_blocks=64, num_layers=61, page=1024, seed=1)
+            dst = make_cache("packed", num_blocks=64, num_layers=61, page=1024)
+            with kvxfer.Agent("p", backend=backend, token=token) as a, \
+                    kvxfer.Agent("d", backend=backend, token=token) as b:
+                a.register(src.views, replicated=True)
+                b.register(dst.views, replicated=True)
+                md = a.metadata()
+                size = len(md)
+
+                def cycle() -> None:
+                    b.remove_peer(b.add_peer(md))
+
+                for _ in range(5):
+                    cycle()
+                meds.append(statistics.median(samples(cycle, repeat)) * 1e3)
+                if token:
+                    key = token_key(token)
+                    check_us = statistics.median(samples(lambda: unseal(md, key), repeat * 5)) * 1e6
+        table.add_row(backend, f"{size:,}", f"{meds[0]:.3f}", f"{meds[1]:.3f}", f"{(meds[1] - meds[0]) * 1e3:+.1f}",
+                      f"{check_us:.1f}")
+    return table
+
+
+def sidechannel_waits(repeat: int) -> Table:
+    table = Table(title="side channel: a token holder's exchange() while slow clients hold connections")
+    for col in ("slow clients", "calls", "failed", "median ms", "slowest ms"):
+        table.add_column(col, justify="right")
+    meta = b"m" * 4096
+    with MetadataServer(meta, token="t", timeout=60, on_error=lambda e: None) as srv:
+        for n_slow in (0, 64):
+            slow = []
+            for i in range(n_slow):
+                s = socket.create_connection(srv.address)
+                if i % 3 == 1:
+                    s.sendall(encode_header(HELLO, 33)[:7])
+                elif i % 3 == 2:
+                    s.sendall(encode_header(HELLO, 33) + b"\1" + os.urandom(32))
+                slow.append(s)
+            failed = 0
+            ts = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                try:
+                    exchange(*srv.address, meta, token="t", timeout=30)
+                except kvxfer.HandshakeError:
+                    failed += 1
+                ts.append(time.perf_counter() - t0)
+            for s in slow:
+                s.close()
+            table.add_row(str(n_slow), str(repeat), str(failed), f"{statistics.median(ts) * 1e3:.2f}",
+                          f"{max(ts) * 1e3:.2f}")
+    return table
+
+
+def peer_bound() -> Table:
+    table = Table(title="a peer advertising one region of 2^26 blocks: add_peer + a 5-block read")
+    for col in ("path", "metadata bytes", "seconds", "RSS +MB", "bytes verified"):
+        table.add_column(col, justify="right")
+    n = 1 << 26
+    for label, coalesce in (("coalesced (loopback default)", None), ("prepared lists", False)):
+        big = np.zeros(n, dtype=np.uint8)
+        far = np.array([n - 1, n // 2, 12345, 0, n - 4096], dtype=np.int64)
+        big[far] = np.arange(1, 6, dtype=np.uint8)
+        spec = kvxfer.spec_from_pointers((big.ctypes.data, n, 0), num_blocks=n, members=[("kv", 1)],
+                                         replicated=True)
+        mine = np.full(64, SENTINEL, dtype=np.uint8)
+        local = kvxfer.spec_from_pointers((mine.ctypes.data, 64, 0), num_blocks=64, members=[("kv", 1)],
+                                          replicated=True)
+        with kvxfer.Agent("p") as a, kvxfer.Agent("d", coalesce=coalesce) as b:
+            a.register(spec)
+            b.register(local)
+            md = a.metadata()
+            before, t0 = rss_mb(), time.perf_counter()
+            b.add_peer(md)
+            b.read("p", [3, 9, 10, 11, 60], far).wait(60)
+            secs, grown = time.perf_counter() - t0, rss_mb() - before
+        ok = bool((mine[[3, 9, 10, 11, 60]] == big[far]).all())
+        table.add_row(label, f"{len(md):,}", f"{secs:.4f}", f"{grown:+.1f}", "yes" if ok else "NO")
+    return table
+
+
+def restarts(count: int = 300) -> Table:
+    table = Table(title=f"{count} peer restarts (loopback): resident growth after 30 warm-up restarts")
+    for col in ("restarts", "seconds", "RSS +MB"):
+        table.add_column(col, justify="right")
+    dst = make_cache("layers", num_blocks=2048, num_layers=4, page=256)
+    with kvxfer.Agent("d") as b:
+        b.register(dst.views, replicated=True)
+
+        def restart(i: int) -> None:
+            src = make_cache("packed", num_blocks=2048, num_layers=4, page=256, seed=i)
+            with kvxfer.Agent("p") as a:
+                a.register(src.views, replicated=True)
+                b.add_peer(a.metadata())
+                b.read("p", [i % 2048], [(i * 7) % 2048]).wait(10)
+
+        for i in range(30):
+            restart(i)
+        before, t0 = rss_mb(), time.perf_counter()
+        for i in range(30, 30 + count):
+            restart(i)
+        table.add_row(str(count), f"{time.perf_counter() - t0:.1f}", f"{rss_mb() - before:+.1f}")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--backends", default=None)
+    args = ap.parse_args()
+    status = {s.name: s.available for s in kvxfer.available_backends()}
+    backends = args.backends.split(",") if args.backends else [b for b in ("loopback", "nixl", "ucx") if status.get(b)]
+    console = Console(width=150)
+    console.print(add_peer_cost(backends, args.repeat))
+    console.print(sidechannel_waits(args.repeat))
+    console.print(peer_bound())
+    console.print(restarts())
+
+
+if __name__ == "__main__":
+    main()
