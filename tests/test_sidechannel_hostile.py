@@ -319,3 +319,41 @@ def test_auth_frame_without_hello_is_a_protocol_error(server: MetadataServer, er
         reply = read_all(s)
     assert decode_header(reply[:HEADER_SIZE])[0] == ERROR
     assert "AUTH" in str(errors.get())
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_no_unauthenticated_byte_reaches_add_peer() -> None:
+    """MetadataServer(on_peer=agent.add_peer): a client without the token, or with garbage,
+    never gets its bytes to the agent, let alone the backend; a token holder's do arrive."""
+    import kvxfer
+    from kvxfer.testing import faults
+    from kvxfer.testing.buffers import make_cache
+
+    faults.install()
+    try:
+        f = faults.Faults()
+        geom = {"num_blocks": 4, "num_layers": 2, "page": 64}
+        with kvxfer.Agent("prefill", backend="faulty", token=TOKEN, faults=f) as prefill, \
+                kvxfer.Agent("decode", backend="faulty", token=TOKEN) as decode, \
+                kvxfer.Agent("intruder", backend="faulty") as intruder:
+            for agent in (prefill, decode, intruder):
+                agent.register(make_cache("packed", **geom).views)
+            rejected: queue.Queue[HandshakeError] = queue.Queue()
+            with MetadataServer(prefill.metadata(), token=TOKEN, on_peer=prefill.add_peer,
+                                on_error=rejected.put) as srv:
+                for token in ("guess", NO_AUTH):
+                    with pytest.raises(HandshakeAuthError):
+                        exchange(*srv.address, intruder.metadata(), token=token, timeout=10)
+                with socket.create_connection(srv.address, timeout=10) as s:
+                    s.sendall(encode_header(EXCHANGE, len(intruder.metadata())) + intruder.metadata())
+                    read_all(s)
+                for _ in range(3):
+                    rejected.get(timeout=30)
+                assert f.added == [] and prefill.peers == {}
+                theirs = exchange(*srv.address, decode.metadata(), token=TOKEN, timeout=10)
+                assert decode.add_peer(theirs) == "prefill"
+                assert f.added == ["decode"] and set(prefill.peers) == {"decode"}
+    finally:
+        faults.uninstall()
