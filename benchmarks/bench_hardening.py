@@ -7,10 +7,13 @@
    tag check alone.
 2. Side channel: a token holder's ``exchange`` while 0 and while 64 slow clients (silent
    sockets, half headers, HELLOs without AUTH) hold connections: median and slowest.
-3. A peer advertising one region of 2^26 blocks: ``add_peer`` plus a 5-block read, seconds
+3. 64 clients x 16 MiB at a side-channel server in its own process: its resident growth
+   after the flood, for clients without the token, token holders, and a NO_AUTH server.
+4. A peer advertising one region of 2^26 blocks: ``add_peer`` plus a 5-block read, seconds
    and resident growth, coalesced and with prepared lists.
-4. 300 restarts of a peer (new agent, new 3 MB cache, ``add_peer``, one read): resident
+5. 300 restarts of a peer (new agent, new 3 MB cache, ``add_peer``, one read): resident
    growth after a 30-restart warm-up.
+6. Time from each kind of bad input to its typed error.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from _timing import samples
@@ -29,8 +37,8 @@ from rich.table import Table
 
 import kvxfer
 from kvxfer.metadata import unseal
-from kvxfer.sidechannel import MetadataServer, encode_header, exchange
-from kvxfer.sidechannel.frames import HELLO
+from kvxfer.sidechannel import NO_AUTH, MetadataServer, encode_header, exchange
+from kvxfer.sidechannel.frames import EXCHANGE, HELLO
 from kvxfer.testing.buffers import SENTINEL, make_cache
 from kvxfer.tokens import token_key
 
@@ -103,6 +111,66 @@ def sidechannel_waits(repeat: int) -> Table:
                 s.close()
             table.add_row(str(n_slow), str(repeat), str(failed), f"{statistics.median(ts) * 1e3:.2f}",
                           f"{max(ts) * 1e3:.2f}")
+    return table
+
+
+_FLOOD_SERVER = """
+import sys
+from kvxfer.sidechannel import MetadataServer, NO_AUTH
+token = NO_AUTH if sys.argv[1] == "-" else sys.argv[1]
+with MetadataServer(b"m" * 1000, token=token, on_peer=lambda b: None, on_error=lambda e: None, timeout=60) as s:
+    print(s.address[1], flush=True)
+    for _ in sys.stdin:
+        print(int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]), flush=True)
+"""
+
+
+def floods(size: int = 16 << 20, clients: int = 64) -> Table:
+    """64 clients each pushing 16 MiB at a server in its own process; its resident growth after."""
+    table = Table(title=f"side-channel server after {clients} clients x {size >> 20} MiB at once")
+    for col in ("clients", "server token", "outcomes", "seconds", "server RSS +MB after"):
+        table.add_column(col, justify="right")
+    blob = b"\xab" * size
+
+    def raw(port: int) -> str:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                s.sendall(encode_header(EXCHANGE, size) + blob)
+            return "sent"
+        except OSError as exc:
+            return type(exc).__name__
+
+    def legit(token: object) -> Callable[[int], str]:
+        def call(port: int) -> str:
+            try:
+                exchange("127.0.0.1", port, blob, token=token, timeout=60)
+                return "ok"
+            except kvxfer.HandshakeError as exc:
+                return type(exc).__name__
+        return call
+
+    for label, server_token, client in (("no token, raw EXCHANGE", "t", raw), ("token holders", "t", legit("t")),
+                                        ("NO_AUTH server", "-", legit(NO_AUTH))):
+        child = subprocess.Popen([sys.executable, "-c", _FLOOD_SERVER, server_token], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        port = int(child.stdout.readline())
+
+        def rss() -> float:
+            child.stdin.write("\n")  # type: ignore[union-attr]
+            child.stdin.flush()  # type: ignore[union-attr]
+            return int(child.stdout.readline()) / 1024  # type: ignore[union-attr]
+
+        base, t0 = rss(), time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            outcomes = Counter(pool.map(client, [port] * clients))
+        secs = time.perf_counter() - t0
+        time.sleep(2)  # the server returns freed pages once idle
+        grown = rss() - base
+        child.stdin.close()
+        child.wait()
+        table.add_row(f"{clients} ({label})", "NO_AUTH" if server_token == "-" else "yes",
+                      ", ".join(f"{k} {v}" for k, v in outcomes.items()), f"{secs:.1f}", f"{grown:+.1f}")
     return table
 
 
@@ -205,6 +273,7 @@ def main() -> None:
     console = Console(width=150)
     console.print(add_peer_cost(backends, args.repeat))
     console.print(sidechannel_waits(args.repeat))
+    console.print(floods())
     console.print(peer_bound())
     console.print(restarts())
     console.print(typed_error_latency(args.repeat))
