@@ -190,11 +190,7 @@ def run_backend(backend: str, count: int, *, seed: int = 0, timeout: float = 10.
     try:
         for i in range(count if inputs is None else len(inputs)):
             if worker is None:
-                worker = _Worker(backend, logf)
-                got = worker.ask(b"S", b"", max(timeout, 60.0))
-                if isinstance(got, str):
-                    raise RuntimeError(f"{backend} fuzz worker failed to start ({got}, {worker.stop()})")
-                worker.seed = got[1]
+                worker = _start(backend, logf, max(timeout, 60.0))
             how, data = ("replay", inputs[i]) if inputs is not None else mutate(rng, worker.seed)
             res.mutations[how] += 1
             start = time.monotonic()
@@ -224,6 +220,19 @@ def run_backend(backend: str, count: int, *, seed: int = 0, timeout: float = 10.
             logf.close()  # type: ignore[union-attr]
         res.seconds = time.monotonic() - t0
     return res
+
+
+def _start(backend: str, log: Any, timeout: float, attempts: int = 3) -> _Worker:
+    """A fresh worker with its seed metadata; a start that fails is retried, then reported."""
+    why = ""
+    for _ in range(attempts):
+        worker = _Worker(backend, log)
+        got = worker.ask(b"S", b"", timeout)
+        if not isinstance(got, str):
+            worker.seed = got[1]
+            return worker
+        why = f"{got}, {worker.stop()}"
+    raise RuntimeError(f"{backend} fuzz worker failed to start {attempts} times ({why}); run with --log FILE")
 
 
 def _keep(save: Path | None, backend: str, what: str, data: bytes, why: str) -> str:
@@ -282,14 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(args.worker)
     backends = args.backends.split(",") if args.backends else None
     kw = dict(seed=args.seed, timeout=args.timeout, save=args.save, log=args.log)
-    if args.replay is not None:
-        inputs = [p.read_bytes() for p in args.replay]
-        results = [run_backend(b, 0, inputs=inputs, **kw) for b in (backends or available())]
-    else:
-        results = run_campaign(args.count, backends, **kw)
-    _print(results)
-    if args.json:
-        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2))
+    backends = backends or available()
+    inputs = [p.read_bytes() for p in args.replay] if args.replay is not None else None
+    share, extra = divmod(args.count, len(backends))
+    results = []
+    for i, backend in enumerate(backends):  # reported as each finishes: a long run may be cut short
+        results.append(run_backend(backend, share + (i < extra), inputs=inputs, **kw))
+        _print(results[-1:])
+        if args.json:
+            args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2))
+    if len(results) > 1:
+        _print(results)
     return 1 if any(r.failures for r in results) else 0
 
 
