@@ -357,3 +357,20 @@ def test_no_unauthenticated_byte_reaches_add_peer() -> None:
                 assert f.added == ["decode"] and set(prefill.peers) == {"decode"}
     finally:
         faults.uninstall()
+
+
+def test_close_from_inside_a_callback() -> None:
+    closed = threading.Event()
+    box: list[MetadataServer] = []
+
+    def on_peer(metadata: bytes) -> None:
+        box[0].close(grace=0.1)
+        closed.set()
+
+    with MetadataServer(PREFILL, token=TOKEN, on_peer=on_peer) as srv:
+        box.append(srv)
+        with pytest.raises(HandshakeError):
+            exchange(*srv.address, DECODE, token=TOKEN, timeout=10)
+        assert closed.wait(10)
+    with pytest.raises(HandshakeError):
+        fetch(*srv.address, token=TOKEN, timeout=2)

@@ -132,9 +132,12 @@ class MetadataServer:
         self._grace = max(0.0, float(grace)) if grace == grace else 0.0
         self._closed.set()
         self._wake()
-        self._thread.join()
+        me = threading.current_thread()  # close() may be called from on_peer or on_error
+        if me is not self._thread:
+            self._thread.join()
         self._jobs.put(None)
-        self._callbacks.join(timeout=self._grace)
+        if me is not self._callbacks:
+            self._callbacks.join(timeout=self._grace)
 
     def __enter__(self) -> MetadataServer:
         return self
