@@ -66,10 +66,10 @@ def server(errors: Errors) -> Iterator[MetadataServer]:
 
 
 def still_connected(sock: socket.socket) -> bool:
-    """True when the server has neither closed nor written to this socket."""
+    """True while the server keeps this socket open (it may have sent a CHALLENGE)."""
     sock.setblocking(False)
     try:
-        return sock.recv(1) != b""  # data: the server spoke (an ERROR frame), which it must not
+        return sock.recv(1) != b""
     except BlockingIOError:
         return True
     except OSError:
@@ -126,12 +126,16 @@ def test_unauthenticated_sockets_beyond_max_pending_evict_the_oldest(errors: Err
 
 
 def test_a_client_without_the_token_never_gets_a_slot(errors: Errors) -> None:
-    """max_connections=1: a wrong-token client is refused before the slot, so it cannot hold it."""
+    """max_connections=1: neither a stalled HELLO nor a wrong token takes the only slot."""
     with MetadataServer(PREFILL, token=TOKEN, on_error=errors, max_connections=1, timeout=60) as srv:
-        for _ in range(5):
-            with pytest.raises(HandshakeAuthError):
-                fetch(*srv.address, token="not-the-token", timeout=30)
-        assert fetch(*srv.address, token=TOKEN, timeout=30) == PREFILL
+        with socket.create_connection(srv.address, timeout=10) as stalled:
+            stalled.sendall(encode_header(HELLO, 33) + b"\1" + os.urandom(32))
+            for _ in range(5):
+                with pytest.raises(HandshakeAuthError):
+                    fetch(*srv.address, token="not-the-token", timeout=30)
+            for _ in range(5):
+                assert fetch(*srv.address, token=TOKEN, timeout=30) == PREFILL
+            assert still_connected(stalled)
 
 
 # --------------------------------------------------------------------------- floods
