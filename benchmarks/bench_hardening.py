@@ -32,15 +32,31 @@ from typing import Callable
 
 import numpy as np
 from _timing import samples
-from rich.console import Console
-from rich.table import Table
 
 import kvxfer
 from kvxfer.metadata import unseal
+from kvxfer.cli.table import Column, print_table
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, encode_header, exchange
 from kvxfer.sidechannel.frames import EXCHANGE, HELLO
 from kvxfer.testing.buffers import SENTINEL, make_cache
 from kvxfer.tokens import token_key
+
+
+class Table:
+    """Rows for the project's one table printer (:mod:`kvxfer.cli.table`), filled column by column."""
+
+    def __init__(self, title: str) -> None:
+        self.title, self.cols, self.rows = title, [], []  # type: ignore[var-annotated]
+
+    def add_column(self, name: str, justify: str = "right") -> None:
+        self.cols.append(name)
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(dict(zip(self.cols, cells)))
+
+    def print(self) -> None:
+        print_table(self.rows, [Column(c, justify="right") for c in self.cols], title=self.title)
+        print()
 
 
 def rss_mb() -> float:
@@ -270,14 +286,9 @@ def main() -> None:
     args = ap.parse_args()
     status = {s.name: s.available for s in kvxfer.available_backends()}
     backends = args.backends.split(",") if args.backends else [b for b in ("loopback", "nixl", "ucx") if status.get(b)]
-    console = Console(width=150)
-    console.print(add_peer_cost(backends, args.repeat))
-    console.print(sidechannel_waits(args.repeat))
-    console.print(floods())
-    console.print(peer_bound())
-    console.print(restarts())
-    console.print(typed_error_latency(args.repeat))
-
+    for table in (add_peer_cost(backends, args.repeat), sidechannel_waits(args.repeat), floods(), peer_bound(),
+                  restarts(), typed_error_latency(args.repeat)):
+        table.print()
 
 if __name__ == "__main__":
     main()

@@ -437,6 +437,7 @@ class MetadataServer:
         if c.slot:
             self._active -= 1
         self._buffered -= c.reserved
+        self._received += c.reserved  # its payload is garbage now: due for the next trim
 
     def _interest(self, c: Client) -> None:
         if c.closed:

@@ -41,6 +41,7 @@ from .mutate import mutate
 __all__ = ["Result", "run_backend", "run_campaign", "available", "main"]
 
 BACKENDS = ("loopback", "nixl", "ucx")
+OUTCOMES = ("accepted", "typed", "untyped", "crash", "hang")
 _FRAME = struct.Struct("!cI")
 
 
@@ -254,24 +255,17 @@ def run_campaign(count: int, backends: list[str] | None = None, **kw: Any) -> li
 
 
 def _print(results: list[Result]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from ..cli.table import Column, count, print_table
 
-    table = Table(title="add_peer fuzz campaign (mutated agent metadata, subprocess workers)")
-    for col in ("backend", "inputs", "accepted", "typed", "untyped", "crash", "hang", "restarts",
-                "inputs/s", "slowest ms"):
-        table.add_column(col, justify="left" if col == "backend" else "right")
+    rows = [{"backend": r.backend, "inputs": r.inputs, **{k: r.outcomes[k] for k in OUTCOMES},
+             "restarts": r.restarts, "rate": r.inputs / max(r.seconds, 1e-9), "slowest": r.max_ms} for r in results]
+    print_table(rows, ["backend", Column("inputs", fmt=count), *(Column(k, fmt=count) for k in OUTCOMES), "restarts",
+                       Column("rate", "inputs/s", "{:,.0f}"), Column("slowest", "slowest ms", "{:,.1f}")],
+                title="add_peer fuzz campaign (mutated agent metadata, subprocess workers)")
     for r in results:
-        o = r.outcomes
-        table.add_row(r.backend, f"{r.inputs:,}", f"{o['accepted']:,}", f"{o['typed']:,}", str(o["untyped"]),
-                      str(o["crash"]), str(o["hang"]), str(r.restarts), f"{r.inputs / max(r.seconds, 1e-9):,.0f}",
-                      f"{r.max_ms:,.1f}")
-    console = Console(width=150)
-    console.print(table)
-    for r in results:
-        console.print(f"{r.backend}: typed errors {dict(r.errors.most_common())}; mutations {dict(r.mutations)}")
+        print(f"{r.backend}: typed errors {dict(r.errors.most_common())}; mutations {dict(r.mutations)}")
         for line in r.bad[:20]:
-            console.print(f"  [red]{line}[/red]")
+            print(f"  {line}")
 
 
 def main(argv: list[str] | None = None) -> int:

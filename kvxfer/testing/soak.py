@@ -19,17 +19,16 @@ import argparse
 import base64
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from .. import Agent
 from .buffers import make_cache
+from .peer import PeerProcess
 
 __all__ = ["SoakResult", "soak", "main"]
 
@@ -59,48 +58,13 @@ def _fds(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-class _Peer:
-    """The prefill process, driven over JSON lines (see :mod:`kvxfer.testing.peer`)."""
-
-    def __init__(self, backend: str, blocks: int, layers: int, page: int, seed: int) -> None:
-        cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", backend, "--name", "prefill",
-               "--cache", "packed", "--blocks", str(blocks), "--layers", str(layers), "--page", str(page),
-               "--seed", str(seed), "--replicated"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.metadata = base64.b64decode(self._line()["metadata"])
-
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"soak peer exited ({self.proc.wait()})")
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._line()
-        if "error" in reply:
-            raise RuntimeError(f"soak peer: {reply}")
-        return reply
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def soak(backend: str, count: int, *, blocks: int = 32, layers: int = 4, page: int = 256, seed: int = 7,
          verify_every: int = 1000, timeout: float = 30.0, progress: bool = False) -> SoakResult:
     rng = np.random.default_rng(seed)
     model = make_cache("packed", num_blocks=blocks, num_layers=layers, page=page, seed=seed).layer_pages()
     dst = make_cache("layers", num_blocks=blocks, num_layers=layers, page=page)
-    peer = _Peer(backend, blocks, layers, page, seed)
+    peer = PeerProcess.spawn(backend, name="prefill", cache="packed", blocks=blocks, layers=layers, page=page,
+                             seed=seed, replicated=True, timeout=max(60.0, timeout))
     reads = writes = moved = wrong = checks = 0
     warm = max(1, count // 10)
     base: tuple[float, float, int, int] | None = None
@@ -109,7 +73,7 @@ def soak(backend: str, count: int, *, blocks: int = 32, layers: int = 4, page: i
         with Agent("decode", backend=backend, timeout=timeout) as agent:
             agent.register(dst.views, replicated=True)
             name = agent.add_peer(peer.metadata)
-            peer.call(cmd="add_peer", metadata=base64.b64encode(agent.metadata()).decode())
+            peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
             ours = dst.layer_pages()  # what decode holds, as the model sees it
             for step in range(count):
                 if step == warm:
@@ -128,7 +92,7 @@ def soak(backend: str, count: int, *, blocks: int = 32, layers: int = 4, page: i
                 moved += k * layers * page
                 wrong += int((dst.layer_pages() != ours).sum())
                 if (step + 1) % verify_every == 0 or step == count - 1:
-                    pages = np.frombuffer(base64.b64decode(peer.call(cmd="pages")["pages"]), np.uint8)
+                    pages = np.frombuffer(base64.b64decode(peer.call({"cmd": "pages"})["pages"]), np.uint8)
                     wrong += int((pages.reshape(model.shape) != model).sum())
                     checks += 1
                     if progress:
@@ -152,17 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = soak(args.backend, args.count, blocks=args.blocks, seed=args.seed, verify_every=args.verify_every,
              progress=True)
-    from rich.console import Console
-    from rich.table import Table
+    from ..cli.table import Column, count, print_table
 
-    table = Table(title=f"two-process soak over {r.backend}")
-    for col in ("transfers", "READ/WRITE", "MB moved", "wrong bytes", "peer checks", "seconds", "RSS +MB (us/peer)",
-                "fds + (us/peer)"):
-        table.add_column(col, justify="right")
-    table.add_row(f"{r.transfers:,}", f"{r.reads:,}/{r.writes:,}", f"{r.bytes_moved / 1e6:,.1f}", str(r.wrong_bytes),
-                  str(r.peer_checks), f"{r.seconds:.1f}", f"{r.rss_growth_mb:+.1f} / {r.peer_rss_growth_mb:+.1f}",
-                  f"{r.fd_growth:+d} / {r.peer_fd_growth:+d}")
-    Console(width=150).print(table)
+    row = {**asdict(r), "rw": f"{r.reads:,}/{r.writes:,}", "mb": r.bytes_moved / 1e6,
+           "rss": f"{r.rss_growth_mb:+.1f} / {r.peer_rss_growth_mb:+.1f}",
+           "fds": f"{r.fd_growth:+d} / {r.peer_fd_growth:+d}"}
+    print_table([row], [Column("transfers", fmt=count), Column("rw", "READ/WRITE"), Column("mb", "MB moved", "{:,.1f}"),
+                        Column("wrong_bytes", "wrong bytes"), Column("peer_checks", "peer checks"),
+                        Column("seconds", fmt="{:.1f}"), Column("rss", "RSS +MB (us / peer)"),
+                        Column("fds", "fds + (us / peer)")], title=f"two-process soak over {r.backend}")
     if args.json:
         args.json.write_text(json.dumps(asdict(r), indent=2))
     return 1 if r.wrong_bytes else 0
