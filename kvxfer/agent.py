@@ -13,27 +13,30 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
-
-from .plugin.backend import Backend
+from .deadlines import check_timeout
 from .errors import (
     AgentClosedError,
+    BackendError,
     KvxferError,
     MetadataError,
     SpecError,
     StalePeerError,
+    TransferTimeoutError,
     UnknownPeerError,
     UnsupportedError,
 )
 from .from_tensors import spec_from_tensors
+from .group import TransferGroup
 from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
-from .metadata import AgentMetadata
+from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
-from .planner import Leg, Pairing, TransferPlan, pair, plan
+from .planner import Pairing, TransferPlan, pair, plan
+from .plugin.backend import Backend
 from .plugin.registry import get_backend_class, plugin_manager
-from .group import TransferGroup
+from .posts import Chunk, plan_chunks
 from .reshard import Gather, cached_gather, pair_source, plan_gather
+from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
 
 __all__ = ["Agent", "Peer"]
@@ -68,19 +71,24 @@ class Peer:
 class Agent:
     """Moves KV blocks between this worker and its peers through one backend.
 
-    ``Agent(name, backend="loopback", *, timeout=30.0, coalesce=None, **options)``: the
-    options go to the backend. ``coalesce=None`` merges contiguous runs in the planner only
-    for backends that do not merge runs themselves and prepare cheaply.
+    ``Agent(name, backend="loopback", *, timeout=30.0, coalesce=None, token=None, **options)``:
+    the options go to the backend. ``timeout`` (finite, positive seconds) is each transfer's
+    deadline, counted from the call to :meth:`read`/:meth:`write`, planning and posting
+    included. ``coalesce=None`` merges contiguous runs in the planner only for backends that
+    do not merge runs themselves and prepare cheaply. With ``token`` (the shared secret, as
+    given to the side channel), :meth:`metadata` is signed and :meth:`add_peer` accepts only
+    metadata signed with the same token, before any of it reaches the backend.
     """
 
     def __init__(self, name: str, backend: str = "loopback", *, timeout: float = 30.0,
-                 coalesce: bool | None = None, **options: Any) -> None:
+                 coalesce: bool | None = None, token: str | bytes | None = None, **options: Any) -> None:
         # Validate the name exactly as peers will when they decode our metadata.
         AgentMetadata(name, 1, backend, b"", None)
+        self.timeout = check_timeout(timeout, "Agent timeout")
+        self._key = token_key(token, "Agent token")
         self.name = name
         self.generation = _new_generation()
         self.backend_name = backend
-        self.timeout = float(timeout)
         cls = get_backend_class(backend)
         self.backend: Backend = cls(name, **options)
         caps = self.backend.capabilities
@@ -165,8 +173,9 @@ class Agent:
     def metadata(self) -> bytes:
         """Versioned bytes a peer passes to :meth:`add_peer` (no pickle; validated there)."""
         self._check_open()
-        return AgentMetadata(self.name, self.generation, self.backend_name, self.backend.local_metadata(),
-                             self.spec).encode()
+        raw = AgentMetadata(self.name, self.generation, self.backend_name, self.backend.local_metadata(),
+                            self.spec).encode()
+        return seal(raw, self._key) if self._key is not None else raw
 
     def add_peer(self, metadata: bytes) -> str:
         """Add (or refresh) a peer from its metadata; returns its name.
@@ -175,10 +184,20 @@ class Agent:
         every list prepared for it are dropped first. An older generation is refused. When
         both sides have registered a cache, a peer whose cache cannot be paired with ours is
         refused here with a :class:`~kvxfer.errors.LayoutMismatchError` subclass, before
-        any connection is made (see :meth:`check`).
+        any connection is made (see :meth:`check`). Every failure is a :class:`KvxferError`,
+        and a failed call leaves neither the agent nor its backend holding anything of it.
         """
         self._check_open()
-        md = AgentMetadata.decode(metadata)
+        try:
+            return self._add_peer(metadata)
+        except KvxferError:
+            raise
+        except Exception as exc:  # a transport's parser leaking its own exception on hostile bytes
+            raise MetadataError(f"peer metadata rejected by backend {self.backend_name!r}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+    def _add_peer(self, metadata: bytes) -> str:
+        md = AgentMetadata.decode(unseal(metadata, self._key))
         if md.backend != self.backend_name:
             raise MetadataError(f"peer {md.name!r} uses backend {md.backend!r}; this agent uses "
                                 f"{self.backend_name!r}. Both sides must pick the same backend.")
@@ -195,9 +214,22 @@ class Agent:
                 return known.name
             self._drop_peer(known)
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
-        key = self.backend.add_remote(md.name, md.blob)
+        try:
+            key = self.backend.add_remote(md.name, md.blob)
+        except BaseException:
+            self._forget_remote(md.name)  # whatever the backend half-built under that name
+            raise
+        if not isinstance(key, str) or not key:
+            self._forget_remote(key if isinstance(key, str) and key else md.name)
+            raise BackendError(f"backend {self.backend_name!r} returned {key!r} as the key of peer {md.name!r}")
         self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing, source=self._adding_source)
         return md.name
+
+    def _forget_remote(self, key: str) -> None:
+        try:
+            self.backend.remove_remote(key)
+        except Exception:  # best effort: it may never have been added
+            pass
 
     def add_source(self, metadata: bytes) -> str:
         """:meth:`add_peer` for a peer of another TP size, PP stage or block size.
@@ -246,6 +278,7 @@ class Agent:
         return dict(self._peers)
 
     def _drop_peer(self, peer: Peer) -> None:
+        self._peers.pop(peer.name, None)
         for h in peer.prepared.values():
             try:
                 self.backend.release_prepared(h)
@@ -254,7 +287,6 @@ class Agent:
         peer.prepared.clear()
         peer.pairing = None
         self.backend.remove_remote(peer.key)
-        self._peers.pop(peer.name, None)
 
     def _peer(self, name: str) -> Peer:
         peer = self._peers.get(name)
@@ -297,21 +329,26 @@ class Agent:
             if not caps.notifications:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout  # planning and posting count against it too
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
-        return self._post(op, peer, p, notify, t0)
+        return self._post(op, peer, p, notify, t0, deadline)
 
-    def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float) -> Transfer:
-        chunks = self._chunks(peer, p)
-        stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0,
-                              backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
-        single = len(chunks) == 1
+    def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
+              deadline: float) -> Transfer:
+        chunks: list[Chunk] = []
         posts: list[_Post] = []
-        started = time.perf_counter()
         try:
+            plan_chunks(self.backend, p, peer.key, self._local_prepared, peer.prepared, chunks)
+            stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0,
+                                  backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
+            single = len(chunks) == 1
+            started = time.perf_counter()
+            self._check_deadline(deadline, p, "planning")
             for lp, li, rp, ri, cleanup in chunks:
                 handle = self.backend.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
                 posts.append(_Post(handle, cleanup=cleanup))
+                self._check_deadline(deadline, p, "posting")
         except BaseException:
             for post in posts:
                 self.backend.release(post.handle)
@@ -329,10 +366,17 @@ class Agent:
             # Several posts may complete in any order: notify only once all data is visible.
             msg, key = bytes(notify), peer.key
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
-        t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, on_done=on_done, started=started,
-                     on_finish=self._finished)
+        t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
+                     started=started, on_finish=self._finished)
         self._inflight.add(t)
         return t
+
+    def _check_deadline(self, deadline: float, p: TransferPlan, what: str) -> None:
+        late = time.monotonic() - deadline
+        if late > 0:
+            raise TransferTimeoutError(
+                f"{what} {p.descriptors} descriptors ran {late:.3g} s past the {self.timeout:g} s deadline; "
+                "nothing was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
 
     def _finished(self, t: Transfer) -> None:
         self._inflight.discard(t)
@@ -358,6 +402,7 @@ class Agent:
               notify: bytes | None) -> TransferGroup:
         self._check_open()
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
         if op not in self.backend.capabilities.ops:
             raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
         if not isinstance(remote_blocks, Mapping) or not remote_blocks:
@@ -379,7 +424,7 @@ class Agent:
         parts: dict[str, Transfer] = {}
         try:
             for n, p in plans.items():
-                parts[n] = self._post(op, peers[n], p, notify, t0)
+                parts[n] = self._post(op, peers[n], p, notify, t0, deadline)
         except BaseException:
             for t in parts.values():
                 t.cancel()
@@ -389,62 +434,6 @@ class Agent:
             for n in unread:
                 self.backend.notify(peers[n].key, bytes(notify))
         return TransferGroup(parts, unread, self.timeout)
-
-    def _chunks(self, peer: Peer, p: TransferPlan) -> list[tuple[Any, np.ndarray, Any, np.ndarray, list[Any]]]:
-        """Turn plan legs into backend posts, honouring ``max_descriptors``."""
-        out = []
-        limit = self.backend.capabilities.max_descriptors
-        for leg in p.legs:
-            cleanup: list[Any] = []
-            if leg.local_idx is None:  # coalesced: prepare the explicit lists for this transfer
-                ld, rd = p.explicit(leg)
-                lp = self.backend.prepare(None, ld)
-                rp = self.backend.prepare(peer.key, rd)
-                cleanup = [lambda h=lp: self.backend.release_prepared(h), lambda h=rp: self.backend.release_prepared(h)]
-                li = ri = np.arange(leg.descriptors, dtype=np.int32)
-            else:
-                lp = self._prepared_local(leg)
-                rp = self._prepared_remote(peer, leg)
-                li, ri = leg.local_idx, leg.remote_idx  # type: ignore[assignment]
-            n = leg.descriptors
-            if n == 0:
-                for fn in cleanup:
-                    fn()
-                continue
-            if not limit or n <= limit:  # the common case: one post for the whole leg
-                out.append((lp, li, rp, ri, cleanup))
-                continue
-            step = limit
-            for s in range(0, n, step):
-                last = s + step >= n
-                out.append((lp, li[s:s + step], rp, ri[s:s + step], cleanup if last else []))
-        return out
-
-    def _prepared_local(self, leg: Leg) -> Any:
-        key: Any = (leg.local_granularity, leg.local_kind) if leg.lists is None else (leg.lists, "local")
-        h = self._local_prepared.get(key)
-        if h is None:
-            assert self.spec is not None
-            strided = self.backend.capabilities.strided_lists
-            h = self.backend.prepare(None, self._list(self.spec, *key) if leg.lists is None
-                                     else leg.lists.local(strided))
-            self._local_prepared[key] = h
-        return h
-
-    def _prepared_remote(self, peer: Peer, leg: Leg) -> Any:
-        key: Any = (leg.remote_granularity, leg.remote_kind) if leg.lists is None else (leg.lists, "remote")
-        h = peer.prepared.get(key)
-        if h is None:
-            assert peer.spec is not None
-            strided = self.backend.capabilities.strided_lists
-            h = self.backend.prepare(peer.key, self._list(peer.spec, *key) if leg.lists is None
-                                     else leg.lists.remote(strided))
-            peer.prepared[key] = h
-        return h
-
-    def _list(self, spec: KVCacheSpec, gran: Granularity, kind: MemoryKind) -> Any:
-        # The strided form is much cheaper to prepare where the backend understands it.
-        return spec.descriptor_list(gran, kind, strided=self.backend.capabilities.strided_lists)
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "HandshakeError",
     "SpecFileError",
     "MissingDependencyError",
+    "InvalidTimeoutError",
 ]
 
 
@@ -149,3 +150,7 @@ class SpecFileError(SpecError):
 
 class MissingDependencyError(KvxferError, ImportError):
     """An optional feature needs a package that is not installed; the message has the install command."""
+
+
+class InvalidTimeoutError(KvxferError, ValueError):
+    """A timeout that is not a finite, positive number of seconds (NaN, inf, 0 or negative)."""

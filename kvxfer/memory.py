@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import SpecError
+from .errors import OutOfRegistrationError, SpecError
 
 __all__ = ["MemoryKind", "Op", "Allocation", "DescriptorList"]
 
@@ -163,6 +163,37 @@ class DescriptorList:
         out[:, 0] = a[rows, 0] + a[rows, 3] * k.astype(np.uint64)
         out[:, 1] = a[rows, 1]
         out[:, 2] = a[rows, 2]
+        return DescriptorList(out, self.kind)
+
+    def take(self, indices: Any) -> "DescriptorList":
+        """Plain rows ``indices`` of the expanded list, computed without expanding the rest.
+
+        Cost follows ``len(indices)``, not the list's length: a strided row of 2^26 spans
+        costs nothing until a transfer touches some of them. An index past the end would
+        address memory outside what the list describes, so it is refused.
+        """
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise OutOfRegistrationError("descriptor indices must be a 1-D integer array")
+        a = self.array
+        total = self.num_spans
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= total):
+            raise OutOfRegistrationError(f"descriptor index outside a list of {total} descriptors")
+        if not self.strided:
+            return DescriptorList(a[idx], self.kind)
+        counts = a[:, 4]
+        if (counts == counts[0]).all():  # every row the same length (the usual case): a division
+            row, k = np.divmod(idx, int(counts[0]))
+        else:
+            ends = np.cumsum(counts.astype(np.int64))
+            row = np.searchsorted(ends, idx, side="right")
+            k = idx - (ends - counts.astype(np.int64))[row]
+        # Gathers from the few strided rows, not from an expanded list: cache-friendly.
+        out = np.empty((idx.shape[0], 3), dtype=np.uint64)
+        np.multiply(a[:, 3][row], k.astype(np.uint64), out=out[:, 0])
+        out[:, 0] += a[:, 0][row]
+        out[:, 1] = a[:, 1][row]
+        out[:, 2] = a[:, 2][row]
         return DescriptorList(out, self.kind)
 
     def to_dict(self) -> dict[str, Any]:

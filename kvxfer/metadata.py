@@ -4,12 +4,23 @@ Format: the 8-byte magic ``KVXFMETA`` followed by UTF-8 JSON. JSON (not pickle, 
 custom binary format) because metadata crosses trust boundaries and languages: decoding it
 can build only dicts, lists, strings and numbers, and every field is then checked here
 before anything else sees it. The backend's connection blob travels base64-encoded.
+
+Signed form, for agents given the shared token: ``KVXFSIG1``, a 32-byte HMAC-SHA256 tag
+keyed by the token (see :mod:`kvxfer.tokens`), then the unsigned bytes above. The tag is
+checked before a single byte is parsed, so with a token the backend blob that reaches a
+transport's native parser was produced by a token holder. Without a token every field is
+still validated here, but the blob itself is opaque to the core: its parsing by the
+transport is then the remaining exposure (README, "Trust").
+
+Decoding is bounded: the size, the number of JSON items (counted before parsing), every
+string a valid Unicode scalar sequence, and at most :data:`MAX_PEER_MEMBERS` members.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -17,14 +28,55 @@ from typing import Any
 
 from .errors import MetadataError, SpecError
 from .layout import KVCacheSpec
+from .tokens import TAG_SIZE, mac
 
-__all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES"]
+__all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES", "MAX_PEER_MEMBERS", "seal", "unseal"]
 
 PROTOCOL_VERSION = 2  # 2: members say what their pages hold (dtype, axes, role, heads)
 MAGIC = b"KVXFMETA"
+SIGNED_MAGIC = b"KVXFSIG1"
+_SIGN_LABEL = b"kvxfer-metadata\x01"
 #: Upper bound on encoded metadata; a 200-member spec plus a NIXL blob is well under 1 MiB.
 MAX_METADATA_BYTES = 16 << 20
+#: JSON items (values of lists and objects) a document may hold, counted before parsing so a
+#: hostile list of a million numbers is refused before it is built.
+MAX_JSON_ITEMS = 1 << 18
+#: Members over all regions of a peer's spec: enough for 4096 layers split into K and V
+#: pages four ways, small enough that building and pairing them stays bounded.
+MAX_PEER_MEMBERS = 16384
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+
+
+def seal(raw: bytes, key: bytes) -> bytes:
+    """Sign encoded metadata with the token's key (see the module docstring for the form)."""
+    return SIGNED_MAGIC + mac(key, _SIGN_LABEL, raw) + raw
+
+
+def unseal(data: object, key: bytes | None) -> bytes:
+    """The unsigned bytes inside ``data``, after checking its tag; raises :class:`MetadataError`.
+
+    With a key, only signed metadata whose tag verifies is accepted. Without one, signed
+    metadata is refused too: accepting it unverified would hide a misconfiguration.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MetadataError(f"metadata must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_METADATA_BYTES + len(SIGNED_MAGIC) + TAG_SIZE:
+        raise MetadataError(f"metadata is {len(data)} bytes, over the {MAX_METADATA_BYTES} limit")
+    signed = data.startswith(SIGNED_MAGIC)
+    if key is None:
+        if signed:
+            raise MetadataError("the peer signs its metadata with a token but this agent has none; give both "
+                                "agents the same token (Agent(..., token=...))")
+        return data
+    if not signed:
+        raise MetadataError("unsigned metadata: this agent requires metadata signed with the shared token; "
+                            "give the peer the same token (Agent(..., token=...))")
+    tag, raw = data[len(SIGNED_MAGIC):len(SIGNED_MAGIC) + TAG_SIZE], data[len(SIGNED_MAGIC) + TAG_SIZE:]
+    if len(tag) != TAG_SIZE or not hmac.compare_digest(tag, mac(key, _SIGN_LABEL, raw)):
+        raise MetadataError("metadata signature does not verify: the peer holds a different token, or the "
+                            "bytes were altered")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -78,12 +130,20 @@ class AgentMetadata:
         data = bytes(data)
         if len(data) > MAX_METADATA_BYTES:
             raise MetadataError(f"metadata is {len(data)} bytes, over the {MAX_METADATA_BYTES} limit")
+        if data.startswith(SIGNED_MAGIC):
+            raise MetadataError("signed metadata: an agent with the token verifies it (unseal) before decoding")
         if not data.startswith(MAGIC):
             raise MetadataError("not kvxfer metadata (bad magic)")
+        body = data[len(MAGIC):]
+        items = body.count(b",") + body.count(b"[") + body.count(b"{")  # an upper bound, counted in C
+        if items > MAX_JSON_ITEMS:
+            raise MetadataError(f"metadata holds up to {items} JSON items, over the {MAX_JSON_ITEMS} limit")
         try:
-            doc: Any = json.loads(data[len(MAGIC):].decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise MetadataError(f"metadata is not valid JSON: {exc}") from None
+            doc: Any = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+            if b"\\u" in body:  # only escapes can make strings that are not valid Unicode
+                _check_strings(doc)
+        except (UnicodeError, ValueError, RecursionError) as exc:
+            raise MetadataError(f"metadata is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise MetadataError("metadata must be a JSON object")
         version = doc.get("version")
@@ -99,14 +159,40 @@ class AgentMetadata:
             blob = None
         if blob is None:
             raise MetadataError("backend blob is not valid base64")
+        _check_member_count(doc["spec"])
         try:
             spec = KVCacheSpec.from_dict(doc["spec"]) if doc["spec"] is not None else None
         except SpecError as exc:
             raise MetadataError(f"peer KV cache spec is invalid: {exc}") from None
-        except (TypeError, KeyError, AttributeError) as exc:  # defensive: shape errors in nested data
-            raise MetadataError(f"peer KV cache spec is malformed: {exc}") from None
+        except (TypeError, KeyError, AttributeError, ValueError, OverflowError, RecursionError) as exc:
+            raise MetadataError(f"peer KV cache spec is malformed: {exc!r}") from None
         return cls(doc["name"], doc["generation"], doc["backend"], blob, spec, version)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
+
+
+def _check_strings(doc: Any) -> None:
+    """Every key and string must encode as UTF-8: a lone surrogate (``"\\ud800"``) would raise
+    ``UnicodeEncodeError`` later, wherever a name is printed, logged or handed to a transport."""
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            x.encode("utf-8")
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+
+
+def _check_member_count(spec: Any) -> None:
+    """Refuse a spec with more than :data:`MAX_PEER_MEMBERS` members before building any of them."""
+    try:
+        n = sum(len(r["layout"]["members"]) for r in spec["regions"]) if isinstance(spec, dict) else 0
+    except (TypeError, KeyError):
+        return  # malformed: KVCacheSpec.from_dict says how
+    if n > MAX_PEER_MEMBERS:
+        raise MetadataError(f"peer KV cache spec has {n} members, over the {MAX_PEER_MEMBERS} limit")

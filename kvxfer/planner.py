@@ -176,9 +176,10 @@ class TransferPlan:
         if leg.lists is not None:
             la, ra = leg.lists.local().array[leg.local_idx], leg.lists.remote().array[leg.remote_idx]
             return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
-        la = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind).array[leg.local_idx]
-        ra = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind).array[leg.remote_idx]
-        return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
+        # From the strided lists: the cost follows the request, not the specs' sizes.
+        local = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind, strided=True)
+        remote = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind, strided=True)
+        return local.take(leg.local_idx), remote.take(leg.remote_idx)
 
     def local_descriptors(self) -> list[DescriptorList]:
         return [self.explicit(leg)[0] for leg in self.legs]

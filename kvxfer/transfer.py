@@ -3,7 +3,9 @@
 Deadlines and cancellation live here, not in backends, so every transport behaves the same:
 ``wait`` never blocks longer than its timeout, a timed-out transfer is cancelled (its backend
 requests released) before :class:`~kvxfer.errors.TransferTimeoutError` is raised, and a
-backend failure is kept and re-raised by every later call.
+backend failure is kept and re-raised by every later call. A transfer's own deadline starts
+when it was requested, so planning and posting count against it; every timeout must be a
+finite, positive number of seconds (:func:`kvxfer.deadlines.check_timeout`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .deadlines import check_timeout
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
 from .plugin.backend import Backend
@@ -77,12 +80,15 @@ class Transfer:
     """One request in flight. Not thread-safe: poll it from the thread that created it."""
 
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
-                 on_done: Callable[[], None] | None = None, started: float | None = None,
-                 on_finish: Callable[["Transfer"], None] | None = None):
+                 deadline: float | None = None, on_done: Callable[[], None] | None = None,
+                 started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None):
         self._backend = backend
         self._posts = posts
         self.stats = stats
-        self._default_timeout = default_timeout
+        self._default_timeout = check_timeout(default_timeout)
+        # Absolute (time.monotonic) deadline of a plain wait(); the agent passes the one it
+        # started before planning.
+        self._deadline = time.monotonic() + self._default_timeout if deadline is None else deadline
         self._on_done = on_done
         self._on_finish = on_finish
         self._started = started if started is not None else time.perf_counter()
@@ -130,9 +136,13 @@ class Transfer:
         return True
 
     def wait(self, timeout: float | None = None) -> "Transfer":
-        """Block until done, at most ``timeout`` seconds (the agent's default when None)."""
-        limit = self._default_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        """Block until done: at most ``timeout`` seconds from now, or, when None, until the
+        transfer's deadline (the agent's timeout, counted from the read/write call)."""
+        if timeout is None:
+            limit, deadline = self._default_timeout, self._deadline
+        else:
+            limit = check_timeout(timeout, "wait timeout")
+            deadline = time.monotonic() + limit
         spins = 0
         while not self.done():
             if time.monotonic() >= deadline:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from kvxfer.errors import HandshakeError, KvxferError
 from kvxfer.sidechannel import (
     DEFAULT_MAX_MESSAGE,
+    NO_AUTH,
     HEADER_SIZE,
     MAGIC,
     HandshakeAuthError,
@@ -34,6 +35,7 @@ from kvxfer.sidechannel import (
     MetadataServer,
     PeerRejectedError,
     ServerBusyError,
+    TokenRequiredError,
     decode_header,
     encode_header,
     exchange,
@@ -43,6 +45,7 @@ from kvxfer.sidechannel import (
 REPO = Path(__file__).resolve().parents[1]
 PREFILL = b"prefill-agent\x00" + bytes(range(256)) * 8
 DECODE = b"decode-agent\x00" + bytes(range(255, -1, -1)) * 8
+TOKEN = "test-token"
 
 
 class Errors:
@@ -66,12 +69,12 @@ def errors() -> Errors:
 @pytest.fixture
 def server(errors: Errors) -> Iterator[tuple[MetadataServer, queue.Queue[bytes]]]:
     peers: queue.Queue[bytes] = queue.Queue()
-    with MetadataServer(PREFILL, on_peer=peers.put, on_error=errors, timeout=2.0) as srv:
+    with MetadataServer(PREFILL, token=TOKEN, on_peer=peers.put, on_error=errors, timeout=2.0) as srv:
         yield srv, peers
 
 
 def assert_still_serving(srv: MetadataServer) -> None:
-    assert exchange(*srv.address, DECODE) == PREFILL
+    assert exchange(*srv.address, DECODE, token=TOKEN) == PREFILL
 
 
 def raw_connect(srv: MetadataServer) -> socket.socket:
@@ -94,23 +97,23 @@ def read_error_frame(sock: socket.socket) -> bytes:
 
 def test_round_trip(server: tuple[MetadataServer, queue.Queue[bytes]]) -> None:
     srv, peers = server
-    assert exchange(*srv.address, DECODE) == PREFILL
+    assert exchange(*srv.address, DECODE, token=TOKEN) == PREFILL
     assert peers.get(timeout=10) == DECODE
 
 
 def test_fetch_does_not_report_a_peer(server: tuple[MetadataServer, queue.Queue[bytes]]) -> None:
     srv, peers = server
-    assert fetch(*srv.address) == PREFILL
-    assert exchange(*srv.address, b"") == PREFILL  # empty metadata is still an exchange
+    assert fetch(*srv.address, token=TOKEN) == PREFILL
+    assert exchange(*srv.address, b"", token=TOKEN) == PREFILL  # empty metadata is still an exchange
     assert peers.get(timeout=10) == b""
     assert peers.empty()
 
 
 def test_callable_metadata_is_read_per_client() -> None:
     generation = iter(range(100))
-    with MetadataServer(lambda: b"gen-%d" % next(generation)) as srv:
-        assert fetch(*srv.address) == b"gen-0"
-        assert fetch(*srv.address) == b"gen-1"
+    with MetadataServer(lambda: b"gen-%d" % next(generation), token=TOKEN) as srv:
+        assert fetch(*srv.address, token=TOKEN) == b"gen-0"
+        assert fetch(*srv.address, token=TOKEN) == b"gen-1"
 
 
 def test_concurrent_clients(server: tuple[MetadataServer, queue.Queue[bytes]]) -> None:
@@ -122,7 +125,7 @@ def test_concurrent_clients(server: tuple[MetadataServer, queue.Queue[bytes]]) -
     def client(i: int) -> None:
         barrier.wait()
         try:
-            results[i] = exchange(*srv.address, b"decode-%d" % i, timeout=20)
+            results[i] = exchange(*srv.address, b"decode-%d" % i, token=TOKEN, timeout=20)
         except BaseException as exc:  # surfaced by the assert below
             results[i] = exc
 
@@ -155,11 +158,11 @@ def test_token_ok() -> None:
 
 @pytest.mark.parametrize(
     ("server_token", "client_token"),
-    [("s3cret", "wrong"), ("s3cret", None), (None, "s3cret")],
+    [("s3cret", "wrong"), ("s3cret", NO_AUTH), (NO_AUTH, "s3cret")],
     ids=["wrong-token", "client-missing-token", "server-missing-token"],
 )
 def test_token_mismatch_fails_on_both_sides(
-    errors: Errors, server_token: str | None, client_token: str | None
+    errors: Errors, server_token: object, client_token: object
 ) -> None:
     peers: queue.Queue[bytes] = queue.Queue()
     with MetadataServer(PREFILL, token=server_token, on_peer=peers.put, on_error=errors) as srv:
@@ -172,13 +175,19 @@ def test_token_mismatch_fails_on_both_sides(
 
 def test_token_never_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[bytes] = []
-    real_sendall = socket.socket.sendall
+    real_sendall, real_send = socket.socket.sendall, socket.socket.send
 
-    def spy(self: socket.socket, data: bytes, *args: int) -> None:
+    def spy_all(self: socket.socket, data: bytes, *args: int) -> None:
         sent.append(bytes(data))
         real_sendall(self, data, *args)
 
-    monkeypatch.setattr(socket.socket, "sendall", spy)
+    def spy(self: socket.socket, data: bytes, *args: int) -> int:
+        n = real_send(self, data, *args)
+        sent.append(bytes(data[:n]))
+        return n
+
+    monkeypatch.setattr(socket.socket, "sendall", spy_all)
+    monkeypatch.setattr(socket.socket, "send", spy)
     token = "a-rather-long-shared-secret"
     with MetadataServer(PREFILL, token=token) as srv:
         assert exchange(*srv.address, DECODE, token=token) == PREFILL
@@ -188,17 +197,34 @@ def test_token_never_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_metadata_altered_in_flight_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sendall = socket.socket.sendall
+    real_send = socket.socket.send
 
-    def flip_reply(self: socket.socket, data: bytes, *args: int) -> None:
-        if data[5:6] == bytes([5]):  # a REPLY frame: corrupt its last metadata byte
-            data = data[:-1] + bytes([data[-1] ^ 0xFF])
-        real_sendall(self, data, *args)
+    def flip_reply(self: socket.socket, data: bytes, *args: int) -> int:
+        if bytes(data) == PREFILL:  # the server's metadata: corrupt its last byte
+            data = bytes(data[:-1]) + bytes([data[-1] ^ 0xFF])
+        return real_send(self, data, *args)
 
-    monkeypatch.setattr(socket.socket, "sendall", flip_reply)
+    monkeypatch.setattr(socket.socket, "send", flip_reply)
     with MetadataServer(PREFILL, token="s3cret") as srv:
         with pytest.raises(HandshakeAuthError, match="REPLY"):
             exchange(*srv.address, DECODE, token="s3cret")
+
+
+def test_client_metadata_altered_in_flight_is_detected(monkeypatch: pytest.MonkeyPatch, errors: Errors) -> None:
+    real_sendall = socket.socket.sendall
+
+    def flip_exchange(self: socket.socket, data: bytes, *args: int) -> None:
+        if data[5:6] == bytes([3]):  # an EXCHANGE frame: corrupt its last metadata byte
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        real_sendall(self, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", flip_exchange)
+    peers: queue.Queue[bytes] = queue.Queue()
+    with MetadataServer(PREFILL, token="s3cret", on_peer=peers.put, on_error=errors) as srv:
+        with pytest.raises(HandshakeAuthError, match="EXCHANGE"):
+            exchange(*srv.address, DECODE, token="s3cret")
+        assert isinstance(errors.get(), HandshakeAuthError)
+    assert peers.empty()
 
 
 def test_empty_token_is_refused() -> None:
@@ -206,58 +232,72 @@ def test_empty_token_is_refused() -> None:
         MetadataServer(PREFILL, token="")
 
 
+def test_a_token_is_required_unless_opted_out() -> None:
+    with pytest.raises(TokenRequiredError, match="NO_AUTH"):
+        MetadataServer(PREFILL)
+    with pytest.raises(TokenRequiredError):
+        fetch("127.0.0.1", 9)
+    with pytest.raises(TokenRequiredError):
+        exchange("127.0.0.1", 9, DECODE, token=None)
+    with pytest.raises(TypeError):
+        MetadataServer(PREFILL, token=["not", "a", "token"])
+    with MetadataServer(PREFILL, token=NO_AUTH) as srv:  # the explicit opt-out works
+        assert "auth=off" in repr(srv)
+        assert exchange(*srv.address, DECODE, token=NO_AUTH) == PREFILL
+
+
 # --------------------------------------------------------------------------- size limits
 
 
 def test_client_metadata_too_large_for_server(errors: Errors) -> None:
-    with MetadataServer(PREFILL, max_message=64 * 1024, on_error=errors) as srv:
+    with MetadataServer(PREFILL, token=TOKEN, max_message=64 * 1024, on_error=errors) as srv:
         with pytest.raises(MessageTooLargeError):
-            exchange(*srv.address, b"x" * (4 * 1024 * 1024))
+            exchange(*srv.address, b"x" * (4 * 1024 * 1024), token=TOKEN)
         assert isinstance(errors.get(), MessageTooLargeError)
         assert_still_serving(srv)
 
 
 def test_server_metadata_too_large_for_client(errors: Errors) -> None:
-    with MetadataServer(b"y" * 100_000, on_error=errors) as srv:
+    with MetadataServer(b"y" * 100_000, token=TOKEN, on_error=errors) as srv:
         with pytest.raises(MessageTooLargeError):
-            fetch(*srv.address, max_message=1000)
-        assert len(fetch(*srv.address)) == 100_000
+            fetch(*srv.address, token=TOKEN, max_message=1000)
+        assert len(fetch(*srv.address, token=TOKEN)) == 100_000
 
 
 def test_error_frames_get_through_a_tiny_max_message(errors: Errors) -> None:
     with MetadataServer(PREFILL, token="s3cret", on_error=errors) as srv:
         with pytest.raises(HandshakeAuthError):
-            fetch(*srv.address, max_message=0)
+            fetch(*srv.address, token=NO_AUTH, max_message=0)
         assert fetch(*srv.address, token="s3cret", max_message=len(PREFILL)) == PREFILL
 
 
 def test_own_metadata_too_large_is_caught_before_sending() -> None:
     with pytest.raises(MessageTooLargeError):
-        exchange("127.0.0.1", 9, b"z" * 2000, max_message=1000)
+        exchange("127.0.0.1", 9, b"z" * 2000, token=TOKEN, max_message=1000)
     with pytest.raises(MessageTooLargeError):
-        MetadataServer(b"z" * 2000, max_message=1000)
+        MetadataServer(b"z" * 2000, token=TOKEN, max_message=1000)
 
 
 def test_callable_metadata_too_large_or_failing(errors: Errors) -> None:
-    with MetadataServer(lambda: b"z" * 2000, max_message=1000, on_error=errors) as srv:
+    with MetadataServer(lambda: b"z" * 2000, token=TOKEN, max_message=1000, on_error=errors) as srv:
         with pytest.raises(MessageTooLargeError):
-            fetch(*srv.address)
+            fetch(*srv.address, token=TOKEN)
 
     def broken() -> bytes:
         raise RuntimeError("spec not registered yet")
 
-    with MetadataServer(broken, on_error=errors) as srv:
+    with MetadataServer(broken, token=TOKEN, on_error=errors) as srv:
         with pytest.raises(PeerRejectedError, match="spec not registered yet"):
-            fetch(*srv.address)
+            fetch(*srv.address, token=TOKEN)
 
 
 def test_on_peer_rejection_reaches_the_client(errors: Errors) -> None:
     def on_peer(metadata: bytes) -> None:
         raise ValueError("generation went backwards")
 
-    with MetadataServer(PREFILL, on_peer=on_peer, on_error=errors) as srv:
+    with MetadataServer(PREFILL, token=TOKEN, on_peer=on_peer, on_error=errors) as srv:
         with pytest.raises(PeerRejectedError, match="generation went backwards"):
-            exchange(*srv.address, DECODE)
+            exchange(*srv.address, DECODE, token=TOKEN)
         assert isinstance(errors.get(), PeerRejectedError)
 
 
@@ -305,7 +345,7 @@ def test_garbage_from_a_fake_server_is_rejected_by_the_client() -> None:
         t.start()
         host, port = listener.getsockname()
         with pytest.raises(HandshakeProtocolError, match="magic"):
-            exchange(host, port, DECODE, timeout=10)
+            exchange(host, port, DECODE, token=TOKEN, timeout=10)
         t.join(timeout=10)
 
 
@@ -318,13 +358,13 @@ def test_client_times_out_against_a_silent_server() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         host, port = listener.getsockname()
         with pytest.raises(HandshakeTimeoutError):
-            exchange(host, port, DECODE, timeout=0.3)
+            exchange(host, port, DECODE, token=TOKEN, timeout=0.3)
         with pytest.raises(HandshakeTimeoutError):
-            fetch(host, port, timeout=0.3)
+            fetch(host, port, token=TOKEN, timeout=0.3)
 
 
 def test_server_drops_a_silent_client_and_serves_others_meanwhile(errors: Errors) -> None:
-    with MetadataServer(PREFILL, on_error=errors, timeout=1.0) as srv:
+    with MetadataServer(PREFILL, token=TOKEN, on_error=errors, timeout=1.0) as srv:
         with raw_connect(srv) as silent:
             # While the silent client holds its connection, others are served.
             assert_still_serving(srv)
@@ -342,20 +382,20 @@ def test_busy_server_turns_clients_away(errors: Errors) -> None:
         release.wait(30)
         return PREFILL
 
-    with MetadataServer(slow_metadata, max_connections=1, on_error=errors, timeout=30) as srv:
+    with MetadataServer(slow_metadata, token=TOKEN, max_connections=1, on_error=errors, timeout=30) as srv:
         first: queue.Queue[bytes] = queue.Queue()
-        t = threading.Thread(target=lambda: first.put(fetch(*srv.address, timeout=30)))
+        t = threading.Thread(target=lambda: first.put(fetch(*srv.address, token=TOKEN, timeout=30)))
         t.start()
         assert entered.wait(30)
         with pytest.raises(ServerBusyError):
-            fetch(*srv.address)
+            fetch(*srv.address, token=TOKEN)
         release.set()
         assert first.get(timeout=30) == PREFILL
         t.join(timeout=30)
         # The slot frees just after the first client has its reply; busy is retryable.
         for _ in range(200):
             with contextlib.suppress(ServerBusyError):
-                assert fetch(*srv.address) == PREFILL
+                assert fetch(*srv.address, token=TOKEN) == PREFILL
                 break
             time.sleep(0.05)
         else:
@@ -366,22 +406,22 @@ def test_connection_refused_is_a_handshake_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     with pytest.raises(HandshakeError, match="could not connect"):
-        fetch("127.0.0.1", port, timeout=5)
+        fetch("127.0.0.1", port, token=TOKEN, timeout=5)
 
 
 def test_port_in_use_is_a_handshake_error() -> None:
-    with MetadataServer(PREFILL) as srv:
+    with MetadataServer(PREFILL, token=TOKEN) as srv:
         with pytest.raises(HandshakeError, match="cannot listen"):
-            MetadataServer(PREFILL, *srv.address)
+            MetadataServer(PREFILL, *srv.address, token=TOKEN)
 
 
 def test_close_is_idempotent_and_stops_serving() -> None:
-    srv = MetadataServer(PREFILL)
+    srv = MetadataServer(PREFILL, token=TOKEN)
     address = srv.address
     srv.close()
     srv.close()
     with pytest.raises(HandshakeError):
-        fetch(*address, timeout=2)
+        fetch(*address, token=TOKEN, timeout=2)
 
 
 # --------------------------------------------------------------------------- header fuzzing
@@ -394,11 +434,11 @@ def test_decode_header_accepts_or_raises_a_handshake_error(data: bytes, max_mess
     except HandshakeError:
         return
     assert encode_header(msg_type, length) == data  # only a canonical header is accepted
-    fixed = {1: 33, 2: 64, 4: 32, 6: 1025}  # HELLO, CHALLENGE, FETCH, ERROR
+    fixed = {1: 33, 2: 96, 4: 32, 6: 1025, 7: 64, 8: 0}  # HELLO, CHALLENGE, FETCH, ERROR, AUTH, READY
     assert length <= fixed.get(msg_type, max_message + 32)
 
 
-@given(st.sampled_from([1, 2, 3, 4, 5, 6]), st.integers(0, 32))
+@given(st.sampled_from([1, 2, 3, 4, 5, 6, 7]), st.integers(0, 32))
 def test_header_round_trip(msg_type: int, length: int) -> None:
     assert decode_header(encode_header(msg_type, length)) == (msg_type, length)
 

@@ -1,13 +1,14 @@
 """A fault-injection backend that wraps another one.
 
 It forwards everything to an inner backend and fails on command: a post that never
-completes (to exercise deadlines), a poll that reports the peer gone, a backend that leaks
-a foreign exception. Register it in a test with :func:`install`; it then exists as backend
+completes or takes long (to exercise deadlines), a poll that reports the peer gone, a
+backend that leaks a foreign exception, an ``add_remote`` that fails half-way. Register it in a test with :func:`install`; it then exists as backend
 ``"faulty"`` with the option ``inner="loopback"``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -27,7 +28,12 @@ class Faults:
     disconnect_on_poll: int = 0
     raise_foreign_on_poll: int = 0
     fail_post: bool = False
+    post_delay: float = 0.0  # seconds each post takes (a slow transport inside post)
+    add_remote_raises: BaseException | None = None  # raised after the inner backend added the peer
+    add_remote_key: Any = None  # returned instead of the inner key when not None
     released: list[Any] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)  # peer names add_remote was called with
+    removed: list[str] = field(default_factory=list)
 
 
 class FaultyBackend(Backend):
@@ -49,9 +55,14 @@ class FaultyBackend(Backend):
         return self.inner.local_metadata()
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
-        return self.inner.add_remote(peer_name, blob)
+        self.faults.added.append(peer_name)
+        key = self.inner.add_remote(peer_name, blob)
+        if self.faults.add_remote_raises is not None:
+            raise self.faults.add_remote_raises
+        return key if self.faults.add_remote_key is None else self.faults.add_remote_key
 
     def remove_remote(self, peer: str) -> None:
+        self.faults.removed.append(peer)
         self.inner.remove_remote(peer)
 
     def prepare(self, peer: str | None, descs: DescriptorList) -> Any:
@@ -62,6 +73,8 @@ class FaultyBackend(Backend):
 
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None) -> Any:
+        if self.faults.post_delay:
+            time.sleep(self.faults.post_delay)
         if self.faults.fail_post:
             raise PeerDisconnectedError("injected: post failed")
         if self.faults.hang_posts:

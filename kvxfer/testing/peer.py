@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     incoming: queue.Queue[bytes] = queue.Queue()
     server = None
     if args.serve:
-        from ..sidechannel import MetadataServer
+        from ..sidechannel import NO_AUTH, MetadataServer
 
         host, _, port = args.serve.rpartition(":")
+        # A test harness: a spawner that gives no token opts out explicitly.
         server = MetadataServer(agent.metadata, host or "127.0.0.1", int(port or 0),
-                                token=os.environ.get(TOKEN_ENV) or None, on_peer=incoming.put)
+                                token=os.environ.get(TOKEN_ENV) or NO_AUTH, on_peer=incoming.put)
     out.write(json.dumps({"metadata": _b64(agent.metadata()), "address": list(server.address) if server else None,
                           "pid": os.getpid(), "timings": timings}) + "\n")
     out.flush()
