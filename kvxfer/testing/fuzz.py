@@ -87,6 +87,7 @@ def _worker(backend: str) -> int:
     seed = Agent("seed", backend=backend, timeout=5)
     victim.register({"kv": caches[0]}, replicated=True)
     seed.register({"kv": caches[1]}, replicated=True)
+    victim.remove_peer(victim.add_peer(seed.metadata()))  # the unmutated seed must be accepted
 
     def send(kind: bytes, payload: bytes) -> None:
         proto.write(_FRAME.pack(kind, len(payload)) + payload)
