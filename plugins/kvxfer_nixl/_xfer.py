@@ -84,16 +84,16 @@ class NixlPath:
         with self._lock:
             if x.released:  # released by another thread: never touch a freed handle
                 raise TransferCancelledError("transfer was released")
-            for h in list(x.live):
+            for h in x.live[:] if len(x.live) > 1 else x.live:
                 try:
                     state = self._agent.check_xfer_state(h)
                 except Exception as exc:
                     raise map_error(exc, "transfer failed", x.peer) from exc
-                if state == "ERR":
-                    raise BackendError(f"NIXL reported a failed transfer with {x.peer!r}")
                 if state == "DONE":
                     x.live.remove(h)
                     self._release(h)
+                elif state == "ERR":
+                    raise BackendError(f"NIXL reported a failed transfer with {x.peer!r}")
             n = x.n
             if x.next < n and (x.next + self._piece < n or not x.live or not x.notification):
                 self._post_next(x)

@@ -209,7 +209,8 @@ class NixlBackend(Backend):
                  device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS) -> None:
         super().__init__(agent_name)
-        self._device = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
+        # The core device path (its state; DeviceCopies below is its entry in the table of paths).
+        self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
         self._notify_thread = bool(notify_thread)
@@ -250,7 +251,7 @@ class NixlBackend(Backend):
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
         # Data paths, most specific first: post() takes the first whose test accepts the pair.
         self._paths: list[tuple[Callable[[_Prepared, _Prepared], bool], _Path]] = [
-            (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._device)),
+            (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._path)),
             (lambda lp, rp: lp.nixl is not None and rp.nixl is not None, self._nixl_path),
         ]
         self._flush = _Flush()
@@ -289,7 +290,7 @@ class NixlBackend(Backend):
             self._deregister_lists(lists)
             raise
         try:
-            token = self._device.register(allocs)
+            token = self._path.register(allocs)
         except BaseException:
             self._deregister_lists(lists)
             raise
@@ -304,7 +305,7 @@ class NixlBackend(Backend):
             return
         self._registrations.remove(handle)
         self._registered_changed()
-        self._device.deregister(handle.device_token)
+        self._path.deregister(handle.device_token)
         for p in list(self._prepared):
             ext = _extents(p.descs)
             if p.peer is None and (self._memory.find(ext[:, 0], ext[:, 1], ext[:, 2], p.descs.kind) < 0).any():
@@ -362,7 +363,7 @@ class NixlBackend(Backend):
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise map_error(exc, "reading local NIXL metadata") from exc
-        return _blob.encode(_process["token"], self._id, self._reg_epoch, self._device.blob(), bytes(md))
+        return _blob.encode(_process["token"], self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
@@ -401,7 +402,7 @@ class NixlBackend(Backend):
         except Exception as exc:  # nothing untyped may escape a call that takes network input
             raise MetadataError(f"could not load the NIXL metadata of {peer_name!r}: {exc!r}") from exc
         try:
-            self._device.add_peer(peer_name, parsed.device)  # replaces the old route, if any
+            self._path.add_peer(peer_name, parsed.device)  # replaces the old route, if any
         except Exception as exc:
             with self._lock:
                 try:
@@ -426,7 +427,7 @@ class NixlBackend(Backend):
         """Disconnect; NIXL invalidates every list prepared for the peer, so we release ours."""
         rem = self._remotes.pop(peer, None)
         if rem is not None:
-            self._device.remove_peer(peer)
+            self._path.remove_peer(peer)
             self._unload(rem)
 
     def _unload(self, rem: _Remote) -> None:
@@ -464,7 +465,7 @@ class NixlBackend(Backend):
                 raise StalePeerError(rem.stale)
             rem.memory.check(_extents(descs), descs.kind, f"list for peer {peer!r}")
             target, epoch = rem.nixl, rem.epoch
-        device = self._device.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
+        device = self._path.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
         p = _Prepared(None, peer, epoch, descs, device)
         if len(descs):
             with self._lock:
@@ -688,7 +689,7 @@ class NixlBackend(Backend):
                 self.deregister(reg)
             except KvxferError:
                 pass
-        self._device.close()
+        self._path.close()
         self._closed = True
         _instances.pop(self._id, None)
         with self._lock:
