@@ -3,7 +3,7 @@
 # and this checkout on PYTHONPATH (see BENCHMARKS.md for the setup lines). Logs go to $LOGS.
 #   bash benchmarks/gpu_suite.sh smoke   # a few GPU tests of the device path
 #   bash benchmarks/gpu_suite.sh bench   # bench_nixl.py: two GPUs, then one GPU, two processes
-#   bash benchmarks/gpu_suite.sh tests   # tests/test_nixl.py + tests/test_cuda_gpu.py
+#   bash benchmarks/gpu_suite.sh tests   # plugins/kvxfer_nixl/tests/test_nixl_backend.py + tests/test_cuda_gpu.py
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ for stage in "$@"; do
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     tests)
       timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
-      timeout 300 $T tests/test_nixl.py 2>&1 | tee $LOGS/tests_nixl.txt
+      timeout 300 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py 2>&1 | tee $LOGS/tests_nixl.txt
       timeout 120 $T tests/test_cuda_gpu.py -k killed 2>&1 | tee $LOGS/killed.txt ;;
   esac
 done

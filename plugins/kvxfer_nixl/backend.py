@@ -1,6 +1,11 @@
-"""The NIXL backend: kvxfer's seam mapped onto NIXL's prepared-list fast path.
+"""The NIXL backend's control plane: one NIXL agent, its peers, notifications, and paths.
 
-Read the package docstring (:mod:`kvxfer_nixl`) for the choices and the numbers behind them.
+This class owns the NIXL agent's lifetime, registrations, peers (loading and unloading their
+metadata), notifications and the choice of data path for each post. The bytes move in the
+data paths: :mod:`kvxfer_nixl._xfer` (NIXL prepared lists) and :mod:`kvxfer_nixl._device`
+(the core's device path, :mod:`kvxfer.cuda`, for VRAM between agents of one host). Why it
+is built this way is in ``plugins/kvxfer_nixl/README.md``.
+
 This module imports ``nixl``; :mod:`kvxfer_nixl` itself does not, so listing backends on a
 machine without NIXL stays cheap and says how to install it.
 """
@@ -15,7 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -26,24 +31,39 @@ from kvxfer.errors import (
     BackendError,
     KvxferError,
     MetadataError,
-    PeerDisconnectedError,
+    OutOfRegistrationError,
     StalePeerError,
     TransferCancelledError,
     UnknownPeerError,
     UnsupportedError,
 )
+from kvxfer.cuda import DevicePath
+from kvxfer.progress import Pump
+from kvxfer.spans import SpanIndex
 
-from kvxfer.cuda import DevicePath, blob as _device_blob
+from . import _blob
+from ._device import DeviceCopies
+from ._errors import map_error
+from ._xfer import NixlPath, as_int32
 
-__all__ = ["DEFAULT_PROGRESS_THREAD", "NixlBackend"]
+__all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
 
-#: Default for the ``progress_thread`` option; see the package docstring for the measurement.
+#: Default for the ``progress_thread`` option (BENCHMARKS.md shows why it is off).
 DEFAULT_PROGRESS_THREAD = False
+#: Default for ``request_descriptors``: the most descriptors one NIXL request carries.
+DEFAULT_REQUEST_DESCRIPTORS = 1 << 14
 
-_INT32_MAX = np.iinfo(np.int32).max
-#: How long the notify thread keeps progressing NIXL after a standalone notification.
-_NOTIF_FLUSH_S = 2.0
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+#: Control notification a backend sends its peers after deregistering memory; followed by
+#: the sender's instance id and its new registration epoch. Never delivered to the user.
+_DEREGISTERED = b"\x00kvxfer-nixl:deregistered\x00"
+_NOTICE = struct.Struct(f"<{len(_DEREGISTERED)}s16sQ")
+_U64 = (1 << 64) - 1
+#: A completing transfer reads notifications (for deregistration notices) at most this often.
+_COLLECT_EVERY = 1e-3
+#: How long the notify thread keeps progressing NIXL after a standalone notification: one
+#: leaves the worker only when someone progresses it, and the caller may have gone back to work.
+_NOTIF_FLUSH_S = 2.0
 
 
 def _quiet_nixl_logging() -> None:
@@ -62,13 +82,8 @@ def _quiet_nixl_logging() -> None:
 
 _quiet_nixl_logging()
 
-# --------------------------------------------------------------------------------------------
-# The connection blob: a header naming the process and the backend instance (agents of one
-# process progress each other), the device path's export (kvxfer.cuda: VRAM peers of one host
-# are reached by direct copies), then NIXL's own metadata.
-# --------------------------------------------------------------------------------------------
-_MAGIC = b"KVXNIXL2"
-_HEADER = struct.Struct("!8s16s16sI")
+# A blob names its process (a random token) and backend instance; a peer whose blob names
+# this process and a live instance here can be served by device copies.
 _process = {"token": os.urandom(16)}
 _instances: "weakref.WeakValueDictionary[bytes, NixlBackend]" = weakref.WeakValueDictionary()
 
@@ -84,40 +99,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _map_error(exc: BaseException, action: str, peer: str | None = None) -> KvxferError:
-    """Translate a NIXL exception into the kvxfer error a caller can act on."""
-    if isinstance(exc, KvxferError):
-        return exc
-    who = f" peer {peer!r}" if peer else ""
-    detail = f"{type(exc).__name__}: {exc}"
-    err: KvxferError
-    if isinstance(exc, _nb.nixlRemoteDisconnectError):
-        err = PeerDisconnectedError(f"{action}:{who or ' the peer'} disconnected ({detail}); "
-                                    "add it again once it is back")
-    elif isinstance(exc, (_nb.nixlNotFoundError, _nb.nixlNotAllowedError)) and peer:
-        err = StalePeerError(f"{action}: NIXL no longer accepts{who} or lists prepared for it ({detail}); "
-                             "the peer was removed or restarted: add it again from fresh metadata")
-    elif isinstance(exc, _nb.nixlNotSupportedError):
-        err = UnsupportedError(f"{action}: not supported by the NIXL backends in use ({detail})")
-    elif isinstance(exc, _nb.nixlCancelledError):
-        err = TransferCancelledError(f"{action}: cancelled inside NIXL ({detail})")
-    elif isinstance(exc, (_nb.nixlInvalidParamError, _nb.nixlMismatchError)):
-        err = BackendError(f"{action}: NIXL rejected the request ({detail}); descriptors must lie in registered "
-                           "memory of the stated kind, with equal lengths on both sides")
-    else:
-        err = BackendError(f"{action}: NIXL failed ({detail})")
-    err.__cause__ = exc
-    return err
-
-
-def _as_int32(idx: np.ndarray) -> np.ndarray:
-    """NIXL takes int32 index arrays (a Python list is 10-15x slower); convert only if needed."""
-    if idx.dtype == np.int32 and idx.flags.c_contiguous:
-        return idx
-    if idx.size and (int(idx.max()) > _INT32_MAX or int(idx.min()) < 0):
-        raise UnsupportedError("NIXL indexes prepared lists with int32: a list longer than 2**31-1 descriptors "
-                               "cannot be addressed; prepare smaller lists")
-    return np.ascontiguousarray(idx, dtype=np.int32)
+def _extents(descs: DescriptorList) -> np.ndarray:
+    """``(address, nbytes, device)`` spans covering every span of the list (strided rows whole)."""
+    a = descs.array
+    if not descs.strided:
+        return a
+    a = a[a[:, 4] > 0]
+    n, length, stride = a[:, 4] - np.uint64(1), a[:, 1], a[:, 3]
+    wraps = (n > 0) & (stride > (np.uint64(_U64) - length) // np.maximum(n, np.uint64(1)))
+    if wraps.any():
+        raise OutOfRegistrationError("a strided descriptor row runs past the end of the address space")
+    return np.stack([a[:, 0], stride * n + length, a[:, 2]], axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,20 +117,23 @@ def _as_int32(idx: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Remote:
-    name: str
-    epoch: int
+    name: str  # the peer's agent name
+    nixl: str  # the name its metadata is loaded under in NIXL: unique per load
+    epoch: int  # this backend's load counter: lists from an older load are stale
+    blob: _blob.PeerBlob
+    memory: SpanIndex  # what the peer registered, from its blob
     local: "weakref.ReferenceType[NixlBackend] | None"  # the peer's backend, when in this process
+    stale: str | None = None  # set when the peer announced it deregistered memory
 
 
 @dataclass(eq=False)
 class _Prepared:
-    """A prepared list: NIXL's handle, plus the device path's checked spans when it applies."""
-
-    handle: Any
+    nixl: Any  # NIXL's prepared-list handle (None once released)
     peer: str | None
     epoch: int
     descs: DescriptorList
     device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
+    gone: str | None = None  # why the list is unusable (its local memory was deregistered)
 
 
 @dataclass(eq=False)
@@ -148,100 +143,34 @@ class _Registration:
     device_token: int = 0
 
 
-@dataclass(eq=False)
+class _Path(Protocol):
+    sends_notification: bool
+
+    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> Any: ...
+
+    def poll(self, h: Any) -> bool: ...
+
+    def cancel(self, h: Any) -> None: ...
+
+    def kind(self, h: Any) -> str: ...
+
+
+class _Flush:
+    """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
+
+    until = 0.0
+
+
 class _Xfer:
-    """One post. ``handle`` is NIXL's; ``event`` is set instead for a device-path copy."""
+    """One post: the data path that serves it, and that path's handle."""
 
-    handle: Any
-    peer: str
-    notification: bytes | None
-    event: Any = None
-    done: bool = False
-    error: KvxferError | None = None
-    released: bool = False
-    notified: bool = False
+    __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
 
-
-class _Pump:
-    """Polls transfers that carry a notification until they finish.
-
-    NIXL sends a transfer's notification only when the *initiator* polls the transfer. A
-    prefill worker that posts a WRITE and goes back to computing would leave the decode
-    worker waiting forever; this thread keeps polling such transfers (sleeping between polls,
-    never spinning) so the notification goes out as soon as the data is there. It exists only
-    while such a transfer is pending.
-    """
-
-    def __init__(self, backend: "NixlBackend") -> None:
-        self._backend = weakref.ref(backend)
-        self._pending: set[_Xfer] = set()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self._flush_until = 0.0
-
-    def add(self, x: _Xfer) -> None:
-        with self._cond:
-            self._pending.add(x)
-            self._start()
-
-    def flush(self, seconds: float) -> None:
-        """Keep progressing NIXL for a while: a standalone notification (``genNotif``) leaves
-        the worker only when someone progresses it, and a caller that posted and went back to
-        work does not."""
-        with self._cond:
-            self._flush_until = max(self._flush_until, time.monotonic() + seconds)
-            self._start()
-
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kvxfer-nixl-notify", daemon=True)
-            self._thread.start()
-        self._cond.notify()
-
-    def discard(self, x: _Xfer) -> None:
-        with self._cond:
-            self._pending.discard(x)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._pending.clear()
-            self._cond.notify()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=5)
-
-    def _run(self) -> None:
-        delay = 20e-6
-        while True:
-            with self._cond:
-                flushing = time.monotonic() < self._flush_until
-                if not self._pending and not self._stop and not flushing:
-                    self._cond.wait(timeout=1.0)
-                    flushing = time.monotonic() < self._flush_until
-                if self._stop or not (self._pending or flushing):
-                    self._thread = None
-                    return
-                batch = list(self._pending)
-            backend = self._backend()
-            if backend is None:
-                return
-            for x in batch:
-                try:
-                    finished = backend.poll(x)
-                except KvxferError:
-                    finished = True  # the error stays on the handle for the caller's poll
-                if finished:
-                    self.discard(x)
-            if flushing:
-                try:
-                    backend._collect(blocking=False)
-                except KvxferError:
-                    pass
-            del backend
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+    def __init__(self, path: _Path, h: Any, rem: _Remote, notification: bytes | None) -> None:
+        self.path, self.h, self.rem, self.notification = path, h, rem, notification
+        self.done = self.released = self.pumped = False
+        self.error: KvxferError | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,24 +190,29 @@ class NixlBackend(Backend):
     ``num_threads`` (default 0)
         worker threads for multi-threaded NIXL plugins (UCX's ``num_threads``).
     ``device_copy`` (default True)
-        move VRAM through the core's device path (:mod:`kvxfer.cuda`: CUDA IPC handles and one
-        batched copy per post) when the peer is on this host, instead of through UCX.
+        move VRAM through the core's device path (:mod:`kvxfer.cuda`: CUDA IPC handles and
+        one batched copy per post) when the peer is on this host, instead of through UCX.
     ``device_engine`` (default ``"auto"``), ``device_copy_on`` (default ``"local"``)
         the device path's copy engine and copying GPU (see :class:`kvxfer.cuda.DevicePath`).
     ``notify_thread`` (default True)
-        keep polling notification-carrying transfers in a helper thread (see :class:`_Pump`).
+        keep polling notification-carrying transfers from a helper thread, so the
+        notification goes out without the caller polling (:class:`kvxfer.progress.Pump`).
+    ``request_descriptors`` (default :data:`DEFAULT_REQUEST_DESCRIPTORS`)
+        the most descriptors one NIXL request carries; larger posts go out piece by piece
+        from ``poll`` (see :mod:`kvxfer_nixl._xfer`).
     """
 
     name = "nixl"
 
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
-                 device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True) -> None:
-        super().__init__(agent_name, progress_thread=progress_thread, backends=tuple(backends),
-                         num_threads=num_threads, device_copy=device_copy, device_engine=device_engine,
-                         device_copy_on=device_copy_on, notify_thread=notify_thread)
-        self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
+                 device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
+                 request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS) -> None:
+        super().__init__(agent_name)
+        # The core device path (its state; DeviceCopies below is its entry in the table of paths).
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
+        self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
+        self._backends = tuple(backends)
         self._notify_thread = bool(notify_thread)
         self.capabilities = Capabilities(
             memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
@@ -291,27 +225,37 @@ class NixlBackend(Backend):
             needs_progress=not self._progress_thread,
             cross_process=True,
         )
-        cfg = _nx.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=list(backends),
+        cfg = _nx.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=list(self._backends),
                                     num_threads=int(num_threads))
         try:
             self._agent = _nx.nixl_agent(agent_name, cfg)
         except Exception as exc:
-            raise _map_error(exc, f"creating NIXL agent {agent_name!r}") from exc
-        missing = [b for b in backends if b not in self._agent.backends]
+            raise map_error(exc, f"creating NIXL agent {agent_name!r}") from exc
+        missing = [b for b in self._backends if b not in self._agent.backends]
         if missing:
             raise UnsupportedError(f"NIXL plugin(s) {missing} are not available here; "
                                    f"available: {self._agent.get_plugin_list()}")
         # NIXL agents are not thread-safe in the default sync mode; every call goes through
-        # this lock (uncontended cost ~0.1 us; the notify thread and the caller share it).
+        # this lock (the notify thread and the caller share it).
         self._lock = threading.RLock()
         self._id = os.urandom(16)
         self._remotes: dict[str, _Remote] = {}
+        self._loads = 0
         self._prepared: "weakref.WeakSet[_Prepared]" = weakref.WeakSet()
         self._registrations: list[_Registration] = []
+        self._memory = SpanIndex()
+        self._reg_epoch = 0
         self._inbox: dict[str, list[bytes]] = {}
-        self._unreleased: list[_Xfer] = []
-        self._epoch = 0
-        self._pump = _Pump(self)
+        self._collected = 0.0  # when notifications were last read
+        self._request_descriptors = max(1, int(request_descriptors))
+        self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
+        # Data paths, most specific first: post() takes the first whose test accepts the pair.
+        self._paths: list[tuple[Callable[[_Prepared, _Prepared], bool], _Path]] = [
+            (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._path)),
+            (lambda lp, rp: lp.nixl is not None and rp.nixl is not None, self._nixl_path),
+        ]
+        self._flush = _Flush()
+        self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
         self._closed = False
         _instances[self._id] = self
 
@@ -324,160 +268,225 @@ class NixlBackend(Backend):
         """Register every allocation once, one NIXL call per memory kind."""
         self._check_open()
         allocs = tuple(allocations)
+        others = {a.kind for a in allocs} - {MemoryKind.DRAM, MemoryKind.VRAM}
+        if others:
+            raise UnsupportedError(f"NIXL backend moves DRAM and VRAM only, not {sorted(map(str, others))}")
         lists: list[tuple[MemoryKind, Any]] = []
         try:
             for kind in (MemoryKind.DRAM, MemoryKind.VRAM):
                 group = [a for a in allocs if a.kind is kind]
                 if not group:
                     continue
-                # Validated here because NIXL logs bad input and returns a confusing TypeError.
+                # An N x 3 array: NIXL logs bad input of other shapes and raises a vague TypeError.
                 arr = np.array([(a.address, a.nbytes, a.device) for a in group], dtype=np.uint64)
                 with self._lock:
                     try:
-                        reg = self._agent.register_memory(arr, kind.value)
+                        lists.append((kind, self._agent.register_memory(arr, kind.value)))
                     except Exception as exc:
                         hint = (" (VRAM needs a CUDA build of NIXL and a UCX with CUDA support)"
                                 if kind is MemoryKind.VRAM else "")
-                        raise _map_error(exc, f"registering {len(group)} {kind.value} allocation(s){hint}") from exc
-                lists.append((kind, reg))
-            others = {a.kind for a in allocs} - {MemoryKind.DRAM, MemoryKind.VRAM}
-            if others:
-                raise UnsupportedError(f"NIXL backend moves DRAM and VRAM only, not {sorted(map(str, others))}")
+                        raise map_error(exc, f"registering {len(group)} {kind.value} allocation(s){hint}") from exc
         except BaseException:
-            for _, reg in lists:
-                with self._lock:
-                    try:
-                        self._agent.deregister_memory(reg)
-                    except Exception:
-                        pass
+            self._deregister_lists(lists)
             raise
-        handle = _Registration(lists, allocs, self._path.register(allocs))
+        try:
+            token = self._path.register(allocs)
+        except BaseException:
+            self._deregister_lists(lists)
+            raise
+        handle = _Registration(lists, allocs, token)
         self._registrations.append(handle)
+        self._registered_changed()
         return handle
 
     def deregister(self, handle: Any) -> None:
+        """Drop a registration: lists over it die first, then peers hear that it is gone."""
         if not isinstance(handle, _Registration) or handle not in self._registrations:
             return
         self._registrations.remove(handle)
+        self._registered_changed()
         self._path.deregister(handle.device_token)
+        for p in list(self._prepared):
+            ext = _extents(p.descs)
+            if p.peer is None and (self._memory.find(ext[:, 0], ext[:, 1], ext[:, 2], p.descs.kind) < 0).any():
+                self.release_prepared(p)
+                p.gone = "the local list lies in memory that was deregistered since it was prepared"
+        errors = self._deregister_lists(handle.lists)
+        self._announce_deregistration()
+        if errors:
+            raise map_error(errors[0], "deregistering memory")
+
+    def _deregister_lists(self, lists: list[tuple[MemoryKind, Any]]) -> list[Exception]:
         errors = []
-        for _, reg in handle.lists:
+        for _, reg in lists:
             with self._lock:
                 try:
                     self._agent.deregister_memory(reg)
                 except Exception as exc:
                     errors.append(exc)
-        if errors:
-            raise _map_error(errors[0], "deregistering memory")
+        return errors
+
+    def _registered_changed(self) -> None:
+        self._memory = SpanIndex(a for r in self._registrations for a in r.allocations)
+        self._reg_epoch += 1
+
+    def _announce_deregistration(self) -> None:
+        """Tell peers that memory they may hold keys for is gone, so they stop using it.
+
+        Peers in this process are marked at once; others receive a control notification
+        (only those this backend has added) and mark us when they next look at
+        notifications, which they also do whenever one of their transfers to us completes.
+        """
+        for other in list(_instances.values()):
+            for rem in list(other._remotes.values()):
+                if rem.local is not None and rem.local() is self:
+                    rem.stale = self._stale_reason(rem.name)
+        notice = _NOTICE.pack(_DEREGISTERED, self._id, self._reg_epoch)
+        for rem in list(self._remotes.values()):
+            with self._lock:
+                try:
+                    self._agent.send_notif(rem.nixl, notice)
+                except Exception:
+                    pass  # a peer we cannot reach cannot read from us either
+
+    @staticmethod
+    def _stale_reason(peer: str) -> str:
+        return (f"peer {peer!r} deregistered memory that lists prepared for it cover; "
+                "add it again from its fresh metadata")
 
     # -- peers --------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
-        """Header (process token, instance id) + device-path export + NIXL's agent metadata."""
+        """Header (process token, instance id, registration epoch), device export, NIXL metadata."""
         self._check_open()
         with self._lock:
             try:
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
-                raise _map_error(exc, "reading local NIXL metadata") from exc
-        dev = self._path.blob()
-        return _HEADER.pack(_MAGIC, _process["token"], self._id, len(dev)) + dev + bytes(md)
+                raise map_error(exc, "reading local NIXL metadata") from exc
+        return _blob.encode(_process["token"], self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
-        """Load the peer's NIXL metadata; a name already known is removed first (restart)."""
+        """Load a peer's metadata; a known name is replaced only once the new load succeeded.
+
+        Only :class:`~kvxfer.errors.KvxferError` leaves this method, and a failure leaves the
+        peer as it was. The blob is validated completely before NIXL sees it
+        (:mod:`kvxfer_nixl._blob`), and each load gets a fresh NIXL name: NIXL keeps the
+        connection of a blob it refused halfway under the name it was loaded with, which
+        would otherwise block that peer for good.
+        """
         self._check_open()
-        if not isinstance(blob, (bytes, bytearray)) or len(blob) <= _HEADER.size:
-            raise MetadataError(f"NIXL connection blob of {peer_name!r} is too short ({len(blob)} bytes)")
-        magic, token, inst, dev_len = _HEADER.unpack_from(blob)
-        if magic != _MAGIC:
-            raise MetadataError(f"peer {peer_name!r} did not send a kvxfer NIXL blob (bad magic {magic!r})")
-        if _HEADER.size + dev_len >= len(blob):
-            raise MetadataError(f"NIXL connection blob of {peer_name!r} is truncated")
-        dev = bytes(blob[_HEADER.size:_HEADER.size + dev_len])
-        _device_blob.decode(dev)  # validated before NIXL sees anything
-        md = bytes(blob[_HEADER.size + dev_len:])
-        if peer_name in self._remotes:
-            self.remove_remote(peer_name)
-        with self._lock:
+        try:
+            if not isinstance(peer_name, str):
+                raise MetadataError(f"peer name must be a str, got {type(peer_name).__name__}")
             try:
-                try:
-                    name = self._agent.add_remote_agent(md)
-                except _nb.nixlNotAllowedError:
-                    # NIXL still knows the name (a restarted peer we never removed).
-                    self._agent.remove_remote_agent(peer_name)
-                    name = self._agent.add_remote_agent(md)
-            except Exception as exc:
-                err = _map_error(exc, f"loading NIXL metadata of {peer_name!r}")
-                raise MetadataError(str(err)) from exc
-        name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
-        if name != peer_name:
+                peer_name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise MetadataError(f"peer name {peer_name!r} is not valid Unicode") from None
+            parsed = _blob.parse(blob, peer_name, self._backends)
+            try:
+                memory = SpanIndex(parsed.allocations())
+            except KvxferError as exc:
+                raise MetadataError(f"memory published by {peer_name!r} is invalid: {exc}") from None
+            self._loads += 1
+            alias = f"{peer_name}#{self._loads}"
             with self._lock:
                 try:
-                    self._agent.remove_remote_agent(name)
+                    loaded = self._agent.add_remote_agent(parsed.nixl_metadata(alias))
+                except Exception as exc:
+                    raise MetadataError(f"NIXL refused the metadata of {peer_name!r}: {map_error(exc, 'loading')}") \
+                        from exc
+            if (loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)) != alias:
+                raise MetadataError(f"NIXL loaded {loaded!r} instead of {alias!r}")  # pragma: no cover
+        except KvxferError:
+            raise
+        except Exception as exc:  # nothing untyped may escape a call that takes network input
+            raise MetadataError(f"could not load the NIXL metadata of {peer_name!r}: {exc!r}") from exc
+        try:
+            self._path.add_peer(peer_name, parsed.device)  # replaces the old route, if any
+        except Exception as exc:
+            with self._lock:
+                try:
+                    self._agent.remove_remote_agent(alias)
                 except Exception:
                     pass
-            raise MetadataError(f"NIXL metadata names agent {name!r}, but the kvxfer metadata names {peer_name!r}")
+            raise MetadataError(f"the device path refused {peer_name!r}: {exc}") from exc
         local = None
-        if token == _process["token"]:
-            other = _instances.get(inst)
-            if other is not None and other is not self:
-                local = weakref.ref(other)
-        self._epoch += 1
-        self._remotes[name] = _Remote(name, self._epoch, local)
-        self._path.add_peer(name, dev)
-        return name
+        other = _instances.get(parsed.instance) if parsed.token == _process["token"] else None
+        if other is not None and other is not self and other.agent_name == peer_name:
+            local = weakref.ref(other)
+        old = self._remotes.get(peer_name)
+        self._remotes[peer_name] = _Remote(peer_name, alias, self._loads, parsed, memory, local)
+        if old is not None:
+            try:
+                self._unload(old)
+            except KvxferError:
+                pass  # the old incarnation is gone either way
+        return peer_name
 
     def remove_remote(self, peer: str) -> None:
         """Disconnect; NIXL invalidates every list prepared for the peer, so we release ours."""
         rem = self._remotes.pop(peer, None)
-        if rem is None:
-            return
-        self._path.remove_peer(peer)
+        if rem is not None:
+            self._path.remove_peer(peer)
+            self._unload(rem)
+
+    def _unload(self, rem: _Remote) -> None:
         for p in list(self._prepared):
-            if p.peer == peer:
+            if p.peer == rem.name and p.epoch == rem.epoch:
                 self.release_prepared(p)
         with self._lock:
             try:
-                self._agent.remove_remote_agent(peer)
+                self._agent.remove_remote_agent(rem.nixl)
             except _nb.nixlNotFoundError:
                 pass
             except Exception as exc:
-                raise _map_error(exc, "removing peer", peer) from exc
+                raise map_error(exc, "removing peer", rem.name) from exc
 
     # -- descriptor lists ----------------------------------------------------------------
     def prepare(self, peer: str | None, descs: DescriptorList) -> _Prepared:
-        """``prep_xfer_dlist`` once; N x 5 strided rows go to NIXL as they are (much cheaper)."""
+        """``prep_xfer_dlist`` once, after checking the list against registered memory.
+
+        Local lists must lie in our registrations, a peer's lists in what its blob says it
+        registered: :class:`~kvxfer.errors.OutOfRegistrationError` otherwise. N x 5 strided
+        rows go to NIXL as they are (much cheaper to prepare than expanded rows).
+        """
         self._check_open()
         if descs.kind not in (MemoryKind.DRAM, MemoryKind.VRAM):
             raise UnsupportedError(f"NIXL backend cannot move {descs.kind} memory")
+        rem = None
         if peer is None:
-            target, epoch, rem = _LOCAL_AGENT, 0, None
+            target, epoch = _LOCAL_AGENT, 0
+            self._memory.check(_extents(descs), descs.kind, f"local list of {self.agent_name!r}")
         else:
             rem = self._remotes.get(peer)
             if rem is None:
                 raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}; add it first")
-            target, epoch = peer, rem.epoch
+            if rem.stale:
+                raise StalePeerError(rem.stale)
+            rem.memory.check(_extents(descs), descs.kind, f"list for peer {peer!r}")
+            target, epoch = rem.nixl, rem.epoch
         device = self._path.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
-        handle = None
+        p = _Prepared(None, peer, epoch, descs, device)
         if len(descs):
             with self._lock:
                 try:
-                    handle = self._agent.prep_xfer_dlist(target, descs.array, descs.kind.value)
+                    p.nixl = self._agent.prep_xfer_dlist(target, descs.array, descs.kind.value)
                 except Exception as exc:
                     # Two agents of one process: UCX may refuse, the device path still serves it.
                     if device is None or rem is None:
-                        raise _map_error(exc, f"preparing {len(descs)} {descs.kind.value} descriptors", peer) from exc
-        p = _Prepared(handle, peer, epoch, descs, device)
+                        raise map_error(exc, f"preparing {len(descs)} {descs.kind.value} descriptors", peer) from exc
         self._prepared.add(p)
         return p
 
     def release_prepared(self, prepared: Any) -> None:
-        if not isinstance(prepared, _Prepared) or prepared.handle is None:
-            return
-        h, prepared.handle = prepared.handle, None
-        self._prepared.discard(prepared)
-        if self._closed:
+        if not isinstance(prepared, _Prepared):
             return
         with self._lock:
+            h, prepared.nixl = prepared.nixl, None
+            prepared.device = None
+            self._prepared.discard(prepared)
+            if h is None or self._closed:
+                return
             try:
                 self._agent.release_dlist_handle(h)
             except Exception:
@@ -486,42 +495,32 @@ class NixlBackend(Backend):
     # -- transfers ----------------------------------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None) -> _Xfer:
-        """``make_prepped_xfer`` with int32 indices, then ``transfer``; nothing else on the hot path."""
+        """Check the lists are current, pick the data path, start it."""
         self._check_open()
         if not isinstance(local, _Prepared) or not isinstance(remote, _Prepared):
             raise BackendError("post() needs lists returned by this backend's prepare()")
         if local.peer is not None:
             raise BackendError("the local list was prepared for a peer; prepare it with peer=None")
+        if local.gone:
+            raise OutOfRegistrationError(local.gone)
         rem = self._remotes.get(remote.peer or "")
         if rem is None or rem.epoch != remote.epoch:
             raise StalePeerError(f"the remote list was prepared for {remote.peer!r}, which was removed or re-added "
                                  "since; prepare it again")
-        li, ri = _as_int32(local_idx), _as_int32(remote_idx)
+        if rem.stale:
+            raise StalePeerError(rem.stale)
+        li, ri = as_int32(local_idx), as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        if local.device is not None and remote.device is not None:
-            x = _Xfer(None, rem.name, notification, event=self._path.post(op, local.device, li, remote.device, ri))
-            if notification and self._notify_thread:
-                self._pump.add(x)
-            return x
-        if local.handle is None or remote.handle is None:
+        for serves, path in self._paths:
+            if serves(local, remote):
+                break
+        else:
             raise BackendError("descriptor list was released or is empty")
-        with self._lock:
-            try:
-                h = self._agent.make_prepped_xfer(op.value, local.handle, li, remote.handle, ri, notification or b"")
-            except Exception as exc:
-                raise _map_error(exc, f"creating a {op.value} of {li.shape[0]} descriptors", rem.name) from exc
-            try:
-                state = self._agent.transfer(h)
-            except Exception as exc:
-                self._release_handle(h)
-                raise _map_error(exc, f"posting a {op.value} of {li.shape[0]} descriptors", rem.name) from exc
-        if state == "ERR":
-            self._release_handle(h)
-            raise BackendError(f"NIXL refused to post a {op.value} of {li.shape[0]} descriptors to {rem.name!r}")
-        x = _Xfer(h, rem.name, notification)
-        if notification and self._notify_thread:
-            self._pump.add(x)
+        x = _Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
+        if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
+            x.pumped = True
+            self._pump.add(x)  # notifications (and later pieces) go out without the caller polling
         return x
 
     def poll(self, xfer: Any) -> bool:
@@ -533,80 +532,82 @@ class NixlBackend(Backend):
             raise x.error
         if x.released:
             raise TransferCancelledError("transfer was released")
-        if x.event is not None:
-            try:
-                finished = self._path.poll(x.event)
-            except KvxferError as exc:
-                x.error = exc
-                raise
-        else:
-            with self._lock:
-                if x.released:  # released by another thread: never touch a freed handle
-                    raise TransferCancelledError("transfer was released")
-                try:
-                    state = self._agent.check_xfer_state(x.handle)
-                except Exception as exc:
-                    x.error = _map_error(exc, "transfer failed", x.peer)
-                    raise x.error from exc
-            if state == "ERR":
-                x.error = BackendError(f"NIXL reported a failed transfer with {x.peer!r}")
-                raise x.error
-            finished = state == "DONE"
-        if finished:
-            if x.event is not None and x.notification and not x.notified:
-                self._send_notif(x.peer, x.notification)
-                if self._notify_thread:
-                    self._pump.flush(_NOTIF_FLUSH_S)
-            x.notified = True
-            x.done = True
-            return True
+        try:
+            finished = x.path.poll(x.h)
+            if finished:
+                return self._finish(x)
+        except KvxferError as exc:
+            x.error = exc
+            raise
         if not self._progress_thread:
             self._progress_local_peers()
         return False
 
-    def release(self, xfer: Any) -> None:
-        """Forget a transfer; NIXL aborts it if still pending. Never raises."""
-        x: _Xfer = xfer
+    def _finish(self, x: _Xfer) -> bool:
+        """Refuse DONE for a peer known to have deregistered; notify for paths that do not."""
+        now = time.monotonic()
+        if now - self._collected > _COLLECT_EVERY:
+            try:
+                self._collect()  # a deregistration notice may have come in with the data
+            except KvxferError:
+                pass  # reported by the next progress(); the transfer itself completed
+        if x.rem.stale:
+            raise StalePeerError(f"transfer with {x.rem.name!r} may have moved stale bytes: {x.rem.stale}")
         if x.notification:
-            self._pump.discard(x)
-        with self._lock:  # the notify thread checks ``released`` under the same lock
-            if x.released:
-                return
-            x.released = True
-            if x.event is not None:
-                self._path.release(x.event)  # a device copy cannot be aborted; it ends in milliseconds
-                return
-            if not self._release_handle(x.handle):
-                self._unreleased.append(x)
+            if not x.path.sends_notification:
+                with self._lock:  # the notify thread may finish the same transfer
+                    if not x.done:
+                        self._send_notif(x.rem, x.notification)
+                        x.done = True
+            self._flush_soon()  # a sent notification may still wait in the worker for progress
+        x.done = True
+        return True
 
     def data_path(self, xfer: Any) -> str | None:
         """``"cuda-ipc"`` or ``"same-process"`` for device-path copies, else ``"nixl"``."""
         x: _Xfer = xfer
-        return x.event.kind if x.event is not None else "nixl"
+        return x.path.kind(x.h)
 
-    def _release_handle(self, h: Any) -> bool:
-        with self._lock:
+    def _pumped(self, h: Any) -> bool:
+        """What the notify thread polls: transfers, and the flush after a standalone notification."""
+        if h is self._flush:
             try:
-                self._agent.release_xfer_handle(h)
-                return True
-            except Exception:
-                return False  # NIXL is still aborting it; retried by progress() and close()
+                self._collect(blocking=False)
+            except KvxferError:
+                pass
+            return time.monotonic() >= self._flush.until
+        return self.poll(h)
+
+    def _flush_soon(self) -> None:
+        if self._notify_thread:
+            self._flush.until = time.monotonic() + _NOTIF_FLUSH_S
+            self._pump.add(self._flush)
+
+    def release(self, xfer: Any) -> None:
+        """Forget a transfer; a pending one is aborted (or, for a device copy, waited for)."""
+        x: _Xfer = xfer
+        if x.released:
+            return
+        x.released = True  # poll() refuses it from now on; the path guards its own handles
+        if x.pumped:
+            self._pump.discard(x)
+        x.path.cancel(x.h)
 
     # -- notifications ------------------------------------------------------------------
-    def _send_notif(self, peer: str, message: bytes) -> None:
+    def _send_notif(self, rem: _Remote, message: bytes) -> None:
         with self._lock:
             try:
-                self._agent.send_notif(peer, message)
+                self._agent.send_notif(rem.nixl, message)
             except Exception as exc:
-                raise _map_error(exc, "sending a notification", peer) from exc
+                raise map_error(exc, "sending a notification", rem.name) from exc
 
     def notify(self, peer: str, message: bytes) -> None:
         self._check_open()
-        if peer not in self._remotes:
+        rem = self._remotes.get(peer)
+        if rem is None:
             raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}")
-        self._send_notif(peer, bytes(message))
-        if self._notify_thread:
-            self._pump.flush(_NOTIF_FLUSH_S)
+        self._send_notif(rem, bytes(message))
+        self._flush_soon()
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
         self._check_open()
@@ -616,30 +617,45 @@ class NixlBackend(Backend):
         return out
 
     def _collect(self, blocking: bool = True) -> None:
+        """Move NIXL's new notifications into the inbox, acting on control notices."""
         if not self._lock.acquire(blocking=blocking):
             return
         try:
             if self._closed:
                 return
+            self._collected = time.monotonic()
             try:
                 new = self._agent.get_new_notifs()
             except Exception as exc:
-                raise _map_error(exc, "reading notifications") from exc
+                raise map_error(exc, "reading notifications") from exc
             for k, v in new.items():
-                key = k.decode() if isinstance(k, (bytes, bytearray)) else str(k)
-                self._inbox.setdefault(key, []).extend(bytes(m) for m in v)
+                key = k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)
+                msgs = [bytes(m) for m in v]
+                if any(m.startswith(_DEREGISTERED) for m in msgs):
+                    msgs = [m for m in msgs if not self._notice(key, m)]
+                if msgs:
+                    self._inbox.setdefault(key, []).extend(msgs)
         finally:
             self._lock.release()
 
+    def _notice(self, sender: str, msg: bytes) -> bool:
+        """True if ``msg`` is a deregistration notice (acted upon if it concerns a known peer)."""
+        if len(msg) != _NOTICE.size or not msg.startswith(_DEREGISTERED):
+            return False
+        _, instance, epoch = _NOTICE.unpack(msg)
+        rem = self._remotes.get(sender)
+        if rem is not None and rem.blob.instance == instance and epoch > rem.blob.reg_epoch:
+            rem.stale = self._stale_reason(sender)
+        return True
+
     def progress(self) -> None:
-        """Drive NIXL once (receiving notifications drives the UCX worker) and retry releases."""
+        """Drive NIXL once (reading notifications drives the UCX worker) and retry releases."""
         if self._closed:
             return
         self._collect()
         if not self._progress_thread:
             self._progress_local_peers()
-        if self._unreleased:
-            self._unreleased = [x for x in self._unreleased if not self._release_handle(x.handle)]
+        self._nixl_path.reap()
 
     def _progress_local_peers(self) -> None:
         """Progress peers of this process: nobody else drives them when the thread is off.
@@ -667,9 +683,7 @@ class NixlBackend(Backend):
                 pass
         for p in list(self._prepared):
             self.release_prepared(p)
-        for x in self._unreleased:
-            self._release_handle(x.handle)
-        self._unreleased.clear()
+        self._nixl_path.reap()
         for reg in list(self._registrations):
             try:
                 self.deregister(reg)
@@ -680,6 +694,7 @@ class NixlBackend(Backend):
         _instances.pop(self._id, None)
         with self._lock:
             self._agent = None  # the C++ agent is destroyed with its last reference
+            self._nixl_path.close()
 
     def _check_open(self) -> None:
         if self._closed:

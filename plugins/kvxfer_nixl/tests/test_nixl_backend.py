@@ -134,7 +134,7 @@ def test_same_process_vram_uses_device_copy() -> None:
         b.register({"layer.0": dst[:, :512], "layer.1": dst[:, 512:]}, replicated=True)
         peer = b.add_peer(a.metadata())
         t = b.read(peer, [1, 5], [6, 0]).wait(20)
-        assert t.stats.path == "same-process", b.backend._path.route(peer)
+        assert t.stats.path == "same-process", b.backend._path.route(peer)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         assert torch.equal(dst[1], src[6]) and torch.equal(dst[5], src[0])
         keep = [i for i in range(8) if i not in (1, 5)]
@@ -226,7 +226,8 @@ def test_lists_prepared_before_a_restart_are_stale(pair: Any) -> None:
 
 
 @needs_nixl
-@pytest.mark.parametrize("blob", [b"", b"short", b"NOTKVXFR" + bytes(32) + b"md", b"KVXNIXL1" + bytes(32) + b"junk"])
+@pytest.mark.parametrize("blob", [b"", b"short", b"NOTKVXFR" + bytes(44) + b"md", b"KVXNIXL2" + bytes(36) + b"junk",
+                                  b"KVXNIXL3" + bytes(44) + b"junk", b"KVXNIXL3" + bytes(44) + b"nixlSerDes|"])
 def test_bad_connection_blob_is_metadata_error(pair: Any, blob: bytes) -> None:
     _, b, _, _ = pair
     with pytest.raises(MetadataError):
@@ -285,6 +286,8 @@ def test_error_mapping_covers_every_nixl_exception() -> None:
         UnsupportedError,
     )
 
+    from kvxfer_nixl._errors import map_error
+
     B = nb._nb
     expect = {
         "nixlRemoteDisconnectError": PeerDisconnectedError,
@@ -296,12 +299,12 @@ def test_error_mapping_covers_every_nixl_exception() -> None:
     }
     for name in [n for n in dir(B) if n.startswith("nixl") and n.endswith("Error")]:
         exc = getattr(B, name)("boom")
-        err = nb._map_error(exc, "testing", "peer-x")
+        err = map_error(exc, "testing", "peer-x")
         assert isinstance(err, KvxferError) and err.__cause__ is exc
         if name in expect:
             assert isinstance(err, expect[name]), name
-    assert isinstance(nb._map_error(B.nixlNotFoundError("x"), "testing"), BackendError)  # no peer involved
-    assert isinstance(nb._map_error(TypeError("bad"), "testing"), BackendError)
+    assert isinstance(map_error(B.nixlNotFoundError("x"), "testing"), BackendError)  # no peer involved
+    assert isinstance(map_error(TypeError("bad"), "testing"), BackendError)
 
 
 @needs_nixl

@@ -1,0 +1,216 @@
+"""The NIXL backend's connection blob: a kvxfer header, the device path's export, NIXL's metadata.
+
+The blob arrives from the network and its NIXL part is handed to C++ (NIXL, then UCX) that
+trusts it. So it is parsed completely here first, record by record, exactly as NIXL will
+read it, and refused with :class:`~kvxfer.errors.MetadataError` unless every length is
+bounded, every record is where NIXL expects it, the embedded agent name is the peer's name,
+and nothing follows the last record. What reaches NIXL is then re-serialized from the
+parsed fields, never the received bytes, under a name this backend picks.
+
+Checking everything NIXL checks matters beyond crashes: NIXL loads a blob in steps
+(connection first, then memory), and a blob refused after the first step leaves the
+connection behind under the peer's name (see :mod:`kvxfer_nixl.backend` for how that is
+contained). What no parser here can check is the inside of the two opaque payloads that
+go to UCX: the worker address and the remote keys. Those are only as trustworthy as the
+channel that delivered them (kvxfer's side channel can authenticate it).
+
+Layout of NIXL's metadata (NIXL 1.5; one record = tag, native ``size_t`` length, payload,
+``|``)::
+
+    "nixlSerDes|"
+    Agent <name>  Conns <u64 n>  n x (t <backend>  c <connection info>)
+    "" "MemSection"  nixlSecElms <u64 m>
+    m x (bknd <backend>  nixlDList "nixlSDList"  t <u32 mem type>  n <u64 k>
+         k x ("" <u64 addr, u64 len, u64 device, remote key>))
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+from kvxfer.cuda import blob as device_blob
+from kvxfer.errors import MetadataError
+from kvxfer.memory import Allocation, MemoryKind
+
+__all__ = ["HEADER", "PeerBlob", "Section", "encode", "parse"]
+
+MAGIC = b"KVXNIXL3"
+#: magic, process token, instance id, registration epoch, length of the device path's export
+#: (little-endian like NIXL's own)
+HEADER = struct.Struct("<8s16s16sQI")
+
+MAX_BLOB = 4 << 20
+MAX_NAME = 256
+MAX_CONNS = 8
+MAX_CONN_INFO = 1 << 16
+MAX_SECTIONS = 16
+MAX_DESCS = 1 << 16
+MAX_KEY = 1 << 16
+
+_SERDES = b"nixlSerDes|"
+_LEN = struct.Struct("<Q")
+_DESC = struct.Struct("<QQQ")
+_U32 = struct.Struct("<I")
+_KINDS = {0: MemoryKind.DRAM, 1: MemoryKind.VRAM}  # NIXL's DRAM_SEG, VRAM_SEG
+_CODES = {k: c for c, k in _KINDS.items()}
+_BACKEND = re.compile(rb"[A-Za-z0-9_]{1,32}")
+_UCX_ADDRESS_VERSIONS = (0, 1)  # low nibble of a UCX worker address's first byte
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Section:
+    """Registered memory of one kind, as the peer's NIXL backend ``backend`` publishes it."""
+
+    backend: str
+    kind: MemoryKind
+    descs: tuple[tuple[int, int, int, bytes], ...]  # (address, nbytes, device, remote key)
+
+
+@dataclass(frozen=True)
+class PeerBlob:
+    """A validated blob: who sent it, how to reach it, and what memory it registered."""
+
+    token: bytes  # random per process: equal to ours means the peer lives in this process
+    instance: bytes  # random per backend instance
+    reg_epoch: int  # the sender's registration epoch when it wrote the blob
+    device: bytes  # the device path's export (kvxfer.cuda.blob), already validated
+    conns: tuple[tuple[str, bytes], ...]  # (NIXL backend, connection info)
+    sections: tuple[Section, ...]
+
+    def allocations(self) -> tuple[Allocation, ...]:
+        """Every registered span of the peer: what a remote list must stay inside."""
+        return tuple(Allocation(a, n, s.kind, d) for s in self.sections for a, n, d, _ in s.descs)
+
+    def nixl_metadata(self, agent_name: str) -> bytes:
+        """NIXL metadata rebuilt from the parsed fields, naming the agent ``agent_name``."""
+        out = [_SERDES, _record(b"Agent", agent_name.encode()), _record(b"Conns", _LEN.pack(len(self.conns)))]
+        for backend, info in self.conns:
+            out += [_record(b"t", backend.encode()), _record(b"c", info)]
+        out += [_record(b"", b"MemSection"), _record(b"nixlSecElms", _LEN.pack(len(self.sections)))]
+        for s in self.sections:
+            out += [_record(b"bknd", s.backend.encode()), _record(b"nixlDList", b"nixlSDList"),
+                    _record(b"t", _U32.pack(_CODES[s.kind])), _record(b"n", _LEN.pack(len(s.descs)))]
+            out += [_record(b"", _DESC.pack(a, n, d) + key) for a, n, d, key in s.descs]
+        return b"".join(out)
+
+
+def encode(token: bytes, instance: bytes, reg_epoch: int, device: bytes, nixl_md: bytes) -> bytes:
+    return HEADER.pack(MAGIC, token, instance, reg_epoch, len(device)) + device + nixl_md
+
+
+def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
+    """Validate ``blob`` from ``peer_name`` for an agent running NIXL ``backends``."""
+    if not isinstance(blob, (bytes, bytearray)):
+        raise MetadataError(f"NIXL connection blob of {peer_name!r} must be bytes")
+    if not HEADER.size < len(blob) <= MAX_BLOB:
+        raise MetadataError(f"NIXL connection blob of {peer_name!r} has {len(blob)} bytes; "
+                            f"expected {HEADER.size + 1} to {MAX_BLOB}")
+    magic, token, instance, reg_epoch, dev_len = HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise MetadataError(f"peer {peer_name!r} did not send a kvxfer NIXL blob of this version "
+                            f"(magic {magic!r}, expected {MAGIC!r}); run the same kvxfer on both sides")
+    if HEADER.size + dev_len >= len(blob):
+        raise MetadataError(f"NIXL connection blob of {peer_name!r} is truncated")
+    device = bytes(blob[HEADER.size:HEADER.size + dev_len])
+    device_blob.decode(device)  # MetadataError unless well-formed
+    r = _Reader(bytes(blob[HEADER.size + dev_len:]), peer_name)
+    r.expect(_SERDES)
+    name = r.field(b"Agent", MAX_NAME)
+    if name != peer_name.encode("utf-8"):
+        raise MetadataError(f"NIXL metadata names agent {name[:64]!r}, but the kvxfer metadata names "
+                            f"{peer_name!r}")
+    conns: list[tuple[str, bytes]] = []
+    for _ in range(r.count(b"Conns", 1, MAX_CONNS)):
+        backend = r.backend(b"t")
+        if any(backend == b for b, _ in conns):
+            raise MetadataError(f"NIXL metadata of {peer_name!r} lists backend {backend!r} twice")
+        info = r.field(b"c", MAX_CONN_INFO, empty=False)
+        if backend == "UCX" and info[0] & 0x0F not in _UCX_ADDRESS_VERSIONS:
+            raise MetadataError(f"NIXL metadata of {peer_name!r}: UCX worker address of unknown version "
+                                f"{info[0] & 0x0F}")  # UCX aborts the process on one
+        conns.append((backend, info))
+    if not any(b in backends for b, _ in conns):
+        raise MetadataError(f"peer {peer_name!r} offers NIXL backends {[b for b, _ in conns]}, none of {list(backends)}")
+    if r.field(b"", 10) != b"MemSection":
+        raise MetadataError(f"NIXL metadata of {peer_name!r}: memory section missing")
+    sections: list[Section] = []
+    for _ in range(r.count(b"nixlSecElms", 0, MAX_SECTIONS)):
+        sections.append(_section(r, {b for b, _ in conns}, sections))
+    if r.pos != len(r.data):
+        raise MetadataError(f"NIXL metadata of {peer_name!r} has {len(r.data) - r.pos} bytes after its last record")
+    return PeerBlob(token, instance, reg_epoch, device, tuple(conns), tuple(sections))
+
+
+def _section(r: "_Reader", conn_backends: set[str], seen: list[Section]) -> Section:
+    backend = r.backend(b"bknd")
+    if backend not in conn_backends:
+        raise MetadataError(f"NIXL metadata of {r.peer!r}: memory of backend {backend!r} without its connection")
+    if r.field(b"nixlDList", 16) != b"nixlSDList":
+        raise MetadataError(f"NIXL metadata of {r.peer!r}: unknown descriptor list type")
+    code = _U32.unpack(r.field(b"t", 4, exact=4))[0]
+    if code not in _KINDS:
+        raise MetadataError(f"NIXL metadata of {r.peer!r}: memory type {code} is neither DRAM nor VRAM")
+    kind = _KINDS[code]
+    if any(s.backend == backend and s.kind is kind for s in seen):
+        raise MetadataError(f"NIXL metadata of {r.peer!r}: two {kind.value} sections for {backend!r}")
+    descs = []
+    spans = set()
+    for _ in range(r.count(b"n", 1, MAX_DESCS)):
+        raw = r.field(b"", _DESC.size + MAX_KEY)
+        if len(raw) <= _DESC.size:
+            raise MetadataError(f"NIXL metadata of {r.peer!r}: a {kind.value} descriptor has no remote key")
+        addr, nbytes, device = _DESC.unpack_from(raw)
+        if nbytes == 0 or addr + nbytes > _U64 or device >= 1 << 31:
+            raise MetadataError(f"NIXL metadata of {r.peer!r}: bad {kind.value} span ({addr:#x}, {nbytes}, "
+                                f"device {device})")
+        if (addr, nbytes, device) in spans:
+            raise MetadataError(f"NIXL metadata of {r.peer!r}: span {addr:#x}+{nbytes} listed twice")
+        spans.add((addr, nbytes, device))
+        descs.append((addr, nbytes, device, raw[_DESC.size:]))
+    return Section(backend, kind, tuple(descs))
+
+
+class _Reader:
+    """A cursor over NIXL records that refuses anything NIXL would misread."""
+
+    def __init__(self, data: bytes, peer: str) -> None:
+        self.data, self.pos, self.peer = data, 0, peer
+
+    def _bad(self, what: str) -> MetadataError:
+        return MetadataError(f"NIXL metadata of {self.peer!r} is malformed at byte {self.pos}: {what}")
+
+    def expect(self, raw: bytes) -> None:
+        if self.data[self.pos:self.pos + len(raw)] != raw:
+            raise self._bad(f"expected {raw!r}")
+        self.pos += len(raw)
+
+    def field(self, tag: bytes, limit: int, *, exact: int | None = None, empty: bool = True) -> bytes:
+        self.expect(tag)
+        if self.pos + _LEN.size > len(self.data):
+            raise self._bad(f"record {tag!r} is cut short")
+        (n,) = _LEN.unpack_from(self.data, self.pos)
+        start = self.pos + _LEN.size
+        if n > limit or (exact is not None and n != exact) or (not empty and n == 0) \
+                or start + n + 1 > len(self.data) or self.data[start + n] != 0x7C:  # "|"
+            raise self._bad(f"record {tag!r} has a bad length ({n})")
+        self.pos = start + n + 1
+        return self.data[start:start + n]
+
+    def count(self, tag: bytes, lo: int, hi: int) -> int:
+        (n,) = _LEN.unpack(self.field(tag, 8, exact=8))
+        if not lo <= n <= hi:
+            raise self._bad(f"{tag.decode()} = {n}, expected {lo} to {hi}")
+        return int(n)
+
+    def backend(self, tag: bytes) -> str:
+        raw = self.field(tag, 32)
+        if not _BACKEND.fullmatch(raw):
+            raise self._bad(f"backend name {raw!r} is not an identifier")
+        return raw.decode("ascii")
+
+
+def _record(tag: bytes, payload: bytes) -> bytes:
+    return tag + _LEN.pack(len(payload)) + payload + b"|"
