@@ -8,8 +8,8 @@ extension would save roughly a microsecond per descriptor and cost a build toolc
 Struct layouts follow the UCX 1.21 headers shipped inside the wheel (``libucx/include``);
 1.22 only appends fields to :class:`RequestParam`, which we carry as zeroed padding so the
 struct is at least as large as the library expects. Every field the library reads is selected
-by a ``field_mask`` bit, so unused fields stay zero. ``tests/test_ucx.py`` compiles a C program
-against the installed headers (when a compiler and the headers exist) and checks every
+by a ``field_mask`` bit, so unused fields stay zero. ``plugins/kvxfer_ucx/tests/test_ucx_backend.py`` compiles a C
+program against the installed headers (when a compiler and the headers exist) and checks every
 offset here against ``offsetof``.
 
 Nothing here is imported by ``kvxfer_ucx/__init__``: listing backends must not dlopen UCX.
@@ -57,7 +57,7 @@ UCP_FEATURE_RMA = 1 << 1
 UCP_FEATURE_AM = 1 << 6
 
 UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
-UCS_THREAD_MODE_SINGLE = 0
+UCS_THREAD_MODE_SERIALIZED = 1
 
 UCP_WORKER_ATTR_FIELD_ADDRESS = 1 << 1
 
@@ -277,24 +277,6 @@ class Lib:
     def check(self, call: str, status: int) -> None:
         if status != UCS_OK:
             raise UcxStatusError(call, status, self.status_string(status))
-
-    def wait(self, worker: int, req: int | None, call: str, spins: int = 10_000_000) -> int:
-        """Drive ``worker`` until ``req`` (a ``ucs_status_ptr_t``) completes; returns its status.
-
-        Used only on setup and teardown paths (flushes at close, ep close), never for transfers.
-        """
-        st = status_of_ptr(req)
-        if st != UCS_INPROGRESS:
-            return st
-        for _ in range(spins):
-            self.ucp_worker_progress(worker)
-            st = self.ucp_request_check_status(req)
-            if st != UCS_INPROGRESS:
-                break
-        else:
-            self.ucp_request_cancel(worker, req)
-        self.ucp_request_free(req)
-        return st
 
 
 _LIB: Lib | None = None
