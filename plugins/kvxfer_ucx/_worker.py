@@ -16,7 +16,7 @@ import ctypes
 import time
 from typing import Any, Callable
 
-from kvxfer.errors import BackendError, BackendUnavailableError, PeerDisconnectedError
+from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
 
 from . import _libucp as L
 
@@ -39,6 +39,20 @@ def _ptr(handle: ctypes.c_void_p, call: str) -> int:
     if not handle.value:
         raise BackendError(f"ucx backend: {call} succeeded but returned a NULL handle")
     return int(handle.value)
+
+
+def _rkey_shape(packed: bytes) -> tuple[bytes, list[int], int] | None:
+    """Header (MD map and memory type), per-MD key sizes and length of a packed remote key;
+    None when the sizes run past the end."""
+    if len(packed) < 9:
+        return None
+    md_map, pos, sizes = int.from_bytes(packed[:8], "little"), 9, []
+    for _ in range(bin(md_map).count("1")):
+        if pos >= len(packed):
+            return None
+        sizes.append(packed[pos])
+        pos += 1 + packed[pos]
+    return (packed[:9], sizes, len(packed)) if pos <= len(packed) else None
 
 
 class Worker:
@@ -67,6 +81,7 @@ class Worker:
         self.address = self._query_address()
         self.param = L.RequestParam()  # all-zero: no callback, default datatype
         self.param_ref = ctypes.byref(self.param)
+        self._rkey_shape = self._own_rkey_shape()
         self.version = ".".join(map(str, self.lib.version))
 
     def _check(self, call: str, status: int) -> None:
@@ -176,7 +191,23 @@ class Worker:
     def mem_unmap(self, memh: int) -> None:
         self.lib.ucp_mem_unmap(self.ctx, memh)
 
+    def _own_rkey_shape(self) -> tuple[bytes, list[int], int]:
+        """``(header, per-MD key sizes, length)`` of a key this worker packs for host memory."""
+        probe = ctypes.create_string_buffer(64)
+        memh, packed = self.mem_map(ctypes.addressof(probe), 64)
+        self.mem_unmap(memh)
+        shape = _rkey_shape(packed)
+        if shape is None:
+            raise BackendError("ucx backend: this UCX packs remote keys in an unknown format")
+        return shape
+
     def unpack_rkey(self, ep: int, packed: bytes) -> int:
+        """Unpack a peer's remote key. ``ucp_ep_rkey_unpack`` takes no length and trusts the
+        bytes, so a key must first have exactly the shape of the ones this worker packs (same
+        UCX build and transports on both sides); that stops accidents, not forgery."""
+        if _rkey_shape(packed) != self._rkey_shape:
+            raise MetadataError("ucx metadata: a remote key does not have the shape this UCX packs (corrupt, or "
+                                "packed by a different UCX build or transport set)")
         rk = ctypes.c_void_p()
         st = self.lib.ucp_ep_rkey_unpack(ep, packed, ctypes.byref(rk))
         if st != L.UCS_OK:
@@ -188,7 +219,14 @@ class Worker:
 
     # -- endpoints ------------------------------------------------------------------------------
     def connect(self, worker_address: bytes) -> int:
-        """An endpoint to a peer's worker, in error mode PEER with our error callback."""
+        """An endpoint to a peer's worker, in error mode PEER with our error callback.
+
+        UCX parses ``worker_address`` without defending itself: only an authenticated blob
+        is safe. The one check here (the format version nibble, which UCX asserts on and
+        aborts the process for) is a guard against accidents, not against forgery.
+        """
+        if not worker_address or (worker_address[0] & 0x0F) != (self.address[0] & 0x0F):
+            raise MetadataError("ucx metadata: the worker address has an unknown format version")
         buf = ctypes.create_string_buffer(worker_address, len(worker_address))
         p = L.UcpEpParams(field_mask=(L.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | L.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                                       | L.UCP_EP_PARAM_FIELD_ERR_HANDLER),
