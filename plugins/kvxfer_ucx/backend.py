@@ -60,6 +60,7 @@ class _Peer:
     failed: int | None = None  # ucs_status once the peer is known dead
     closed: bool = False  # removed or replaced
     connected: bool = True  # endpoint still open
+    why: str = ""  # why it counts as failed, when the status alone does not say
 
     @property
     def path(self) -> str:
@@ -288,8 +289,8 @@ class UcxBackend(Backend):
         if peer.failed is None and peer.watch is not None and not peer.watch.alive(force):
             peer.failed = L.UCS_ERR_CONNECTION_RESET  # its process exited (or is a zombie)
         if peer.failed is not None:
-            raise PeerDisconnectedError(f"ucx peer {peer.name!r} disconnected ({self._w.status_string(peer.failed)}); "
-                                        "remove it and add it again once it is back")
+            why = peer.why or f"disconnected ({self._w.status_string(peer.failed)})"
+            raise PeerDisconnectedError(f"ucx peer {peer.name!r} {why}; remove it and add it again once it is back")
 
     def _fail(self, peer: _Peer, status: int, call: str) -> KvxferError:
         """The error for a failed ucs_status; statuses meaning 'the peer is gone' mark it dead."""
@@ -422,6 +423,8 @@ class UcxBackend(Backend):
                 # The peer neither finished nor failed in time: force the endpoint closed, which
                 # completes its requests, so that nothing writes into our memory after we return.
                 peer.failed = L.UCS_ERR_CANCELED
+                peer.why = (f"did not settle a cancelled transfer within cancel_timeout={self._cancel_timeout:g} s, "
+                            "so its connection was closed (nothing can arrive late)")
                 self._disconnect(peer, force=True)
 
     # -- notifications --------------------------------------------------------------------------

@@ -179,6 +179,48 @@ def test_killed_peer_is_reported_within_deadline(when: str, path: str) -> None:
         local.close()
 
 
+@pytest.mark.parametrize("path", ["rma", "tcp"])
+def test_release_of_a_stuck_transfer_stops_it(path: str) -> None:
+    """The peer stops answering (SIGSTOP) in the middle of a READ: release() gives it
+    cancel_timeout, then closes the connection, so that when the peer wakes up nothing lands
+    in our memory any more; the peer is reported until it is added again, then works."""
+    import signal
+
+    n, rows = 64 << 20, 64
+    peer = Peer("prefill", n, "3", *_argv(PATH_OPTIONS[path]))
+    local = UcxBackend("decode", cancel_timeout=0.5, **PATH_OPTIONS[path])
+    try:
+        dst = np.full(n, SENT, dtype=np.uint8)
+        local.register([Allocation(dst.ctypes.data, n)])
+        local.add_remote("prefill", peer.blob)
+        lp = local.prepare(None, descs(dst.ctypes.data, np.arange(rows) << 20, [1 << 20] * rows))
+        rp = local.prepare("prefill", descs(peer.address, np.arange(rows) << 20, [1 << 20] * rows))
+        idx = np.arange(rows)
+        peer.proc.send_signal(signal.SIGSTOP)
+        x = local.post(Op.READ, lp, idx, rp, idx, b"note")
+        for _ in range(5):
+            assert not local.poll(x)
+        t0 = time.monotonic()
+        local.release(x)
+        assert time.monotonic() - t0 < 5
+        snapshot = dst.copy()
+        peer.proc.send_signal(signal.SIGCONT)
+        for _ in range(200):
+            local.progress()
+            time.sleep(0.001)
+        np.testing.assert_array_equal(dst, snapshot)  # nothing arrived after release
+        with pytest.raises(PeerDisconnectedError, match="cancel_timeout"):
+            local.post(Op.READ, lp, idx, rp, idx, None)
+        local.add_remote("prefill", peer.blob)
+        rp = local.prepare("prefill", descs(peer.address, np.arange(rows) << 20, [1 << 20] * rows))
+        drive(xfer=local.post(Op.READ, lp, idx, rp, idx, None), owner=local)
+        np.testing.assert_array_equal(dst, pattern(n, 3))
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+        peer.close()
+        local.close()
+
+
 def test_kill_matrix_small() -> None:
     """The kill matrix (ucx_kill_matrix.py), 5 kills per path: every DONE has every byte
     right, every failure is a KvxferError before the deadline, and the agent recovers."""
