@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: venv
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest -q
 
 demo: venv
 	$(PY) -m kvxfer.demo
