@@ -132,7 +132,8 @@ class Worker:
                        param: int | None) -> int:
         try:
             if header and 0 < header_len <= 4096 and (data or not length):
-                self._on_am_user(ctypes.string_at(header, header_len), ctypes.string_at(data, length) if length else b"")
+                body = ctypes.string_at(data, length) if data and length else b""
+                self._on_am_user(ctypes.string_at(header, header_len), body)
         except Exception:  # never unwind into C
             pass
         return L.UCS_OK

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ else:
 
     Pair = tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray]
 
-    def _pair(opt: bool | None, nbytes: int, seed: int, **decode_options: object) -> Iterator[Pair]:
+    def _pair(opt: bool | None, nbytes: int, seed: int, **decode_options: Any) -> Iterator[Pair]:
         a, b = UcxBackend("prefill", same_host_copy=opt), UcxBackend("decode", same_host_copy=opt, **decode_options)
         src = pattern(nbytes, seed)
         dst = np.full(nbytes, SENT, dtype=np.uint8)

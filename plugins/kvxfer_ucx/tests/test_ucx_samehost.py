@@ -348,7 +348,7 @@ def test_page_detects_another_process_behind_the_pid() -> None:
     """If the pid came to hold another process (pid reuse), the token read back differs."""
     lib = SH.libc()
     if lib is None:
-        pytest.skip(SH.libc_error())
+        pytest.skip(SH.libc_error() or "no process_vm_readv")
     page = HP.RegistrationPage()
     page.publish([(4096, 8192)])
     got = HP.read_page(lib, os.getpid(), page.address, page.digest, "self")
