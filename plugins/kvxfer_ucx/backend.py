@@ -33,7 +33,7 @@ from kvxfer.errors import (AgentClosedError, BackendError, KvxferError, Metadata
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
 from kvxfer.progress import Pump
-from kvxfer.spans import SpanIndex
+from kvxfer.spans import SpanIndex, merge_runs
 
 from . import _libucp as L
 from . import _samehost as SH
@@ -339,6 +339,7 @@ class UcxBackend(Backend):
             if peer.page is not None:
                 assert self._libc is not None
                 self._guard(peer, peer.page.recheck, self._libc)
+                la, ra, ln = merge_runs(la, ra, ln)  # fewer iovecs; both sides were checked already
                 job: Any = SH.CopyJob(self._libc, peer.page.pid, op is Op.WRITE, la, ra, ln, peer=peer.name,
                                       chunk=self._copy_chunk)
             else:
