@@ -98,7 +98,7 @@ class Worker:
                 if st != L.UCS_OK:
                     raise BackendError(f"ucx backend: bad UCX config {key}={value!r}: {lib.status_string(st)}")
             params = L.UcpParams(field_mask=L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME,
-                                 features=L.UCP_FEATURE_RMA | L.UCP_FEATURE_AM, name=name.encode()[:31])
+                                 features=L.UCP_FEATURE_RMA | L.UCP_FEATURE_AM, name=name.encode("utf-8", "replace")[:31])
             ctx = ctypes.c_void_p()
             self._check("ucp_init", lib.ucp_init_version(L.API_MAJOR, L.API_MINOR, ctypes.byref(params), cfg,
                                                          ctypes.byref(ctx)))

@@ -149,14 +149,16 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             else:
                 local[:] = pattern(rows, 10_000 + trial)
             sent = local.copy()
-            delay = rng.uniform(0, 1.5 * duration)
-            killer = threading.Timer(delay, victim.kill)
+            delay = rng.uniform(0, duration)
+            killed_at: list[float] = []
+            killer = threading.Timer(delay, lambda v=victim: (killed_at.append(time.monotonic()), v.kill()))
             start = time.monotonic()
             t = (agent.read if op == "READ" else agent.write)(name, np.arange(rows), perm)
             killer.start()
             try:
                 t.wait(timeout)
                 outcome = "DONE"
+                done_at = time.monotonic()
             except kvxfer.KvxferError as exc:
                 outcome = type(exc).__name__
                 errors[outcome] += 1
@@ -166,7 +168,10 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
                 untyped += 1
             killer.join()
             victim.proc.wait()
-            counts[f"{op} {outcome if outcome == 'DONE' else 'error'}"] += 1
+            if outcome == "DONE":  # did the kill come before DONE was seen? (its bytes are checked either way)
+                counts[f"{op} DONE, {'kill first' if killed_at[0] < done_at else 'kill after'}"] += 1
+            else:
+                counts[f"{op} error"] += 1
             if outcome == "DONE":
                 if op == "READ":
                     ok = np.array_equal(local, pattern(rows, victim.seed)[perm])
