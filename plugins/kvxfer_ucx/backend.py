@@ -378,6 +378,8 @@ class UcxBackend(Backend):
         peer = x.peer
         self._w.progress()
         self._raise_if_failed(peer)
+        if peer.closed:
+            raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
         if x.job is not None:
             if isinstance(x.job, SH.CopyJob):
                 if not self._guard(peer, x.job.step, time.monotonic() + self._budget):
