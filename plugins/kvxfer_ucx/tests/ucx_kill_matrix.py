@@ -11,6 +11,10 @@ end of each path, with a peer it has never seen.
 
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --trials 100            # 3 paths
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --paths copy --trials 5 --json
+    python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --zombies --trials 10         # unreaped peers
+
+``--set PATH=JSON`` redefines a path's backend options, e.g. to run the matrix against
+another tree (``PYTHONPATH``) whose backend takes other options.
 """
 
 from __future__ import annotations
@@ -81,8 +85,9 @@ class Peer:
     def __init__(self, path: str, rows: int, seed: int, workdir: str, name: str = "target") -> None:
         self.backing = os.path.join(workdir, f"peer-{seed}")
         self.seed = seed
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", path, "--name", name, "--rows", str(rows), "--seed",
-                                      str(seed), "--backing", self.backing], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", path, "--name", name, "--rows", str(rows),
+                                      "--seed", str(seed), "--backing", self.backing,
+                                      f"--set={path}={json.dumps(PATHS[path])}"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         if not select.select([self.proc.stdout], [], [], 60)[0]:
@@ -94,10 +99,12 @@ class Peer:
     def memory(self, rows: int) -> np.ndarray:
         return np.fromfile(self.backing, dtype=np.uint8).reshape(rows, ROW)
 
-    def kill(self) -> None:
-        """SIGKILL, then reap at once, as a supervisor would (see the README on zombies)."""
+    def kill(self, reap: bool = True) -> None:
+        """SIGKILL, then reap at once as a supervisor would, unless ``reap`` is False (the
+        dead process then stays a zombie until the trial ends)."""
         self.proc.kill()
-        self.proc.wait()
+        if reap:
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -118,7 +125,8 @@ def _read_verified(agent: Any, name: str, local: np.ndarray, peer_seed: int, row
         raise AssertionError(f"READ from {name} reported DONE with wrong bytes")
 
 
-def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workdir: str) -> dict[str, Any]:
+def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workdir: str,
+             reap: bool = True) -> dict[str, Any]:
     import kvxfer
 
     rng = random.Random(seed)
@@ -151,7 +159,7 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             sent = local.copy()
             delay = rng.uniform(0, duration)
             killed_at: list[float] = []
-            killer = threading.Timer(delay, lambda v=victim: (killed_at.append(time.monotonic()), v.kill()))
+            killer = threading.Timer(delay, lambda v=victim: (killed_at.append(time.monotonic()), v.kill(reap)))
             start = time.monotonic()
             t = (agent.read if op == "READ" else agent.write)(name, np.arange(rows), perm)
             killer.start()
@@ -195,7 +203,7 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             victim.stop()
         live.stop()
         agent.close()
-    return {"path": path, "trials": trials, "outcomes": dict(counts), "errors": dict(errors), "false_done": false_done,
+    return {"path": path, "reaped": reap, "trials": trials, "outcomes": dict(counts), "errors": dict(errors), "false_done": false_done,
             "untyped": untyped, "worst_error_s": round(worst_error_s, 3), "timeout_s": timeout,
             "clean_read_s": round(duration, 4), "recovered": True}
 
@@ -211,14 +219,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--serve")
     ap.add_argument("--backing")
     ap.add_argument("--name", default="target")
+    ap.add_argument("--zombies", action="store_true", help="do not reap killed peers until the outcome is in")
+    ap.add_argument("--set", action="append", default=[], help="PATH=JSON: backend options of a path (both sides)")
     a = ap.parse_args(argv)
+    for spec in a.set:
+        name, _, options = spec.partition("=")
+        PATHS[name] = json.loads(options)
+        EXPECTED_PATH.setdefault(name, "ucx-rma")
     if a.serve:
         serve(a.serve, a.name, a.rows, a.seed, a.backing)
         return []
     results = []
     with tempfile.TemporaryDirectory(prefix="kvxfer-kill-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         for path in a.paths.split(","):
-            r = run_path(path, a.trials, a.rows, a.timeout, a.seed, d)
+            r = run_path(path, a.trials, a.rows, a.timeout, a.seed, d, reap=not a.zombies)
             results.append(r)
             print(json.dumps(r) if a.json else _line(r), flush=True)
     return results
