@@ -313,7 +313,8 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int, sets: list[str]) 
     return {"mode": mode, "path": path, "rows": rows, "row_bytes": row_bytes, "bytes": rows * row_bytes, "ok": ok,
             "median_s": med, "gbps": rows * row_bytes / med / 1e9, "best_gbps": rows * row_bytes / min(counted) / 1e9,
             "post_ms": 1e3 * statistics.median(post_times[1:] or post_times), "iters": len(counted),
-            "cpu_ms": 1e3 * statistics.median(cpu[1:] or cpu)}
+            "cpu_ms": 1e3 * statistics.median(cpu[1:] or cpu),
+            "samples_gbps": [round(rows * row_bytes / t / 1e9, 3) for t in counted]}
 
 
 def main() -> None:
