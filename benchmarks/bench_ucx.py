@@ -8,31 +8,23 @@ Modes (each runs in fresh processes, so nixl's bundled UCX and the libucx wheel 
 an address space). Seam level (the backend object, one descriptor per row):
 
 ``ucx``        kvxfer_ucx.UcxBackend, default options: the same-host copy path
-               (process_vm_readv; what post() does not finish continues inside poll())
-``ucx-thread`` the same with copy_thread=True: the rest continues on a worker thread
-``ucx-rma``    UcxBackend(same_host_copy=False): UCX RMA over shm/tcp, no CMA (the old default)
-``ucx-cma``    UcxBackend(same_host_copy=False, cma=True): UCX's CMA, unsafe if the peer dies
-               mid-transfer (UCX aborts the reader; see CONTRIBUTING.md)
-``ucx-peer``   UcxBackend(same_host_copy=False, data_err_mode="peer"): UCX error handling on
-               the data path
-``nixl-raw``   raw nixl (UCX backend, no progress thread, prepped lists + numpy indices:
-               DESIGN section 8's fast path)
+``ucx-rma``    UcxBackend(same_host_copy=False): UCX RMA over the default (same-host) transports
+``ucx-tcp``    UcxBackend(same_host_copy=False, trusted_network=True, tls="self,tcp"): UCX RMA
+               over TCP, the path between hosts
+``nixl-raw``   raw nixl (UCX backend, no progress thread, prepped lists + numpy indices)
 ``ucxx``       raw ucxx, two-sided: one tag message asks for the rows, the target answers with
                one tag send per row into pre-posted receives
 
 Agent level (``kvxfer.Agent(...).read(peer, blocks, blocks).wait()``: planner, bounds checks
 and the seam included; the rows are registered as a packed cache of 73,728-byte layer pages):
+``agent-ucx``, ``agent-ucx-rma``, ``agent-ucx-tcp`` (the same options) and ``agent-nixl``.
 
-``agent-ucx``       kvxfer.Agent(backend="ucx"), defaults
-``agent-ucx-thread`` kvxfer.Agent(backend="ucx", copy_thread=True)
-``agent-ucx-rma``   kvxfer.Agent(backend="ucx", same_host_copy=False)
-``agent-nixl``      kvxfer.Agent(backend="nixl"), defaults: the NIXL backend the 0.8x target is
-                    measured against
+``--set NAME=JSON`` adds or redefines a mode's backend options (a name starting with
+``agent-`` is agent level), so that one script measures two trees: run it with
+``PYTHONPATH`` pointing at the other tree and options that tree understands.
 
-Sized for a 2-core, 24 GiB machine: the default 300 x 4.5 MB rows are 1.35 GB per side.
-
-    .venv/bin/python benchmarks/bench_ucx.py                      # all modes, table on stdout
-    .venv/bin/python benchmarks/bench_ucx.py --modes ucx,agent-nixl --rows 200 --iters 4
+    python benchmarks/bench_ucx.py                                   # every mode
+    python benchmarks/bench_ucx.py --modes ucx,agent-ucx --rows 200 --iters 5
 """
 
 from __future__ import annotations
@@ -50,21 +42,30 @@ from typing import Any, Callable
 
 import numpy as np
 
-ROW_BYTES = 4_718_592  # 4.5 MiB: one packed MLA row of a 61-layer model (DESIGN section 1)
+ROW_BYTES = 4_718_592  # 4.5 MiB: one packed MLA row of a 61-layer model
 PAGE = 73_728  # one MLA layer page: 64 tokens x 576 bf16 channels
+TCP = {"same_host_copy": False, "trusted_network": True, "tls": "self,tcp"}
 UCX_OPTIONS: dict[str, dict[str, Any]] = {
     "ucx": {},
-    "ucx-thread": {"copy_thread": True},
     "ucx-rma": {"same_host_copy": False},
-    "ucx-cma": {"same_host_copy": False, "cma": True},
-    "ucx-peer": {"same_host_copy": False, "data_err_mode": "peer"},
+    "ucx-tcp": TCP,
 }
 AGENT_MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "agent-ucx": ("ucx", {}),
-    "agent-ucx-thread": ("ucx", {"copy_thread": True}),
     "agent-ucx-rma": ("ucx", {"same_host_copy": False}),
+    "agent-ucx-tcp": ("ucx", TCP),
     "agent-nixl": ("nixl", {}),
 }
+
+
+def _define(spec: str) -> None:
+    """``NAME=JSON``: backend options for a (new or redefined) mode."""
+    name, _, options = spec.partition("=")
+    opts = json.loads(options)
+    if name.startswith("agent-"):
+        AGENT_MODES[name] = ("ucx", opts)
+    else:
+        UCX_OPTIONS[name] = opts
 
 
 def _agent_cache(buf: np.ndarray, rows: int, row_bytes: int) -> dict[str, np.ndarray]:
@@ -183,17 +184,17 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
 def _nixl_agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    # No progress thread: on 2 cores its busy spin halved throughput (DESIGN section 8).
+    # No progress thread: its busy spin competes with the copy for the cores.
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 # ---------------------------------------------------------------------------------------------
 # initiator side
 
-def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]:
+def initiate(mode: str, rows: int, row_bytes: int, iters: int, sets: list[str]) -> dict[str, Any]:
     child = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--rows", str(rows),
-                              "--row-bytes", str(row_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+                              "--row-bytes", str(row_bytes), *[f"--set={x}" for x in sets]], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
 
     def cmd(obj: dict[str, Any], reply: bool = True) -> dict[str, Any]:
@@ -208,6 +209,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
     idx = np.arange(rows, dtype=np.int64)
     offs = idx.astype(np.uint64) * np.uint64(row_bytes)
     times: list[float] = []
+    cpu: list[float] = []  # this process's CPU seconds per iteration: steadier than wall time on a busy host
     post_times: list[float] = []
     path = ""
     try:
@@ -222,11 +224,12 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
                 path = agent.backend.peer_path(name)[0]  # type: ignore[attr-defined]
             blocks = np.arange(rows, dtype=np.int64)
             for _ in range(iters):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 t = agent.read(name, blocks, blocks)
                 t1 = time.perf_counter()
                 t.wait(120)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 post_times.append(t1 - t0)
             agent.close()
         elif mode in UCX_OPTIONS:
@@ -241,12 +244,13 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
             rp = be.prepare("target", DescriptorList(np.stack([raddr + offs, n, z], 1)))
             path = be.peer_path("target")[0]
             for _ in range(iters):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 x = be.post(Op.READ, lp, idx, rp, idx, None)
                 t1 = time.perf_counter()
                 while not be.poll(x):
                     pass
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 post_times.append(t1 - t0)
                 be.release(x)
             be.close()
@@ -259,7 +263,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
             remote = agent.prep_xfer_dlist(peer, [(raddr + int(o), row_bytes, 0) for o in offs], "DRAM")
             i32 = idx.astype(np.int32)
             for _ in range(iters):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 h = agent.make_prepped_xfer("READ", local, i32, remote, i32)
                 state = agent.transfer(h)
                 t1 = time.perf_counter()
@@ -268,6 +272,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
                     if state == "ERR":
                         raise RuntimeError("nixl transfer failed")
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 post_times.append(t1 - t0)
                 agent.release_xfer_handle(h)
         elif mode == "ucxx":
@@ -283,7 +288,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
             ask = np.array([0, rows], dtype=np.int64)
             for _ in range(iters):
                 cmd({"cmd": "serve"}, reply=False)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 recvs = [ep.tag_recv(views[i], tag=u.UCXXTag(1 + i), tag_mask=u.UCXXTagMaskFull)
                          for i in range(rows)]
                 s = ep.tag_send(Array(ask), tag=u.UCXXTag(0))
@@ -291,6 +296,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
                 while not (s.completed and all(r.completed for r in recvs)):
                     worker.progress()
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 post_times.append(t1 - t0)
                 for r in recvs:
                     r.check_error()
@@ -306,12 +312,15 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int) -> dict[str, Any]
     med = statistics.median(counted)
     return {"mode": mode, "path": path, "rows": rows, "row_bytes": row_bytes, "bytes": rows * row_bytes, "ok": ok,
             "median_s": med, "gbps": rows * row_bytes / med / 1e9, "best_gbps": rows * row_bytes / min(counted) / 1e9,
-            "post_ms": 1e3 * statistics.median(post_times[1:] or post_times), "iters": len(counted)}
+            "post_ms": 1e3 * statistics.median(post_times[1:] or post_times), "iters": len(counted),
+            "cpu_ms": 1e3 * statistics.median(cpu[1:] or cpu),
+            "samples_gbps": [round(rows * row_bytes / t / 1e9, 3) for t in counted]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="ucx,ucx-thread,ucx-rma,ucx-cma,nixl-raw,ucxx,agent-ucx,agent-ucx-thread,agent-ucx-rma,agent-nixl")
+    ap.add_argument("--modes", default="ucx,ucx-rma,ucx-tcp,nixl-raw,ucxx,agent-ucx,agent-ucx-rma,agent-ucx-tcp,agent-nixl")
+    ap.add_argument("--set", action="append", default=[], help="NAME=JSON backend options of a mode")
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--row-bytes", type=int, default=ROW_BYTES)
     ap.add_argument("--iters", type=int, default=6)
@@ -319,16 +328,19 @@ def main() -> None:
     ap.add_argument("--initiate")
     ap.add_argument("--json", action="store_true", help="print one JSON object per mode")
     a = ap.parse_args()
+    for spec in a.set:
+        _define(spec)
     if a.serve:
         return serve(a.serve, a.rows, a.row_bytes)
     if a.initiate:
         out = _out()
-        _say(out, initiate(a.initiate, a.rows, a.row_bytes, a.iters))
+        _say(out, initiate(a.initiate, a.rows, a.row_bytes, a.iters, a.set))
         return
     results = []
     for mode in a.modes.split(","):
         p = subprocess.run([sys.executable, __file__, "--initiate", mode, "--rows", str(a.rows), "--row-bytes",
-                            str(a.row_bytes), "--iters", str(a.iters)], capture_output=True, text=True, timeout=600)
+                            str(a.row_bytes), "--iters", str(a.iters), *[f"--set={x}" for x in a.set]],
+                           capture_output=True, text=True, timeout=600)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if p.returncode or not lines:
             results.append({"mode": mode, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]})
@@ -348,7 +360,7 @@ def _row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['mode']:>14}  FAILED: {r['error']}"
     return (f"{r['mode']:>14}  {r['path'] or '-':>14}  {r['rows']} x {r['row_bytes'] / 2**20:.1f} MiB  median {r['gbps']:.2f} GB/s  "
-            f"best {r['best_gbps']:.2f} GB/s  post {r['post_ms']:.2f} ms  bytes ok={r['ok']}")
+            f"best {r['best_gbps']:.2f} GB/s  post {r['post_ms']:.2f} ms  CPU {r['cpu_ms']:.0f} ms  bytes ok={r['ok']}")
 
 
 if __name__ == "__main__":

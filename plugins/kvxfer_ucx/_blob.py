@@ -1,119 +1,169 @@
-"""The UCX backend's connection blob: what a peer needs to reach this worker's memory.
+"""The UCX backend's connection blob: what a peer needs to reach this worker.
 
 JSON (never pickle) because it crosses the network inside kvxfer's agent metadata and is
-hostile until proven otherwise: sizes are bounded before parsing, every field is
-type-checked, spans must not wrap, and nothing reaches libucp until all of it passed.
+hostile until proven otherwise. The parser is strict: the size is bounded before parsing,
+the text must be UTF-8, duplicate keys, non-finite numbers and unknown keys are refused,
+every field is type- and range-checked, allocations must be sorted and disjoint, and any
+failure (deep nesting and oversized integers included) is a :class:`MetadataError`.
+
+What the parser cannot check is the meaning of the bytes handed to libucp (the worker
+address and remote keys): UCX parses them without defending itself. Only metadata that
+arrived over an authenticated channel should reach :func:`parse_blob`'s caller.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvxfer.errors import MetadataError
 
-from . import _samehost as SH
-
-__all__ = ["encode_blob", "parse_blob", "BLOB_VERSION"]
+__all__ = ["BLOB_VERSION", "Blob", "Host", "encode_blob", "parse_blob"]
 
 BLOB_MAGIC = "kvxfer-ucx"
-#: Version 2 adds ``host`` (same-host fast path); version-1 blobs are still accepted (RMA only).
-BLOB_VERSION = 2
-BLOB_VERSIONS = (1, 2)
-_HOST_KEYS = {"boot_id", "hostname", "pidns", "pid", "token", "token_addr"}
-MAX_BLOB = 16 << 20  # metadata from the network: bounded before json.loads
+#: Version 3: same-host proof by a registration page (``host.page`` and ``host.digest``).
+BLOB_VERSION = 3
+_KEYS = {"magic", "version", "agent", "ucx", "worker", "allocations", "host"}
+_HOST_KEYS = {"boot_id", "hostname", "pidns", "pid", "start", "page", "digest"}
+MAX_BLOB = 1 << 20  # metadata from the network: bounded before json.loads
 MAX_ALLOCATIONS = 4096
 MAX_WORKER_ADDRESS = 1 << 16
-MAX_RKEY = 1 << 16
+MAX_RKEY = 4096
 MAX_NAME = 256
+DIGEST_BYTES = 32
 _U64 = (1 << 64) - 1
+
+
+class Host(NamedTuple):
+    """A peer's host identity: boot id, hostname and PID namespace (a pre-filter), pid and
+    start time (a liveness signal), and, when it offers the same-host copy, the address of
+    its registration page with the digest of the page's token (the proof)."""
+
+    boot_id: str
+    hostname: str
+    pidns: str
+    pid: int
+    start: int
+    page: int | None
+    digest: bytes | None
+
+
+class Blob(NamedTuple):
+    agent: str
+    worker: bytes
+    allocations: list[tuple[int, int, bytes]]  # (address, nbytes, packed rkey), sorted, disjoint
+    host: Host | None
 
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
+def _bad(msg: str) -> MetadataError:
+    return MetadataError(f"ucx metadata: {msg}")
+
+
 def _unb64(value: Any, what: str, limit: int) -> bytes:
-    if not isinstance(value, str) or len(value) > 4 * limit // 3 + 4:
-        raise MetadataError(f"ucx metadata: {what} must be a base64 string of at most {limit} bytes")
+    if not isinstance(value, str) or not 0 < len(value) <= 4 * ((limit + 2) // 3):
+        raise _bad(f"{what} must be a non-empty base64 string of at most {limit} bytes")
     try:
-        raw = base64.b64decode(value.encode("ascii"), validate=True)
-    except (ValueError, UnicodeEncodeError):
-        raise MetadataError(f"ucx metadata: {what} is not valid base64") from None
-    if not raw:
-        raise MetadataError(f"ucx metadata: {what} is empty")
-    return raw
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    except (ValueError, binascii.Error, UnicodeEncodeError):
+        raise _bad(f"{what} is not valid base64") from None
 
 
-def _uint(value: Any, what: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _U64:
-        raise MetadataError(f"ucx metadata: {what} must be an integer in [{lo}, 2**64)")
+def _uint(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(f"{what} must be an integer in [{lo}, {hi}]")
     return value
 
 
-def _parse_host(value: Any) -> dict[str, Any] | None:
-    """Validate the ``host`` entry of a version-2 blob (None: no same-host copy offered)."""
+def _text(value: Any, what: str, limit: int) -> str:
+    """A non-empty string of at most ``limit`` UTF-8 bytes (lone surrogates refused)."""
+    try:
+        ok = isinstance(value, str) and 0 < len(value.encode("utf-8")) <= limit
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        raise _bad(f"{what} must be a non-empty UTF-8 string of at most {limit} bytes")
+    return value  # type: ignore[no-any-return]
+
+
+def _host(value: Any) -> Host | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != _HOST_KEYS:
-        raise MetadataError(f"ucx metadata: host must be null or an object with keys {sorted(_HOST_KEYS)}")
-    for key, limit in (("boot_id", 64), ("hostname", 255), ("pidns", 64)):
-        v = value[key]
-        if not isinstance(v, str) or not 0 < len(v) <= limit:
-            raise MetadataError(f"ucx metadata: host.{key} must be a non-empty string of at most {limit} characters")
-    pid = value["pid"]
-    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < (1 << 31):
-        raise MetadataError("ucx metadata: host.pid must be a positive 32-bit integer")
-    token = _unb64(value["token"], "host.token", SH.TOKEN_BYTES)
-    if len(token) != SH.TOKEN_BYTES:
-        raise MetadataError(f"ucx metadata: host.token must be {SH.TOKEN_BYTES} bytes")
-    return {**value, "token": token, "token_addr": _uint(value["token_addr"], "host.token_addr", lo=1)}
+        raise _bad(f"host must be null or an object with keys {sorted(_HOST_KEYS)}")
+    page, digest = value["page"], value["digest"]
+    if (page is None) != (digest is None):
+        raise _bad("host.page and host.digest are both set or both null")
+    if digest is not None:
+        digest = _unb64(digest, "host.digest", DIGEST_BYTES)
+        if len(digest) != DIGEST_BYTES:
+            raise _bad(f"host.digest must be {DIGEST_BYTES} bytes")
+        page = _uint(page, "host.page", 1)
+    return Host(_text(value["boot_id"], "host.boot_id", 64), _text(value["hostname"], "host.hostname", 255),
+                _text(value["pidns"], "host.pidns", 64), _uint(value["pid"], "host.pid", 1, (1 << 31) - 1),
+                _uint(value["start"], "host.start"), page, digest)
 
 
-def encode_blob(agent: str, ucx_version: str, worker: bytes, allocations: list[list[Any]],
-                host: dict[str, Any] | None) -> bytes:
-    """``allocations`` holds ``[address, nbytes, base64 rkey]`` per registered span."""
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        raise _bad("duplicate keys")
+    return doc
+
+
+def _reject_constant(name: str) -> None:
+    raise _bad(f"{name} is not a number")
+
+
+def encode_blob(agent: str, ucx_version: str, worker: bytes, allocations: list[tuple[int, int, bytes]],
+                host: Host | None) -> bytes:
+    """The blob for ``allocations`` (``(address, nbytes, packed rkey)``, any order)."""
+    allocs = [[a, n, _b64(rk)] for a, n, rk in sorted(allocations)]
+    h = None if host is None else {**host._asdict(), "digest": None if host.digest is None else _b64(host.digest)}
     doc = {"magic": BLOB_MAGIC, "version": BLOB_VERSION, "agent": agent, "ucx": ucx_version,
-           "worker": _b64(worker), "allocations": allocations, "host": host}
+           "worker": _b64(worker), "allocations": allocs, "host": h}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def parse_blob(blob: bytes) -> tuple[str, bytes, list[tuple[int, int, bytes]], dict[str, Any] | None]:
-    """Validate a peer's blob: ``(agent, worker address, [(address, nbytes, rkey)], host)``.
-
-    The blob comes from the network: sizes are bounded before parsing, every field is
-    type-checked, spans must not wrap, and nothing is handed to UCX until it all passed.
-    Version 1 (no ``host``) is still accepted, so an upgraded agent talks to an older one
-    over UCX RMA; ``host`` is ``None`` then, or when the peer opted out of the fast path.
-    """
-    if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_BLOB:
+def parse_blob(blob: Any) -> Blob:
+    """Validate a peer's blob; every failure is a :class:`MetadataError`."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) > MAX_BLOB:
         raise MetadataError(f"ucx metadata must be bytes of at most {MAX_BLOB} bytes")
     try:
-        doc = json.loads(bytes(blob))
-    except (ValueError, UnicodeDecodeError):
-        raise MetadataError("ucx metadata is not valid JSON") from None
+        doc = json.loads(bytes(blob).decode("utf-8"), object_pairs_hook=_no_duplicates,
+                         parse_constant=_reject_constant)
+    except MetadataError:
+        raise
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        raise MetadataError("ucx metadata is not valid UTF-8 JSON") from None
     if not isinstance(doc, dict) or doc.get("magic") != BLOB_MAGIC:
         raise MetadataError("ucx metadata: not a kvxfer ucx blob (wrong magic); does the peer use backend 'ucx'?")
     version = doc.get("version")
-    if isinstance(version, bool) or version not in BLOB_VERSIONS:
-        raise MetadataError(f"ucx metadata version {version!r} is not one of {BLOB_VERSIONS}; upgrade both sides")
-    expected = {"magic", "version", "agent", "ucx", "worker", "allocations"} | ({"host"} if version >= 2 else set())
-    if set(doc) != expected:
-        raise MetadataError(f"ucx metadata: keys {sorted(doc)} differ from {sorted(expected)}")
-    agent = doc["agent"]
-    if not isinstance(agent, str) or not 0 < len(agent.encode()) <= MAX_NAME:
-        raise MetadataError("ucx metadata: agent must be a non-empty string")
+    if type(version) is not int or version != BLOB_VERSION:
+        raise _bad(f"version {version!r} is not {BLOB_VERSION}; upgrade both sides")
+    if set(doc) != _KEYS:
+        raise _bad(f"keys {sorted(doc)} differ from {sorted(_KEYS)}")
+    agent = _text(doc["agent"], "agent", MAX_NAME)
+    _text(doc["ucx"], "ucx version", 32)
     worker = _unb64(doc["worker"], "worker address", MAX_WORKER_ADDRESS)
     allocs = doc["allocations"]
     if not isinstance(allocs, list) or len(allocs) > MAX_ALLOCATIONS:
-        raise MetadataError(f"ucx metadata: allocations must be a list of at most {MAX_ALLOCATIONS}")
-    out = []
+        raise _bad(f"allocations must be a list of at most {MAX_ALLOCATIONS}")
+    out: list[tuple[int, int, bytes]] = []
+    end = 0
     for i, a in enumerate(allocs):
         if not isinstance(a, list) or len(a) != 3:
-            raise MetadataError(f"ucx metadata: allocation {i} must be [address, nbytes, rkey]")
+            raise _bad(f"allocation {i} must be [address, nbytes, rkey]")
         addr, n = _uint(a[0], f"allocation {i} address"), _uint(a[1], f"allocation {i} nbytes", lo=1)
         if addr + n > _U64:
-            raise MetadataError(f"ucx metadata: allocation {i} wraps around the address space")
+            raise _bad(f"allocation {i} wraps around the address space")
+        if addr < end:
+            raise _bad(f"allocation {i} overlaps or precedes the one before (they must be sorted and disjoint)")
+        end = addr + n
         out.append((addr, n, _unb64(a[2], f"allocation {i} rkey", MAX_RKEY)))
-    return agent, worker, out, _parse_host(doc.get("host"))
+    return Blob(agent, worker, out, _host(doc["host"]))

@@ -3,14 +3,14 @@
 Why ctypes and not a compiled extension: the backend must install from a plain wheel next to
 the ``libucx-cu12`` wheel (which ships ``libucp.so`` but no Python API for RMA), and the calls
 we make per transfer are few and coarse (one per coalesced descriptor, one flush). A C
-extension would save roughly a microsecond per descriptor and cost a build toolchain.
+extension would save a little per descriptor and cost a build toolchain.
 
 Struct layouts follow the UCX 1.21 headers shipped inside the wheel (``libucx/include``);
 1.22 only appends fields to :class:`RequestParam`, which we carry as zeroed padding so the
 struct is at least as large as the library expects. Every field the library reads is selected
-by a ``field_mask`` bit, so unused fields stay zero. ``tests/test_ucx.py`` compiles a C program
-against the installed headers (when a compiler and the headers exist) and checks every
-offset here against ``offsetof``.
+by a ``field_mask`` bit, so unused fields stay zero. ``tests/test_ucx_backend.py`` beside this
+package compiles a C program against the installed headers (when a compiler and the headers
+exist) and checks every offset here against ``offsetof``.
 
 Nothing here is imported by ``kvxfer_ucx/__init__``: listing backends must not dlopen UCX.
 """
@@ -29,14 +29,13 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, Union, c_char, c_char_p, c_in
 c_status = c_int8
 from typing import Any
 
-__all__ = ["find_libucp", "load", "Lib", "UcxStatusError", "status_of_ptr"]
+__all__ = ["find_libucp", "load", "Lib", "is_err_ptr", "status_of_ptr"]
 
 # ---------------------------------------------------------------------------------------------
 # Constants (ucp.h / ucs/type/status.h of UCX 1.21; unchanged in 1.22).
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
-UCS_ERR_NO_MESSAGE = -1
 UCS_ERR_CANCELED = -16
 UCS_ERR_UNREACHABLE = -6
 UCS_ERR_TIMED_OUT = -20
@@ -57,32 +56,22 @@ UCP_FEATURE_RMA = 1 << 1
 UCP_FEATURE_AM = 1 << 6
 
 UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
-UCS_THREAD_MODE_SINGLE = 0
+UCS_THREAD_MODE_SERIALIZED = 1
 
 UCP_WORKER_ATTR_FIELD_ADDRESS = 1 << 1
 
 UCP_EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
 UCP_EP_PARAM_FIELD_ERR_HANDLER = 1 << 2
-UCP_EP_PARAM_FIELD_USER_DATA = 1 << 3
-UCP_EP_PARAM_FIELD_FLAGS = 1 << 5
-UCP_EP_PARAMS_FLAGS_NO_LOOPBACK = 1 << 1
-UCP_ERR_HANDLING_MODE_NONE = 0
 UCP_ERR_HANDLING_MODE_PEER = 1
 UCP_EP_CLOSE_FLAG_FORCE = 1 << 0
 
 UCP_MEM_MAP_PARAM_FIELD_ADDRESS = 1 << 0
 UCP_MEM_MAP_PARAM_FIELD_LENGTH = 1 << 1
-UCP_MEM_MAP_PARAM_FIELD_FLAGS = 1 << 2
 UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE = 1 << 4
 UCS_MEMORY_TYPE_HOST = 0
-UCS_MEMORY_TYPE_CUDA = 1
 
-UCP_OP_ATTR_FIELD_CALLBACK = 1 << 1
-UCP_OP_ATTR_FIELD_USER_DATA = 1 << 2
 UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
-UCP_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
-UCP_OP_ATTR_FIELD_MEMH = 1 << 8
 
 UCP_AM_HANDLER_PARAM_FIELD_ID = 1 << 0
 UCP_AM_HANDLER_PARAM_FIELD_FLAGS = 1 << 1
@@ -192,14 +181,6 @@ def find_libucp() -> str | None:
     return None
 
 
-class UcxStatusError(RuntimeError):
-    """A UCX call returned an error status (internal; the backend maps it to kvxfer errors)."""
-
-    def __init__(self, call: str, status: int, text: str):
-        self.call, self.status = call, status
-        super().__init__(f"{call} failed: {text} (ucs_status {status})")
-
-
 def status_of_ptr(ptr: int | None) -> int:
     """Decode a ``ucs_status_ptr_t``: NULL is OK, small negative values are errors, else a request."""
     if not ptr:
@@ -273,28 +254,6 @@ class Lib:
     def status_string(self, status: int) -> str:
         raw = self.ucs.ucs_status_string(status)
         return raw.decode(errors="replace") if raw else f"status {status}"
-
-    def check(self, call: str, status: int) -> None:
-        if status != UCS_OK:
-            raise UcxStatusError(call, status, self.status_string(status))
-
-    def wait(self, worker: int, req: int | None, call: str, spins: int = 10_000_000) -> int:
-        """Drive ``worker`` until ``req`` (a ``ucs_status_ptr_t``) completes; returns its status.
-
-        Used only on setup and teardown paths (flushes at close, ep close), never for transfers.
-        """
-        st = status_of_ptr(req)
-        if st != UCS_INPROGRESS:
-            return st
-        for _ in range(spins):
-            self.ucp_worker_progress(worker)
-            st = self.ucp_request_check_status(req)
-            if st != UCS_INPROGRESS:
-                break
-        else:
-            self.ucp_request_cancel(worker, req)
-        self.ucp_request_free(req)
-        return st
 
 
 _LIB: Lib | None = None

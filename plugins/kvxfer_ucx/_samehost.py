@@ -1,29 +1,20 @@
-"""Same-host fast path: ``process_vm_readv`` / ``process_vm_writev`` on libc through ctypes.
+"""The same-host data path: ``process_vm_readv`` / ``process_vm_writev`` on libc through ctypes.
 
-Why this exists: between two processes of one host, UCX's only single-copy transport for
-host memory is CMA, and UCX 1.21 *aborts the surviving process* when a CMA peer dies in the
-middle of a copy (error mode ``none``), while error mode ``peer`` pushes RMA onto software
-emulation over TCP (see ``CONTRIBUTING.md``). The kernel call underneath CMA is harmless by
-itself: when the peer is gone it returns ``-1``/``ESRCH``. Calling it ourselves gives the
-same single copy with a typed error instead of an abort.
+Why it exists: between two processes of one host, UCX's only single-copy transport for host
+memory is CMA, and UCX aborts the *surviving* process when a CMA peer dies in the middle of a
+copy. The kernel call underneath is harmless by itself: when the peer is gone it returns
+``ESRCH``. Calling it ourselves gives the same single copy with a typed error instead.
 
-What this module owns (the backend owns everything else: connections, liveness,
-notifications, fallback):
-
-* :func:`host_identity` — what a process advertises so a peer can tell "same host, same PID
-  namespace" (``boot_id`` + hostname + PID-namespace inode) and prove which process it is
-  talking to (a random token at a known address, read back through the syscall itself, which
-  also proves that ptrace permissions allow the access).
-* :class:`CopyJob` — one transfer as arrays of ``struct iovec`` built with numpy, moved in
-  batches of at most ``IOV_MAX`` iovecs and ``chunk`` bytes per syscall, resumable after a
-  partial transfer, with errno mapped to kvxfer's typed errors.
-* :class:`Copier` — a worker thread that finishes jobs ``post`` could not finish inline.
+This module only moves bytes (:class:`CopyJob`: one transfer as arrays of ``struct iovec``
+built with numpy, in batches of at most ``IOV_MAX`` iovecs and ``chunk`` bytes per syscall,
+resumable after a partial transfer, errno mapped to kvxfer's errors). Which process a peer
+is, and which of its memory we may touch, is :mod:`kvxfer_ucx._hostpage`'s business; the
+backend decides when this path is used.
 
 Security note: :func:`allow_same_user_access` calls ``prctl(PR_SET_PTRACER,
-PR_SET_PTRACER_ANY)``. Under Yama ``ptrace_scope=1`` (Ubuntu's default) that lets *any
-process of the same user* read and write this process's memory, exactly what UCX's own CMA
-transport needs too. Without Yama the call fails harmlessly. Pass ``same_host_copy=False``
-to the backend to skip it (and the fast path).
+PR_SET_PTRACER_ANY)``. Under Yama ``ptrace_scope=1`` that lets *any process of the same
+user* read and write this process's memory, which is what a peer needs to copy from us.
+Without Yama the call fails harmlessly. ``same_host_copy=False`` skips it (and this path).
 """
 
 from __future__ import annotations
@@ -32,38 +23,31 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import socket
-import threading
 import time
-from collections import deque
-from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import BackendError, KvxferError, PeerDisconnectedError
+from kvxfer.errors import BackendError, KvxferError, PeerDisconnectedError, TransferCancelledError
 
 __all__ = [
     "DEFAULT_CHUNK",
     "IOV_MAX",
-    "TOKEN_BYTES",
-    "Copier",
     "CopyJob",
     "Libc",
     "allow_same_user_access",
-    "host_identity",
     "libc",
     "libc_error",
     "map_errno",
+    "read_remote",
 ]
 
 #: Linux's ``UIO_MAXIOV``: the most iovecs one ``process_vm_*v`` call accepts (more gives EINVAL).
 IOV_MAX = 1024
-#: Bytes per syscall. Bounds how long one call blocks (about 2 ms at 5 GB/s), which bounds
-#: how late a cancellation or a time budget can be honoured; larger chunks were not faster.
+#: Bytes per syscall. Bounds how long one call blocks, which bounds how late a cancellation
+#: or a time budget can be honoured.
 DEFAULT_CHUNK = 8 << 20
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-TOKEN_BYTES = 16
 
 _EPERM_HINT = ("ptrace permissions forbid cross-process memory access to peer {peer!r} (pid {pid}): Yama "
                "ptrace_scope, a container's seccomp/capability policy, or a non-dumpable peer. Pass "
@@ -73,8 +57,8 @@ _EPERM_HINT = ("ptrace permissions forbid cross-process memory access to peer {p
 class Libc:
     """The three libc calls the fast path needs, typed once.
 
-    ``ctypes.CDLL`` releases the GIL around foreign calls, so a copy in the worker thread
-    does not stall Python threads.
+    ``ctypes.CDLL`` releases the GIL around foreign calls, so a long copy does not stall
+    the process's other Python threads.
     """
 
     def __init__(self) -> None:
@@ -117,22 +101,6 @@ def allow_same_user_access(lib: Libc) -> bool:
     return lib.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
 
 
-def host_identity() -> dict[str, Any] | None:
-    """``{boot_id, hostname, pidns, pid}`` of this process, or None if it cannot be read.
-
-    ``boot_id`` changes on every boot and differs between hosts (and VMs); the hostname
-    guards against cloned images; the PID namespace makes sure ``pid`` means the same
-    process to the peer (two containers on one host share ``boot_id`` but not PIDs).
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot_id = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    return {"boot_id": boot_id, "hostname": socket.gethostname(), "pidns": pidns, "pid": os.getpid()}
-
-
 def map_errno(err: int, op: str, peer: str, pid: int) -> KvxferError:
     """errno of a failed ``process_vm_*v`` as a kvxfer error."""
     if err == errno.ESRCH:
@@ -155,11 +123,8 @@ class CopyJob:
     most ``IOV_MAX`` pieces. Progress is a byte count over the concatenated pieces; a partial
     return (the kernel may stop early, even inside an iovec) simply resumes from there.
 
-    Not thread-safe: one thread at a time calls :meth:`step` (the backend's caller while it
-    copies inline, then the :class:`Copier`).
+    Not thread-safe: the backend steps a job under its lock.
     """
-
-    QUEUED, RUNNING, DONE, FAILED, CANCELLED = range(5)
 
     def __init__(self, lib: Libc, pid: int, write: bool, local: np.ndarray, remote: np.ndarray,
                  nbytes: np.ndarray, *, peer: str = "?", chunk: int = DEFAULT_CHUNK) -> None:
@@ -189,12 +154,8 @@ class CopyJob:
         self._k = 0  # first piece not completely moved
         self.syscalls = 0
         self.partials = 0  # syscalls that moved less than asked (resumed)
-        self.state = CopyJob.QUEUED
         self.error: KvxferError | None = None
         self.cancelled = False
-        self.threaded = False  # handed to a Copier: only its thread steps the job from then on
-        self._idle = threading.Event()
-        self._idle.set()
 
     @property
     def finished(self) -> bool:
@@ -213,6 +174,8 @@ class CopyJob:
         """
         if self.error is not None:
             raise self.error
+        if self.cancelled:
+            raise TransferCancelledError("same-host copy was cancelled")
         cum, k_max = self.cum, len(self.cum)
         while not self.finished:
             k, done = self._k, self.done_bytes
@@ -246,68 +209,15 @@ class CopyJob:
         return self.finished
 
     def cancel(self) -> None:
-        """Stop between syscalls (a running syscall finishes its chunk)."""
+        """Stop: no syscall runs between steps, so nothing moves after this returns."""
         self.cancelled = True
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no syscall of this job runs; True if it is idle."""
-        return self._idle.wait(timeout)
 
-
-class Copier:
-    """One daemon thread that finishes :class:`CopyJob` s in FIFO order.
-
-    Why a thread: ``Transfer.wait`` sleeps up to 1 ms between polls, so copying only inside
-    ``poll`` leaves the copy idle for that long after every chunk; the thread copies back to
-    back while the caller sleeps, and ``poll`` only reads a state. The syscall releases the
-    GIL. Cancellation is honoured between syscalls (one chunk, about 2 ms, at most late).
-    """
-
-    def __init__(self) -> None:
-        self._jobs: deque[CopyJob] = deque()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._current: CopyJob | None = None
-        self._thread = threading.Thread(target=self._run, name="kvxfer-ucx-samehost", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: CopyJob) -> None:
-        with self._cv:
-            job.state = CopyJob.QUEUED
-            job.threaded = True
-            job._idle.clear()  # "busy" from submission until the thread lets go of it
-            self._jobs.append(job)
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._stop:
-                    self._cv.wait()
-                if self._stop and not self._jobs:
-                    return
-                job = self._jobs.popleft()
-                self._current = job
-            try:
-                job.state = CopyJob.RUNNING
-                while not job.cancelled and not job.finished:
-                    job.step(None)
-                job.state = CopyJob.DONE if job.finished else CopyJob.CANCELLED
-            except KvxferError:
-                job.state = CopyJob.FAILED
-            except Exception as exc:  # never let the thread die silently
-                job.error = BackendError(f"same-host copy failed: {exc!r}")
-                job.state = CopyJob.FAILED
-            finally:
-                with self._cv:
-                    self._current = None
-                job._idle.set()
-
-    def close(self, timeout: float = 2.0) -> None:
-        with self._cv:
-            for job in (*self._jobs, *([self._current] if self._current else [])):
-                job.cancel()
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout)
-
+def read_remote(lib: Libc, pid: int, address: int, nbytes: int, peer: str) -> bytes:
+    """``nbytes`` of process ``pid``'s memory at ``address`` (small reads: proofs, headers)."""
+    buf = ctypes.create_string_buffer(max(1, nbytes))
+    job = CopyJob(lib, pid, False, np.array([ctypes.addressof(buf)], np.uint64), np.array([address], np.uint64),
+                  np.array([nbytes], np.uint64), peer=peer)
+    while not job.step(None):
+        pass
+    return buf.raw[:nbytes]

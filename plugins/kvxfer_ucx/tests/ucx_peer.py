@@ -1,6 +1,6 @@
 """A UCX backend peer in its own process, driven by JSON lines on stdin/stdout.
 
-Used by tests/test_ucx.py (two-process and killed-peer tests) and benchmarks/bench_ucx.py.
+Used by the two-process tests beside it (test_ucx_processes.py).
 It registers one host buffer, prints its backend metadata, then keeps driving the worker
 (the backend needs progress on both sides for some transports) while answering commands:
 
@@ -12,7 +12,7 @@ It registers one host buffer, prints its backend metadata, then keeps driving th
                                                 -> {"ok": true} once the transfer is done
     {"cmd": "exit"}
 
-Usage: python tests/ucx_peer.py NAME NBYTES PATTERN_SEED|aa [option=value ...]
+Usage: python plugins/kvxfer_ucx/tests/ucx_peer.py NAME NBYTES PATTERN_SEED|aa [option=value ...]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def main() -> None:
     name, nbytes, fill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    bools = {"cma", "same_host_copy", "copy_thread"}
+    bools = {"same_host_copy", "trusted_network"}
     options: dict = {k: (v == "1" if k in bools else v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
     from kvxfer_ucx.backend import UcxBackend
 

@@ -1,0 +1,223 @@
+"""Same-host proof: which process a peer is, and which of its memory we may copy.
+
+A peer's metadata may be forged or copied: it can name any pid on this host, including our
+own, and advertise any addresses. So the same-host path never trusts the blob's addresses.
+Each agent keeps a :class:`RegistrationPage` in its own (unregistered) memory::
+
+    token[16]  secret random bytes; the blob carries only sha256(token)
+    seq u64    even when stable; bumped around every change (a seqlock)
+    count u64  number of spans that follow
+    spans      count x (start, end) of everything this agent registered
+
+A peer reads that page from the claimed pid with ``process_vm_readv`` and accepts only if
+the token hashes to the blob's digest. Nobody can plant a copy of the page elsewhere without
+knowing the token, and the token never leaves the process except through a memory read that
+ptrace rules already allowed. The spans in the page were written by the process itself, so
+"inside the page's spans" means "inside what that process registered": a forged blob can at
+worst point us at memory some kvxfer agent on this host registered for its peers, never at
+anything else. The header is re-read before and after every copy: a changed ``seq`` means the
+peer deregistered (or re-registered) since we checked, and the transfer fails instead of
+moving bytes from or into memory that is no longer registered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvxfer import Allocation, MemoryKind
+from kvxfer.errors import KvxferError, MetadataError, OutOfRegistrationError, PeerDisconnectedError, StalePeerError
+from kvxfer.spans import SpanIndex
+
+from ._blob import Blob, Host
+from ._samehost import Libc, libc_error, read_remote
+
+__all__ = ["PAGE_SPANS", "PeerPage", "ProcessWatch", "RegistrationPage", "host_identity", "prove", "read_page",
+           "same_host"]
+
+#: Most spans a page holds: as many allocations as a connection blob may carry.
+PAGE_SPANS = 4096
+_HEADER = struct.Struct("<16sQQ")  # token, seq, count
+_SPAN = 16
+TOKEN_BYTES = 16
+#: Reads of a page that keeps changing under us, before giving up.
+_READ_TRIES = 8
+
+
+def host_identity() -> dict[str, Any] | None:
+    """``{boot_id, hostname, pidns, pid, start}`` of this process, or None if unreadable.
+
+    ``boot_id`` changes on every boot and differs between hosts (and VMs); the hostname
+    guards against cloned images; the PID namespace makes sure ``pid`` means the same
+    process to the peer; ``start`` (clock ticks after boot) tells a reused pid apart. These
+    are a pre-filter and a liveness signal, not a proof: the page is the proof.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
+        start = _start_time(os.getpid())
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"boot_id": boot_id, "hostname": socket.gethostname(), "pidns": pidns, "pid": os.getpid(), "start": start}
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """``(state, start time)`` from ``/proc/<pid>/stat`` (OSError when there is no such process)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return fields[0].decode(), int(fields[19])  # fields 3 and 22 of proc(5)
+
+
+def _start_time(pid: int) -> int:
+    return _stat(pid)[1]
+
+
+class ProcessWatch:
+    """Is process ``pid`` (started at ``start``) still running? Reads ``/proc``, at most
+    once per ``every`` seconds unless forced.
+
+    UCX's shared-memory transport notices a dead peer only once a message to it finds the
+    peer's queue full, and a killed process that its parent has not reaped yet (a zombie)
+    looks alive to it. The pid and start time come from the peer's metadata unverified: a
+    lie can only make that peer's own connection look dead, never another's alive.
+    """
+
+    def __init__(self, pid: int, start: int, every: float = 0.02) -> None:
+        self.pid, self.start, self.every = pid, start, every
+        self._next = 0.0
+        self._alive = True
+
+    def alive(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if self._alive and (force or now >= self._next):
+            self._next = now + self.every
+            try:
+                state, start = _stat(self.pid)
+                self._alive = state not in ("Z", "X", "x") and start == self.start
+            except (OSError, ValueError, IndexError):
+                self._alive = False
+        return self._alive
+
+
+class RegistrationPage:
+    """This agent's page: a secret token and the spans it registered, for same-host peers."""
+
+    def __init__(self) -> None:
+        self._buf = ctypes.create_string_buffer(_HEADER.size + _SPAN * PAGE_SPANS)
+        token = os.urandom(TOKEN_BYTES)
+        self.digest = hashlib.sha256(token).digest()
+        self._seq = 0
+        _HEADER.pack_into(self._buf, 0, token, 0, 0)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._buf)
+
+    def publish(self, spans: Iterable[tuple[int, int]]) -> None:
+        """Replace the published spans (``(start, end)`` pairs); readers see all or none."""
+        rows = np.array(list(spans), dtype=np.uint64).reshape(-1, 2)
+        if len(rows) > PAGE_SPANS:
+            raise MetadataError(f"ucx backend: at most {PAGE_SPANS} registered allocations")
+        token = self._buf.raw[:TOKEN_BYTES]
+        self._seq += 1  # odd: a reader retries
+        _HEADER.pack_into(self._buf, 0, token, self._seq, 0)
+        ctypes.memmove(ctypes.addressof(self._buf) + _HEADER.size, rows.ctypes.data, rows.nbytes)
+        _HEADER.pack_into(self._buf, 0, token, self._seq, len(rows))
+        self._seq += 1
+        _HEADER.pack_into(self._buf, 0, token, self._seq, len(rows))
+
+
+@dataclass
+class PeerPage:
+    """A verified page of process ``pid``: its token, the ``seq`` we checked, its spans."""
+
+    pid: int
+    address: int
+    token: bytes
+    seq: int
+    spans: SpanIndex
+    peer: str
+
+    def recheck(self, lib: Libc) -> None:
+        """Raise unless the process still holds this token and has not changed its registrations."""
+        token, seq, _ = _HEADER.unpack(read_remote(lib, self.pid, self.address, _HEADER.size, self.peer))
+        if token != self.token:
+            raise PeerDisconnectedError(f"same-host copy: pid {self.pid} is no longer peer {self.peer!r} (the "
+                                        "process exited and its pid was reused); add the peer again")
+        if seq != self.seq:
+            raise StalePeerError(f"same-host copy: peer {self.peer!r} changed its registered memory since its "
+                                 "metadata was added; add its fresh metadata")
+
+
+def read_page(lib: Libc, pid: int, address: int, digest: bytes, peer: str) -> PeerPage:
+    """Read and verify process ``pid``'s page at ``address``; raise a KvxferError otherwise."""
+    for _ in range(_READ_TRIES):
+        token, seq, count = _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))
+        if hashlib.sha256(token).digest() != digest:
+            raise MetadataError(f"same-host copy: pid {pid} on this host is not the process that sent peer "
+                                f"{peer!r}'s metadata (token mismatch)")
+        if count > PAGE_SPANS:
+            raise MetadataError(f"same-host copy: peer {peer!r}'s registration page claims {count} spans")
+        if seq % 2:
+            continue  # the peer is updating it
+        raw = read_remote(lib, pid, address + _HEADER.size, _SPAN * count, peer) if count else b""
+        if _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))[1] != seq:
+            continue
+        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
+        try:
+            spans = SpanIndex(Allocation(int(s), int(e) - int(s)) for s, e in rows.tolist() if e > s)
+        except KvxferError:
+            raise MetadataError(f"same-host copy: peer {peer!r} publishes a malformed registration page") from None
+        return PeerPage(pid, address, token, seq, spans, peer)
+    raise StalePeerError(f"same-host copy: peer {peer!r}'s registration page kept changing while we read it")
+
+
+def prove(lib: Libc | None, mine: Host | None, mode: bool | None, peer: str, b: Blob) -> tuple[PeerPage | None, str]:
+    """``(page, why)`` when ``peer`` gets the same-host path, else ``(None, why)``.
+
+    ``mode`` is the ``same_host_copy`` option: in auto mode (None) a peer that cannot be
+    proven to run on this host falls back to UCX RMA; with True that is an error. A blob that
+    carries our own identity, or advertises memory its process did not register, is refused
+    whatever the mode.
+    """
+    h = b.host
+    if h is not None and mine is not None and h.digest is not None and h.digest == mine.digest:
+        raise MetadataError(f"ucx metadata for {peer!r} carries this agent's own same-host identity")
+    if mode is False:
+        return None, "same_host_copy=False on this agent"
+    if lib is None or mine is None or mine.digest is None:
+        return None, f"same-host copy unavailable here ({libc_error() or 'no /proc host identity'})"
+    if h is None or h.digest is None or h.page is None:
+        return None, "peer does not offer same-host copy (same_host_copy=False there)"
+    why = same_host(mine, h)
+    if why:
+        return None, why
+    try:
+        page = read_page(lib, h.pid, h.page, h.digest, peer)
+    except KvxferError as exc:
+        if mode:
+            raise
+        return None, f"probe failed, using UCX RMA: {exc}"
+    rows = np.array([(a, n, 0) for a, n, _ in b.allocations], dtype=np.uint64).reshape(-1, 3)
+    try:
+        page.spans.check(rows, MemoryKind.DRAM, f"peer {peer!r}")
+    except OutOfRegistrationError as exc:
+        raise MetadataError(f"ucx metadata advertises memory that process {h.pid} did not register: {exc}") from None
+    return page, f"same host, pid {h.pid} proven by its registration page"
+
+
+def same_host(mine: Host, theirs: Host) -> str:
+    """Empty when both identities name this host and PID namespace, else why not."""
+    for key, what in (("boot_id", "host (boot_id)"), ("hostname", "hostname"), ("pidns", "PID namespace")):
+        if getattr(theirs, key) != getattr(mine, key):
+            return f"peer is on another {what}"
+    return ""
