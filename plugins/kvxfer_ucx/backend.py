@@ -141,6 +141,8 @@ class UcxBackend(Backend):
                          self._notes.on_am)
         self._notes.w = self._w
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
+        # Standalone notifications leave only while the worker is progressed: pumped like transfers.
+        self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
         self._page = RegistrationPage()
         self._libc: SH.Libc | None = None
         ident = host_identity()
@@ -447,6 +449,17 @@ class UcxBackend(Backend):
                 self._notes.queue(p.ep, message, lambda: p.failed is not None or p.closed)
             except UcxCallError as exc:
                 raise self._fail(p, exc.status, "notification send") from None
+            queued = self._notes.pending
+        if queued:
+            self._note_pump.add("notes")
+
+    def _send_queued(self, _key: str) -> bool:
+        """Pump callback: progress until every queued notification has left."""
+        with self._lock:
+            if self._closed:
+                return True
+            self._progress_locked()
+            return not self._notes.pending
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
         with self._lock:
@@ -473,6 +486,7 @@ class UcxBackend(Backend):
 
     def close(self) -> None:
         self._pump.stop()  # outside the lock: its thread may be waiting for it
+        self._note_pump.stop()
         with self._lock:
             if self._closed:
                 return
