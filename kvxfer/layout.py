@@ -1,6 +1,6 @@
 """Backend-neutral KV geometry: members, packed layouts, regions and the whole-cache spec.
 
-The model (DESIGN.md section 3)::
+The model (docs/geometry.md)::
 
     address of member m of block b = alloc.address + region.offset + b * stride + m.offset
 
