@@ -1,0 +1,92 @@
+"""The NIXL backend's handle types: what it keeps per peer, per prepared list and per post.
+
+Kept apart from :mod:`kvxfer_nixl.backend` so that the control plane reads as behaviour;
+these are plain records plus the small internal shape (:class:`Path`) every data path has.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer.errors import KvxferError, OutOfRegistrationError
+from kvxfer.spans import SpanIndex
+
+from . import _blob
+
+_U64 = (1 << 64) - 1
+
+
+def extents(descs: DescriptorList) -> np.ndarray:
+    """``(address, nbytes, device)`` spans covering every span of the list (strided rows whole)."""
+    a = descs.array
+    if not descs.strided:
+        return a
+    a = a[a[:, 4] > 0]
+    n, length, stride = a[:, 4] - np.uint64(1), a[:, 1], a[:, 3]
+    wraps = (n > 0) & (stride > (np.uint64(_U64) - length) // np.maximum(n, np.uint64(1)))
+    if wraps.any():
+        raise OutOfRegistrationError("a strided descriptor row runs past the end of the address space")
+    return np.stack([a[:, 0], stride * n + length, a[:, 2]], axis=1)
+
+
+@dataclass(eq=False)
+class Remote:
+    name: str  # the peer's agent name
+    nixl: str  # the name its metadata is loaded under in NIXL: unique per load
+    epoch: int  # this backend's load counter: lists from an older load are stale
+    blob: _blob.PeerBlob
+    memory: SpanIndex  # what the peer registered, from its blob
+    local: "weakref.ReferenceType[Any] | None"  # the peer's backend, when in this process
+    stale: str | None = None  # set when the peer announced it deregistered memory
+
+
+@dataclass(eq=False)
+class Prepared:
+    nixl: Any  # NIXL's prepared-list handle (None once released)
+    peer: str | None
+    epoch: int
+    descs: DescriptorList
+    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
+    gone: str | None = None  # why the list is unusable (its local memory was deregistered)
+
+
+@dataclass(eq=False)
+class Registration:
+    lists: list[tuple[MemoryKind, Any]]
+    allocations: tuple[Allocation, ...]
+    device_token: int = 0
+
+
+class Path(Protocol):
+    sends_notification: bool
+
+    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> Any: ...
+
+    def poll(self, h: Any) -> bool: ...
+
+    def cancel(self, h: Any) -> None: ...
+
+    def kind(self, h: Any) -> str: ...
+
+
+class Flush:
+    """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
+
+    until = 0.0
+
+
+class Xfer:
+    """One post: the data path that serves it, and that path's handle."""
+
+    __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
+
+    def __init__(self, path: Path, h: Any, rem: Remote, notification: bytes | None) -> None:
+        self.path, self.h, self.rem, self.notification = path, h, rem, notification
+        self.done = self.released = self.pumped = False
+        self.error: KvxferError | None = None
