@@ -161,7 +161,12 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             sent = local.copy()
             delay = rng.uniform(0, duration)
             killed_at: list[float] = []
-            killer = threading.Timer(delay, lambda v=victim: (killed_at.append(time.monotonic()), v.kill(reap)))
+
+            def kill(v: Peer = victim) -> None:
+                killed_at.append(time.monotonic())
+                v.kill(reap)
+
+            killer = threading.Timer(delay, kill)
             start = time.monotonic()
             t = (agent.read if op == "READ" else agent.write)(name, np.arange(rows), perm)
             killer.start()
