@@ -38,9 +38,10 @@ from kvxfer.spans import SpanIndex, merge_runs
 from . import _libucp as L
 from . import _samehost as SH
 from ._config import transport_config
-from ._blob import MAX_ALLOCATIONS, MAX_NAME, Host, encode_blob, parse_blob
-from ._hostpage import PeerPage, ProcessWatch, RegistrationPage, host_identity, prove, same_host
+from ._blob import MAX_NAME, Host, encode_blob, parse_blob
+from ._hostpage import PeerPage, ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
+from ._memory import Registrations
 from ._notify import Notifications, check_size
 from ._rma import RmaJob
 from ._worker import UcxCallError, Worker
@@ -77,13 +78,6 @@ class _Xfer:
     done: bool = False
     error: KvxferError | None = None
     released: bool = False
-
-
-@dataclass
-class _Reg:
-    allocations: tuple[Allocation, ...]
-    memhs: list[int]
-    rkeys: list[bytes]
 
 
 class UcxBackend(Backend):
@@ -130,10 +124,6 @@ class UcxBackend(Backend):
         self._trusted = bool(trusted_network)
         self._lock = threading.RLock()
         self._closed = False
-        self._regs: dict[int, _Reg] = {}
-        self._next_reg = 1
-        self._epoch = 0  # bumped by deregister: local lists prepared before are stale
-        self._local = SpanIndex()
         self._peers: dict[str, _Peer] = {}
         self._by_ep: dict[int, _Peer] = {}
         self._notes = Notifications(agent_name)
@@ -143,7 +133,7 @@ class UcxBackend(Backend):
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
-        self._page = RegistrationPage()
+        self._mem = Registrations(self._w)
         self._libc: SH.Libc | None = None
         ident = host_identity()
         self._host = None if ident is None else Host(**ident, page=None, digest=None)
@@ -151,7 +141,7 @@ class UcxBackend(Backend):
         if same_host_copy is not False and lib is not None and self._host is not None:
             SH.allow_same_user_access(lib)  # harmless when it fails (no Yama)
             self._libc = lib
-            self._host = self._host._replace(page=self._page.address, digest=self._page.digest)
+            self._host = self._host._replace(page=self._mem.page.address, digest=self._mem.page.digest)
 
     # -- callbacks (inside progress, under the lock) --------------------------------------------
     def _on_ep_error(self, ep: int, status: int) -> None:
@@ -161,52 +151,19 @@ class UcxBackend(Backend):
 
     # -- memory ---------------------------------------------------------------------------------
     def register(self, allocations: Sequence[Allocation]) -> int:
-        allocs = tuple(allocations)
-        for a in allocs:
-            if a.kind is not MemoryKind.DRAM:
-                raise UnsupportedError(f"ucx backend moves host memory (DRAM) only; got {a.kind.value} at "
-                                       f"{a.address:#x}. Use the nixl backend for GPU memory.")
         with self._lock:
             self._check_open()
-            if sum(len(r.allocations) for r in self._regs.values()) + len(allocs) > MAX_ALLOCATIONS:
-                raise UnsupportedError(f"ucx backend: at most {MAX_ALLOCATIONS} registered allocations")
-            memhs: list[int] = []
-            rkeys: list[bytes] = []
-            try:
-                for a in allocs:
-                    memh, rkey = self._w.mem_map(a.address, a.nbytes)
-                    memhs.append(memh)
-                    rkeys.append(rkey)
-            except UcxCallError as exc:
-                for m in memhs:
-                    self._w.mem_unmap(m)
-                raise BackendError(f"ucx backend: registering memory failed: {exc}") from None
-            h, self._next_reg = self._next_reg, self._next_reg + 1
-            self._regs[h] = _Reg(allocs, memhs, rkeys)
-            self._registrations_changed()
-        return h
+            return self._mem.register(allocations)
 
     def deregister(self, handle: Any) -> None:
         with self._lock:
-            reg = self._regs.pop(handle, None)
-            if reg is None:
-                return
-            self._epoch += 1
-            self._registrations_changed()  # same-host peers see the change before the memory goes
-            for m in reg.memhs:
-                self._w.mem_unmap(m)
-
-    def _registrations_changed(self) -> None:
-        allocs = [a for r in self._regs.values() for a in r.allocations]
-        self._local = SpanIndex(allocs)
-        self._page.publish((a.address, a.end) for a in allocs)
+            self._mem.deregister(handle)
 
     # -- peers ----------------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
         with self._lock:
             self._check_open()
-            allocs = [(a.address, a.nbytes, rk) for r in self._regs.values() for a, rk in zip(r.allocations, r.rkeys)]
-            return encode_blob(self.agent_name, self._w.version, self._w.address, allocs, self._host)
+            return encode_blob(self.agent_name, self._w.version, self._w.address, self._mem.advertised(), self._host)
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         """Connect to a peer; on any failure nothing changes (a known peer keeps its connection)."""
@@ -309,7 +266,7 @@ class UcxBackend(Backend):
         with self._lock:
             self._check_open()
             if peer is None:
-                return Prepared(descs, self._local, f"agent {self.agent_name!r} (local)", owner=self._epoch)
+                return Prepared(descs, self._mem.spans, f"agent {self.agent_name!r} (local)", owner=self._mem.epoch)
             p = self._peer(peer)
             return Prepared(descs, p.spans, f"peer {peer!r}", owner=p)
 
@@ -332,7 +289,7 @@ class UcxBackend(Backend):
         peer: _Peer = remote.owner
         with self._lock:
             self._check_open()
-            if local.owner != self._epoch:
+            if local.owner != self._mem.epoch:
                 raise OutOfRegistrationError("ucx backend: the local list was prepared over memory deregistered since")
             if peer.closed or self._peers.get(peer.name) is not peer:
                 raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added since this list was "
@@ -498,8 +455,7 @@ class UcxBackend(Backend):
                 self._drop_peer(p)
             self._peers.clear()
             self._notes.drop_all()
-            for h in list(self._regs):
-                self.deregister(h)
+            self._mem.close()
             self._closed = True
             self._w.close()
 

@@ -139,6 +139,8 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
     false_done = untyped = 0
     worst_error_s = 0.0
     victim: Peer | None = None
+    stuck = ""  # why the agent stopped working, if it did
+    kills = 0
     try:
         live_name = agent.add_peer(live.metadata)
         if agent.backend.peer_path(live_name)[0] != EXPECTED_PATH[path]:  # type: ignore[attr-defined]
@@ -159,7 +161,12 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             sent = local.copy()
             delay = rng.uniform(0, duration)
             killed_at: list[float] = []
-            killer = threading.Timer(delay, lambda v=victim: (killed_at.append(time.monotonic()), v.kill(reap)))
+
+            def kill(v: Peer = victim) -> None:
+                killed_at.append(time.monotonic())
+                v.kill(reap)
+
+            killer = threading.Timer(delay, kill)
             start = time.monotonic()
             t = (agent.read if op == "READ" else agent.write)(name, np.arange(rows), perm)
             killer.start()
@@ -176,6 +183,7 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
                 untyped += 1
             killer.join()
             victim.proc.wait()
+            kills += 1
             if outcome == "DONE":  # did the kill come before DONE was seen? (its bytes are checked either way)
                 counts[f"{op} DONE, {'kill first' if killed_at[0] < done_at else 'kill after'}"] += 1
             else:
@@ -188,24 +196,31 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
                 false_done += not ok
             victim.stop()
             # the same agent keeps working: with the peer that stayed alive, and with the restart
-            _read_verified(agent, live_name, local, live.seed, rows, timeout)
             victim = Peer(path, rows, 101 + trial, workdir)
-            name = agent.add_peer(victim.metadata)
-            _read_verified(agent, name, local, victim.seed, rows, timeout)
-        fresh = Peer(path, rows, 7, workdir, "fresh")
-        try:
-            fresh_name = agent.add_peer(fresh.metadata)
-            _read_verified(agent, fresh_name, local, fresh.seed, rows, timeout)
-        finally:
-            fresh.stop()
+            try:
+                _read_verified(agent, live_name, local, live.seed, rows, timeout)
+                name = agent.add_peer(victim.metadata)
+                _read_verified(agent, name, local, victim.seed, rows, timeout)
+            except (kvxfer.KvxferError, AssertionError) as exc:
+                stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
+                break
+        if not stuck:
+            fresh = Peer(path, rows, 7, workdir, "fresh")
+            try:
+                fresh_name = agent.add_peer(fresh.metadata)
+                _read_verified(agent, fresh_name, local, fresh.seed, rows, timeout)
+            except (kvxfer.KvxferError, AssertionError) as exc:
+                stuck = f"with a new peer: {type(exc).__name__}: {exc}"[:300]
+            finally:
+                fresh.stop()
     finally:
         if victim is not None:
             victim.stop()
         live.stop()
         agent.close()
-    return {"path": path, "reaped": reap, "trials": trials, "outcomes": dict(counts), "errors": dict(errors), "false_done": false_done,
-            "untyped": untyped, "worst_error_s": round(worst_error_s, 3), "timeout_s": timeout,
-            "clean_read_s": round(duration, 4), "recovered": True}
+    return {"path": path, "reaped": reap, "trials": kills, "outcomes": dict(counts), "errors": dict(errors),
+            "false_done": false_done, "untyped": untyped, "worst_error_s": round(worst_error_s, 3), "timeout_s": timeout,
+            "clean_read_s": round(duration, 4), "recovered": not stuck, "stuck": stuck}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
