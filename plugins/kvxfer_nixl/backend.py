@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -43,13 +44,6 @@ from kvxfer.spans import SpanIndex
 from . import _blob
 from ._device import DeviceCopies
 from ._errors import map_error
-from ._handles import Flush as _Flush
-from ._handles import Path as _Path
-from ._handles import Prepared as _Prepared
-from ._handles import Registration as _Registration
-from ._handles import Remote as _Remote
-from ._handles import Xfer as _Xfer
-from ._handles import extents as _extents
 from ._xfer import NixlPath, as_int32
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
@@ -64,6 +58,7 @@ _LOCAL_AGENT = "NIXL_INIT_AGENT"
 #: the sender's instance id and its new registration epoch. Never delivered to the user.
 _DEREGISTERED = b"\x00kvxfer-nixl:deregistered\x00"
 _NOTICE = struct.Struct(f"<{len(_DEREGISTERED)}s16sQ")
+_U64 = (1 << 64) - 1
 #: A completing transfer reads notifications (for deregistration notices) at most this often.
 _COLLECT_EVERY = 1e-3
 #: How long the notify thread keeps progressing NIXL after a standalone notification: one
@@ -102,6 +97,80 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _extents(descs: DescriptorList) -> np.ndarray:
+    """``(address, nbytes, device)`` spans covering every span of the list (strided rows whole)."""
+    a = descs.array
+    if not descs.strided:
+        return a
+    a = a[a[:, 4] > 0]
+    n, length, stride = a[:, 4] - np.uint64(1), a[:, 1], a[:, 3]
+    wraps = (n > 0) & (stride > (np.uint64(_U64) - length) // np.maximum(n, np.uint64(1)))
+    if wraps.any():
+        raise OutOfRegistrationError("a strided descriptor row runs past the end of the address space")
+    return np.stack([a[:, 0], stride * n + length, a[:, 2]], axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Handles
+# --------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Remote:
+    name: str  # the peer's agent name
+    nixl: str  # the name its metadata is loaded under in NIXL: unique per load
+    epoch: int  # this backend's load counter: lists from an older load are stale
+    blob: _blob.PeerBlob
+    memory: SpanIndex  # what the peer registered, from its blob
+    local: "weakref.ReferenceType[NixlBackend] | None"  # the peer's backend, when in this process
+    stale: str | None = None  # set when the peer announced it deregistered memory
+
+
+@dataclass(eq=False)
+class _Prepared:
+    nixl: Any  # NIXL's prepared-list handle (None once released)
+    peer: str | None
+    epoch: int
+    descs: DescriptorList
+    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
+    gone: str | None = None  # why the list is unusable (its local memory was deregistered)
+
+
+@dataclass(eq=False)
+class _Registration:
+    lists: list[tuple[MemoryKind, Any]]
+    allocations: tuple[Allocation, ...]
+    device_token: int = 0
+
+
+class _Path(Protocol):
+    sends_notification: bool
+
+    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> Any: ...
+
+    def poll(self, h: Any) -> bool: ...
+
+    def cancel(self, h: Any) -> None: ...
+
+    def kind(self, h: Any) -> str: ...
+
+
+class _Flush:
+    """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
+
+    until = 0.0
+
+
+class _Xfer:
+    """One post: the data path that serves it, and that path's handle."""
+
+    __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
+
+    def __init__(self, path: _Path, h: Any, rem: _Remote, notification: bytes | None) -> None:
+        self.path, self.h, self.rem, self.notification = path, h, rem, notification
+        self.done = self.released = self.pumped = False
+        self.error: KvxferError | None = None
 
 
 # --------------------------------------------------------------------------------------------
