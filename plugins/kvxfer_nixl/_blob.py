@@ -103,6 +103,12 @@ def encode(token: bytes, instance: bytes, reg_epoch: int, device: bytes, nixl_md
 
 def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     """Validate ``blob`` from ``peer_name`` for an agent running NIXL ``backends``."""
+    if not isinstance(peer_name, str):
+        raise MetadataError(f"peer name must be a str, got {type(peer_name).__name__}")
+    try:
+        name_bytes = peer_name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MetadataError(f"peer name {peer_name!r} is not valid Unicode") from None
     if not isinstance(blob, (bytes, bytearray)):
         raise MetadataError(f"NIXL connection blob of {peer_name!r} must be bytes")
     if not HEADER.size < len(blob) <= MAX_BLOB:
@@ -119,7 +125,7 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     r = _Reader(bytes(blob[HEADER.size + dev_len:]), peer_name)
     r.expect(_SERDES)
     name = r.field(b"Agent", MAX_NAME)
-    if name != peer_name.encode("utf-8"):
+    if name != name_bytes:
         raise MetadataError(f"NIXL metadata names agent {name[:64]!r}, but the kvxfer metadata names "
                             f"{peer_name!r}")
     conns: list[tuple[str, bytes]] = []

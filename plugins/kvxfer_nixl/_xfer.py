@@ -22,7 +22,7 @@ import numpy as np
 from kvxfer import Op
 from kvxfer.errors import BackendError, TransferCancelledError, UnsupportedError
 
-from ._errors import map_error
+from ._nixl import map_error
 
 __all__ = ["NixlPath", "NixlXfer", "as_int32"]
 

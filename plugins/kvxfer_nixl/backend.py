@@ -12,38 +12,26 @@ machine without NIXL stays cheap and says how to install it.
 
 from __future__ import annotations
 
-import logging
 import os
-import struct
-import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-import nixl._api as _nx
-import nixl._bindings as _nb
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import (
-    BackendError,
-    KvxferError,
-    MetadataError,
-    OutOfRegistrationError,
-    StalePeerError,
-    TransferCancelledError,
-    UnknownPeerError,
-    UnsupportedError,
-)
 from kvxfer.cuda import DevicePath
+from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegistrationError, StalePeerError,
+                           TransferCancelledError, UnknownPeerError, UnsupportedError)
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
 from . import _blob
 from ._device import DeviceCopies
-from ._errors import map_error
+from ._nixl import deregister_memory, map_error, nb, nx, register_memory
+from ._notify import Notifications
+from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances, process
 from ._xfer import NixlPath, as_int32
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
@@ -54,129 +42,11 @@ DEFAULT_PROGRESS_THREAD = False
 DEFAULT_REQUEST_DESCRIPTORS = 1 << 14
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
-#: Control notification a backend sends its peers after deregistering memory; followed by
-#: the sender's instance id and its new registration epoch. Never delivered to the user.
-_DEREGISTERED = b"\x00kvxfer-nixl:deregistered\x00"
-_NOTICE = struct.Struct(f"<{len(_DEREGISTERED)}s16sQ")
-_U64 = (1 << 64) - 1
 #: A completing transfer reads notifications (for deregistration notices) at most this often.
 _COLLECT_EVERY = 1e-3
-#: How long the notify thread keeps progressing NIXL after a standalone notification: one
-#: leaves the worker only when someone progresses it, and the caller may have gone back to work.
-_NOTIF_FLUSH_S = 2.0
 
 
-def _quiet_nixl_logging() -> None:
-    """NIXL's Python logger prints INFO lines to *stdout*; peers speak JSON over stdout.
-
-    Unless the user asked for a level with ``NIXL_LOG_LEVEL``, keep warnings only, and send
-    them to stderr so that a process's stdout stays its own.
-    """
-    log = logging.getLogger("nixl")
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        log.setLevel(logging.WARNING)
-    for h in log.handlers:
-        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
-            h.setStream(sys.stderr)
-
-
-_quiet_nixl_logging()
-
-# A blob names its process (a random token) and backend instance; a peer whose blob names
-# this process and a live instance here can be served by device copies.
-_process = {"token": os.urandom(16)}
-_instances: "weakref.WeakValueDictionary[bytes, NixlBackend]" = weakref.WeakValueDictionary()
-
-
-def _after_fork_in_child() -> None:
-    # A forked child shares no live agents with its parent: forget them, and change the
-    # process token so the parent's blobs no longer look local to the child.
-    _process["token"] = os.urandom(16)
-    _instances.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _extents(descs: DescriptorList) -> np.ndarray:
-    """``(address, nbytes, device)`` spans covering every span of the list (strided rows whole)."""
-    a = descs.array
-    if not descs.strided:
-        return a
-    a = a[a[:, 4] > 0]
-    n, length, stride = a[:, 4] - np.uint64(1), a[:, 1], a[:, 3]
-    wraps = (n > 0) & (stride > (np.uint64(_U64) - length) // np.maximum(n, np.uint64(1)))
-    if wraps.any():
-        raise OutOfRegistrationError("a strided descriptor row runs past the end of the address space")
-    return np.stack([a[:, 0], stride * n + length, a[:, 2]], axis=1)
-
-
-# --------------------------------------------------------------------------------------------
-# Handles
-# --------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Remote:
-    name: str  # the peer's agent name
-    nixl: str  # the name its metadata is loaded under in NIXL: unique per load
-    epoch: int  # this backend's load counter: lists from an older load are stale
-    blob: _blob.PeerBlob
-    memory: SpanIndex  # what the peer registered, from its blob
-    local: "weakref.ReferenceType[NixlBackend] | None"  # the peer's backend, when in this process
-    stale: str | None = None  # set when the peer announced it deregistered memory
-
-
-@dataclass(eq=False)
-class _Prepared:
-    nixl: Any  # NIXL's prepared-list handle (None once released)
-    peer: str | None
-    epoch: int
-    descs: DescriptorList
-    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
-    gone: str | None = None  # why the list is unusable (its local memory was deregistered)
-
-
-@dataclass(eq=False)
-class _Registration:
-    lists: list[tuple[MemoryKind, Any]]
-    allocations: tuple[Allocation, ...]
-    device_token: int = 0
-
-
-class _Path(Protocol):
-    sends_notification: bool
-
-    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
-              notification: bytes | None) -> Any: ...
-
-    def poll(self, h: Any) -> bool: ...
-
-    def cancel(self, h: Any) -> None: ...
-
-    def kind(self, h: Any) -> str: ...
-
-
-class _Flush:
-    """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
-
-    until = 0.0
-
-
-class _Xfer:
-    """One post: the data path that serves it, and that path's handle."""
-
-    __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
-
-    def __init__(self, path: _Path, h: Any, rem: _Remote, notification: bytes | None) -> None:
-        self.path, self.h, self.rem, self.notification = path, h, rem, notification
-        self.done = self.released = self.pumped = False
-        self.error: KvxferError | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# The backend
-# --------------------------------------------------------------------------------------------
-class NixlBackend(Backend):
+class NixlBackend(Notifications, Backend):
     """kvxfer backend over NIXL (UCX by default): DRAM and VRAM, READ and WRITE, notifications.
 
     Options (``kvxfer.Agent(name, backend="nixl", **options)``):
@@ -225,10 +95,10 @@ class NixlBackend(Backend):
             needs_progress=not self._progress_thread,
             cross_process=True,
         )
-        cfg = _nx.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=list(self._backends),
+        cfg = nx.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=list(self._backends),
                                     num_threads=int(num_threads))
         try:
-            self._agent = _nx.nixl_agent(agent_name, cfg)
+            self._agent = nx.nixl_agent(agent_name, cfg)
         except Exception as exc:
             raise map_error(exc, f"creating NIXL agent {agent_name!r}") from exc
         missing = [b for b in self._backends if b not in self._agent.backends]
@@ -239,10 +109,10 @@ class NixlBackend(Backend):
         # this lock (the notify thread and the caller share it).
         self._lock = threading.RLock()
         self._id = os.urandom(16)
-        self._remotes: dict[str, _Remote] = {}
+        self._remotes: dict[str, Remote] = {}
         self._loads = 0
-        self._prepared: "weakref.WeakSet[_Prepared]" = weakref.WeakSet()
-        self._registrations: list[_Registration] = []
+        self._prepared: "weakref.WeakSet[Prepared]" = weakref.WeakSet()
+        self._registrations: list[Registration] = []
         self._memory = SpanIndex()
         self._reg_epoch = 0
         self._inbox: dict[str, list[bytes]] = {}
@@ -250,109 +120,58 @@ class NixlBackend(Backend):
         self._request_descriptors = max(1, int(request_descriptors))
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
         # Data paths, most specific first: post() takes the first whose test accepts the pair.
-        self._paths: list[tuple[Callable[[_Prepared, _Prepared], bool], _Path]] = [
+        self._paths: list[tuple[Callable[[Prepared, Prepared], bool], Path]] = [
             (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._path)),
             (lambda lp, rp: lp.nixl is not None and rp.nixl is not None, self._nixl_path),
         ]
-        self._flush = _Flush()
+        self._flush = Flush()
         self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
         self._closed = False
-        _instances[self._id] = self
+        instances[self._id] = self
 
     def __repr__(self) -> str:
         return (f"<NixlBackend {self.agent_name!r} progress_thread={self._progress_thread} "
                 f"peers={sorted(self._remotes)}>")
 
     # -- memory -------------------------------------------------------------------------
-    def register(self, allocations: Sequence[Allocation]) -> _Registration:
-        """Register every allocation once, one NIXL call per memory kind."""
+    def register(self, allocations: Sequence[Allocation]) -> Registration:
+        """Register every allocation once (one NIXL call per memory kind), then with the device path."""
         self._check_open()
         allocs = tuple(allocations)
         others = {a.kind for a in allocs} - {MemoryKind.DRAM, MemoryKind.VRAM}
         if others:
             raise UnsupportedError(f"NIXL backend moves DRAM and VRAM only, not {sorted(map(str, others))}")
-        lists: list[tuple[MemoryKind, Any]] = []
-        try:
-            for kind in (MemoryKind.DRAM, MemoryKind.VRAM):
-                group = [a for a in allocs if a.kind is kind]
-                if not group:
-                    continue
-                # An N x 3 array: NIXL logs bad input of other shapes and raises a vague TypeError.
-                arr = np.array([(a.address, a.nbytes, a.device) for a in group], dtype=np.uint64)
-                with self._lock:
-                    try:
-                        lists.append((kind, self._agent.register_memory(arr, kind.value)))
-                    except Exception as exc:
-                        hint = (" (VRAM needs a CUDA build of NIXL and a UCX with CUDA support)"
-                                if kind is MemoryKind.VRAM else "")
-                        raise map_error(exc, f"registering {len(group)} {kind.value} allocation(s){hint}") from exc
-        except BaseException:
-            self._deregister_lists(lists)
-            raise
+        lists = register_memory(self._agent, self._lock, allocs)
         try:
             token = self._path.register(allocs)
         except BaseException:
-            self._deregister_lists(lists)
+            deregister_memory(self._agent, self._lock, lists)
             raise
-        handle = _Registration(lists, allocs, token)
+        handle = Registration(lists, allocs, token)
         self._registrations.append(handle)
         self._registered_changed()
         return handle
 
     def deregister(self, handle: Any) -> None:
         """Drop a registration: lists over it die first, then peers hear that it is gone."""
-        if not isinstance(handle, _Registration) or handle not in self._registrations:
+        if not isinstance(handle, Registration) or handle not in self._registrations:
             return
         self._registrations.remove(handle)
         self._registered_changed()
         self._path.deregister(handle.device_token)
         for p in list(self._prepared):
-            ext = _extents(p.descs)
+            ext = extents(p.descs)
             if p.peer is None and (self._memory.find(ext[:, 0], ext[:, 1], ext[:, 2], p.descs.kind) < 0).any():
                 self.release_prepared(p)
                 p.gone = "the local list lies in memory that was deregistered since it was prepared"
-        errors = self._deregister_lists(handle.lists)
+        errors = deregister_memory(self._agent, self._lock, handle.lists)
         self._announce_deregistration()
         if errors:
             raise map_error(errors[0], "deregistering memory")
 
-    def _deregister_lists(self, lists: list[tuple[MemoryKind, Any]]) -> list[Exception]:
-        errors = []
-        for _, reg in lists:
-            with self._lock:
-                try:
-                    self._agent.deregister_memory(reg)
-                except Exception as exc:
-                    errors.append(exc)
-        return errors
-
     def _registered_changed(self) -> None:
         self._memory = SpanIndex(a for r in self._registrations for a in r.allocations)
         self._reg_epoch += 1
-
-    def _announce_deregistration(self) -> None:
-        """Tell peers that memory they may hold keys for is gone, so they stop using it.
-
-        Peers in this process are marked at once; others receive a control notification
-        (only those this backend has added) and mark us when they next look at
-        notifications, which they also do whenever one of their transfers to us completes.
-        """
-        for other in list(_instances.values()):
-            for rem in list(other._remotes.values()):
-                if rem.local is not None and rem.local() is self:
-                    rem.stale = self._stale_reason(rem.name)
-        notice = _NOTICE.pack(_DEREGISTERED, self._id, self._reg_epoch)
-        for rem in list(self._remotes.values()):
-            with self._lock:
-                try:
-                    self._agent.send_notif(rem.nixl, notice)
-                except Exception:
-                    pass  # a peer we cannot reach cannot read from us either
-
-    @staticmethod
-    def _stale_reason(peer: str) -> str:
-        return (f"peer {peer!r} deregistered memory that lists prepared for it cover; "
-                "add it again from its fresh metadata")
 
     # -- peers --------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
@@ -363,7 +182,7 @@ class NixlBackend(Backend):
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise map_error(exc, "reading local NIXL metadata") from exc
-        return _blob.encode(_process["token"], self._id, self._reg_epoch, self._path.blob(), bytes(md))
+        return _blob.encode(process["token"], self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
@@ -376,17 +195,8 @@ class NixlBackend(Backend):
         """
         self._check_open()
         try:
-            if not isinstance(peer_name, str):
-                raise MetadataError(f"peer name must be a str, got {type(peer_name).__name__}")
-            try:
-                peer_name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise MetadataError(f"peer name {peer_name!r} is not valid Unicode") from None
             parsed = _blob.parse(blob, peer_name, self._backends)
-            try:
-                memory = SpanIndex(parsed.allocations())
-            except KvxferError as exc:
-                raise MetadataError(f"memory published by {peer_name!r} is invalid: {exc}") from None
+            memory = SpanIndex(parsed.allocations())  # spans already checked by parse()
             self._loads += 1
             alias = f"{peer_name}#{self._loads}"
             with self._lock:
@@ -411,11 +221,11 @@ class NixlBackend(Backend):
                     pass
             raise MetadataError(f"the device path refused {peer_name!r}: {exc}") from exc
         local = None
-        other = _instances.get(parsed.instance) if parsed.token == _process["token"] else None
+        other = instances.get(parsed.instance) if parsed.token == process["token"] else None
         if other is not None and other is not self and other.agent_name == peer_name:
             local = weakref.ref(other)
         old = self._remotes.get(peer_name)
-        self._remotes[peer_name] = _Remote(peer_name, alias, self._loads, parsed, memory, local)
+        self._remotes[peer_name] = Remote(peer_name, alias, self._loads, parsed, memory, local)
         if old is not None:
             try:
                 self._unload(old)
@@ -430,20 +240,20 @@ class NixlBackend(Backend):
             self._path.remove_peer(peer)
             self._unload(rem)
 
-    def _unload(self, rem: _Remote) -> None:
+    def _unload(self, rem: Remote) -> None:
         for p in list(self._prepared):
             if p.peer == rem.name and p.epoch == rem.epoch:
                 self.release_prepared(p)
         with self._lock:
             try:
                 self._agent.remove_remote_agent(rem.nixl)
-            except _nb.nixlNotFoundError:
+            except nb.nixlNotFoundError:
                 pass
             except Exception as exc:
                 raise map_error(exc, "removing peer", rem.name) from exc
 
     # -- descriptor lists ----------------------------------------------------------------
-    def prepare(self, peer: str | None, descs: DescriptorList) -> _Prepared:
+    def prepare(self, peer: str | None, descs: DescriptorList) -> Prepared:
         """``prep_xfer_dlist`` once, after checking the list against registered memory.
 
         Local lists must lie in our registrations, a peer's lists in what its blob says it
@@ -456,17 +266,17 @@ class NixlBackend(Backend):
         rem = None
         if peer is None:
             target, epoch = _LOCAL_AGENT, 0
-            self._memory.check(_extents(descs), descs.kind, f"local list of {self.agent_name!r}")
+            self._memory.check(extents(descs), descs.kind, f"local list of {self.agent_name!r}")
         else:
             rem = self._remotes.get(peer)
             if rem is None:
                 raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}; add it first")
             if rem.stale:
                 raise StalePeerError(rem.stale)
-            rem.memory.check(_extents(descs), descs.kind, f"list for peer {peer!r}")
+            rem.memory.check(extents(descs), descs.kind, f"list for peer {peer!r}")
             target, epoch = rem.nixl, rem.epoch
         device = self._path.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
-        p = _Prepared(None, peer, epoch, descs, device)
+        p = Prepared(None, peer, epoch, descs, device)
         if len(descs):
             with self._lock:
                 try:
@@ -479,7 +289,7 @@ class NixlBackend(Backend):
         return p
 
     def release_prepared(self, prepared: Any) -> None:
-        if not isinstance(prepared, _Prepared):
+        if not isinstance(prepared, Prepared):
             return
         with self._lock:
             h, prepared.nixl = prepared.nixl, None
@@ -494,10 +304,10 @@ class NixlBackend(Backend):
 
     # -- transfers ----------------------------------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             notification: bytes | None) -> _Xfer:
+             notification: bytes | None) -> Xfer:
         """Check the lists are current, pick the data path, start it."""
         self._check_open()
-        if not isinstance(local, _Prepared) or not isinstance(remote, _Prepared):
+        if not isinstance(local, Prepared) or not isinstance(remote, Prepared):
             raise BackendError("post() needs lists returned by this backend's prepare()")
         if local.peer is not None:
             raise BackendError("the local list was prepared for a peer; prepare it with peer=None")
@@ -517,7 +327,7 @@ class NixlBackend(Backend):
                 break
         else:
             raise BackendError("descriptor list was released or is empty")
-        x = _Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
+        x = Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
         if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
             x.pumped = True
             self._pump.add(x)  # notifications (and later pieces) go out without the caller polling
@@ -525,7 +335,7 @@ class NixlBackend(Backend):
 
     def poll(self, xfer: Any) -> bool:
         """One non-blocking look. Without a progress thread it also progresses same-process peers."""
-        x: _Xfer = xfer
+        x: Xfer = xfer
         if x.done:
             return True
         if x.error is not None:
@@ -543,7 +353,7 @@ class NixlBackend(Backend):
             self._progress_local_peers()
         return False
 
-    def _finish(self, x: _Xfer) -> bool:
+    def _finish(self, x: Xfer) -> bool:
         """Refuse DONE for a peer known to have deregistered; notify for paths that do not."""
         now = time.monotonic()
         if now - self._collected > _COLLECT_EVERY:
@@ -565,27 +375,12 @@ class NixlBackend(Backend):
 
     def data_path(self, xfer: Any) -> str | None:
         """``"cuda-ipc"`` or ``"same-process"`` for device-path copies, else ``"nixl"``."""
-        x: _Xfer = xfer
+        x: Xfer = xfer
         return x.path.kind(x.h)
-
-    def _pumped(self, h: Any) -> bool:
-        """What the notify thread polls: transfers, and the flush after a standalone notification."""
-        if h is self._flush:
-            try:
-                self._collect(blocking=False)
-            except KvxferError:
-                pass
-            return time.monotonic() >= self._flush.until
-        return self.poll(h)
-
-    def _flush_soon(self) -> None:
-        if self._notify_thread:
-            self._flush.until = time.monotonic() + _NOTIF_FLUSH_S
-            self._pump.add(self._flush)
 
     def release(self, xfer: Any) -> None:
         """Forget a transfer; a pending one is aborted (or, for a device copy, waited for)."""
-        x: _Xfer = xfer
+        x: Xfer = xfer
         if x.released:
             return
         x.released = True  # poll() refuses it from now on; the path guards its own handles
@@ -593,14 +388,7 @@ class NixlBackend(Backend):
             self._pump.discard(x)
         x.path.cancel(x.h)
 
-    # -- notifications ------------------------------------------------------------------
-    def _send_notif(self, rem: _Remote, message: bytes) -> None:
-        with self._lock:
-            try:
-                self._agent.send_notif(rem.nixl, message)
-            except Exception as exc:
-                raise map_error(exc, "sending a notification", rem.name) from exc
-
+    # -- notifications (the rest: kvxfer_nixl._notify) ----------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         self._check_open()
         rem = self._remotes.get(peer)
@@ -616,38 +404,6 @@ class NixlBackend(Backend):
             out, self._inbox = self._inbox, {}
         return out
 
-    def _collect(self, blocking: bool = True) -> None:
-        """Move NIXL's new notifications into the inbox, acting on control notices."""
-        if not self._lock.acquire(blocking=blocking):
-            return
-        try:
-            if self._closed:
-                return
-            self._collected = time.monotonic()
-            try:
-                new = self._agent.get_new_notifs()
-            except Exception as exc:
-                raise map_error(exc, "reading notifications") from exc
-            for k, v in new.items():
-                key = k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)
-                msgs = [bytes(m) for m in v]
-                if any(m.startswith(_DEREGISTERED) for m in msgs):
-                    msgs = [m for m in msgs if not self._notice(key, m)]
-                if msgs:
-                    self._inbox.setdefault(key, []).extend(msgs)
-        finally:
-            self._lock.release()
-
-    def _notice(self, sender: str, msg: bytes) -> bool:
-        """True if ``msg`` is a deregistration notice (acted upon if it concerns a known peer)."""
-        if len(msg) != _NOTICE.size or not msg.startswith(_DEREGISTERED):
-            return False
-        _, instance, epoch = _NOTICE.unpack(msg)
-        rem = self._remotes.get(sender)
-        if rem is not None and rem.blob.instance == instance and epoch > rem.blob.reg_epoch:
-            rem.stale = self._stale_reason(sender)
-        return True
-
     def progress(self) -> None:
         """Drive NIXL once (reading notifications drives the UCX worker) and retry releases."""
         if self._closed:
@@ -657,18 +413,15 @@ class NixlBackend(Backend):
             self._progress_local_peers()
         self._nixl_path.reap()
 
-    def _progress_local_peers(self) -> None:
-        """Progress peers of this process: nobody else drives them when the thread is off.
-
-        Never blocks: a peer busy in another thread is progressing anyway.
-        """
-        for rem in tuple(self._remotes.values()):
-            other = rem.local() if rem.local is not None else None
-            if other is not None and not other._closed:
-                try:
-                    other._collect(blocking=False)
-                except KvxferError:
-                    pass
+    def _pumped(self, h: Any) -> bool:
+        """What the notify thread polls: transfers, and the flush after a standalone notification."""
+        if h is self._flush:
+            try:
+                self._collect(blocking=False)
+            except KvxferError:
+                pass
+            return time.monotonic() >= self._flush.until
+        return self.poll(h)
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
@@ -691,7 +444,7 @@ class NixlBackend(Backend):
                 pass
         self._path.close()
         self._closed = True
-        _instances.pop(self._id, None)
+        instances.pop(self._id, None)
         with self._lock:
             self._agent = None  # the C++ agent is destroyed with its last reference
             self._nixl_path.close()

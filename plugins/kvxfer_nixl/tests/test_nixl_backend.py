@@ -286,9 +286,9 @@ def test_error_mapping_covers_every_nixl_exception() -> None:
         UnsupportedError,
     )
 
-    from kvxfer_nixl._errors import map_error
+    from kvxfer_nixl._nixl import map_error
 
-    B = nb._nb
+    B = nb.nb
     expect = {
         "nixlRemoteDisconnectError": PeerDisconnectedError,
         "nixlNotFoundError": StalePeerError,
@@ -315,10 +315,10 @@ def test_forked_child_changes_process_token() -> None:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: report whether the token changed, then leave without cleanup
-        os.write(w, nb._process["token"])
+        os.write(w, nb.process["token"])
         os._exit(0)
     os.close(w)
     child_token = os.read(r, 16)
     os.waitpid(pid, 0)
     os.close(r)
-    assert child_token and child_token != nb._process["token"]
+    assert child_token and child_token != nb.process["token"]

@@ -1,0 +1,110 @@
+"""NIXL as the backend uses it: the modules, a quiet logger, exceptions mapped to kvxfer's.
+
+Every call into NIXL goes through :func:`map_error` on failure, so no NIXL (or pybind)
+exception type ever leaves the backend: a caller catches :class:`~kvxfer.KvxferError`
+subclasses only, each chosen by what the caller should do next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+import nixl._api as nx
+import nixl._bindings as _nb
+from kvxfer import Allocation, MemoryKind
+from kvxfer.errors import (
+    BackendError,
+    KvxferError,
+    PeerDisconnectedError,
+    StalePeerError,
+    TransferCancelledError,
+    UnsupportedError,
+)
+
+__all__ = ["deregister_memory", "map_error", "nb", "nx", "register_memory"]
+
+nb = _nb
+
+
+def _quiet_logging() -> None:
+    """NIXL's Python logger prints INFO lines to *stdout*; peers speak JSON over stdout.
+
+    Unless the user asked for a level with ``NIXL_LOG_LEVEL``, keep warnings only, and send
+    them to stderr so that a process's stdout stays its own.
+    """
+    log = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        log.setLevel(logging.WARNING)
+    for h in log.handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+
+
+_quiet_logging()
+
+
+def map_error(exc: BaseException, action: str, peer: str | None = None) -> KvxferError:
+    """The kvxfer error for ``exc``, raised while doing ``action`` (with ``peer``, if any)."""
+    if isinstance(exc, KvxferError):
+        return exc
+    who = f" peer {peer!r}" if peer else ""
+    detail = f"{type(exc).__name__}: {exc}"
+    err: KvxferError
+    if isinstance(exc, _nb.nixlRemoteDisconnectError):
+        err = PeerDisconnectedError(f"{action}:{who or ' the peer'} disconnected ({detail}); "
+                                    "add it again once it is back")
+    elif isinstance(exc, (_nb.nixlNotFoundError, _nb.nixlNotAllowedError)) and peer:
+        err = StalePeerError(f"{action}: NIXL no longer accepts{who} or lists prepared for it ({detail}); "
+                             "the peer was removed or restarted: add it again from fresh metadata")
+    elif isinstance(exc, _nb.nixlNotSupportedError):
+        err = UnsupportedError(f"{action}: not supported by the NIXL backends in use ({detail})")
+    elif isinstance(exc, _nb.nixlCancelledError):
+        err = TransferCancelledError(f"{action}: cancelled inside NIXL ({detail})")
+    elif isinstance(exc, (_nb.nixlInvalidParamError, _nb.nixlMismatchError)):
+        err = BackendError(f"{action}: NIXL rejected the request ({detail}); descriptors must lie in registered "
+                           "memory of the stated kind, with equal lengths on both sides")
+    else:
+        err = BackendError(f"{action}: NIXL failed ({detail})")
+    err.__cause__ = exc
+    return err
+
+
+def register_memory(agent: Any, lock: threading.RLock, allocs: Sequence[Allocation]) -> list[tuple[MemoryKind, Any]]:
+    """One ``register_memory`` per memory kind; all or nothing."""
+    lists: list[tuple[MemoryKind, Any]] = []
+    try:
+        for kind in (MemoryKind.DRAM, MemoryKind.VRAM):
+            group = [a for a in allocs if a.kind is kind]
+            if not group:
+                continue
+            # An N x 3 array: NIXL logs bad input of other shapes and raises a vague TypeError.
+            arr = np.array([(a.address, a.nbytes, a.device) for a in group], dtype=np.uint64)
+            with lock:
+                try:
+                    lists.append((kind, agent.register_memory(arr, kind.value)))
+                except Exception as exc:
+                    hint = (" (VRAM needs a CUDA build of NIXL and a UCX with CUDA support)"
+                            if kind is MemoryKind.VRAM else "")
+                    raise map_error(exc, f"registering {len(group)} {kind.value} allocation(s){hint}") from exc
+    except BaseException:
+        deregister_memory(agent, lock, lists)
+        raise
+    return lists
+
+
+def deregister_memory(agent: Any, lock: threading.RLock, lists: list[tuple[MemoryKind, Any]]) -> list[Exception]:
+    """Deregister every list; returns the failures (the rest is deregistered regardless)."""
+    errors = []
+    for _, reg in lists:
+        with lock:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as exc:
+                errors.append(exc)
+    return errors

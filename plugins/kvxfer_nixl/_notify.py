@@ -1,0 +1,132 @@
+"""The NIXL backend's notifications: sending, receiving, progress, and deregistration notices.
+
+A mixin of :class:`kvxfer_nixl.backend.NixlBackend` (the control plane), kept apart so each
+file stays small; it uses the backend's NIXL agent, lock and peers. Three things happen
+here besides moving messages:
+
+* NIXL sends a notification only while someone progresses its worker, so after sending one
+  the notify thread (:class:`kvxfer.progress.Pump`) keeps progressing for a while;
+* agents of one process progress each other while they wait, because nobody else would;
+* a backend that deregisters memory tells its peers (a control notice, never delivered to
+  the user), and a backend that receives one marks the sender stale.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from kvxfer.errors import KvxferError
+from kvxfer.progress import Pump
+
+from ._nixl import map_error
+from ._records import Flush, Remote, instances, notice, parse_notice
+
+__all__ = ["Notifications"]
+
+#: How long the notify thread keeps progressing NIXL after a notification was sent: it
+#: leaves the worker only when someone progresses it, and the caller may have gone back to work.
+NOTIF_FLUSH_S = 2.0
+
+
+class Notifications:
+    """Notification handling for :class:`~kvxfer_nixl.backend.NixlBackend`."""
+
+    agent_name: str
+    _agent: Any
+    _lock: threading.RLock
+    _remotes: dict[str, Remote]
+    _inbox: dict[str, list[bytes]]
+    _collected: float
+    _closed: bool
+    _notify_thread: bool
+    _progress_thread: bool
+    _flush: Flush
+    _pump: Pump[Any]
+    _id: bytes
+    _reg_epoch: int
+
+
+    def _announce_deregistration(self) -> None:
+        """Tell peers that memory they may hold keys for is gone, so they stop using it.
+
+        Peers in this process are marked at once; others receive a control notification
+        (only those this backend has added) and mark us when they next look at
+        notifications, which they also do whenever one of their transfers to us completes.
+        """
+        for other in list(instances.values()):
+            for rem in list(other._remotes.values()):
+                if rem.local is not None and rem.local() is self:
+                    rem.stale = self._stale_reason(rem.name)
+        msg = notice(self._id, self._reg_epoch)
+        for rem in list(self._remotes.values()):
+            with self._lock:
+                try:
+                    self._agent.send_notif(rem.nixl, msg)
+                except Exception:
+                    pass  # a peer we cannot reach cannot read from us either
+
+    @staticmethod
+    def _stale_reason(peer: str) -> str:
+        return (f"peer {peer!r} deregistered memory that lists prepared for it cover; "
+                "add it again from its fresh metadata")
+
+
+    def _flush_soon(self) -> None:
+        if self._notify_thread:
+            self._flush.until = time.monotonic() + NOTIF_FLUSH_S
+            self._pump.add(self._flush)
+
+
+    def _send_notif(self, rem: Remote, message: bytes) -> None:
+        with self._lock:
+            try:
+                self._agent.send_notif(rem.nixl, message)
+            except Exception as exc:
+                raise map_error(exc, "sending a notification", rem.name) from exc
+
+    def _collect(self, blocking: bool = True) -> None:
+        """Move NIXL's new notifications into the inbox, acting on control notices."""
+        if not self._lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._closed:
+                return
+            self._collected = time.monotonic()
+            try:
+                new = self._agent.get_new_notifs()
+            except Exception as exc:
+                raise map_error(exc, "reading notifications") from exc
+            for k, v in new.items():
+                key = k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)
+                msgs = [bytes(m) for m in v]
+                msgs = [m for m in msgs if not self._notice(key, m)]
+                if msgs:
+                    self._inbox.setdefault(key, []).extend(msgs)
+        finally:
+            self._lock.release()
+
+    def _notice(self, sender: str, msg: bytes) -> bool:
+        """True if ``msg`` is a deregistration notice (acted upon if it concerns a known peer)."""
+        parsed = parse_notice(msg)
+        if parsed is None:
+            return False
+        rem = self._remotes.get(sender)
+        if rem is not None and rem.blob.instance == parsed[0] and parsed[1] > rem.blob.reg_epoch:
+            rem.stale = self._stale_reason(sender)
+        return True
+
+    def _progress_local_peers(self) -> None:
+        """Progress peers of this process: nobody else drives them when the thread is off.
+
+        Never blocks: a peer busy in another thread is progressing anyway.
+        """
+        for rem in tuple(self._remotes.values()):
+            other = rem.local() if rem.local is not None else None
+            if other is not None and not other._closed:
+                try:
+                    other._collect(blocking=False)
+                except KvxferError:
+                    pass
+

@@ -1,0 +1,133 @@
+"""What the NIXL backend keeps: peers, prepared lists, registrations, posts, and who is local.
+
+Plain records, so that :mod:`kvxfer_nixl.backend` reads as the control plane alone. Also
+here: the process-wide registry that lets a backend recognise a peer living in this process
+(its blob carries our random process token and the instance id of a live backend), and the
+format of the notice a backend sends its peers after deregistering memory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer.errors import KvxferError, OutOfRegistrationError
+from kvxfer.spans import SpanIndex
+
+from ._blob import PeerBlob
+
+__all__ = ["Flush", "Path", "Prepared", "Registration", "Remote", "Xfer", "extents", "instances", "notice",
+           "parse_notice", "process"]
+
+_U64 = (1 << 64) - 1
+
+# A blob names its process (a random token) and backend instance.
+process = {"token": os.urandom(16)}
+instances: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child shares no live agents with its parent: forget them, and change the
+    # process token so the parent's blobs no longer look local to the child.
+    process["token"] = os.urandom(16)
+    instances.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+#: Control notification sent to peers after deregistering memory: a fixed prefix, the
+#: sender's instance id, its new registration epoch. Never delivered to the user.
+_DEREGISTERED = b"\x00kvxfer-nixl:deregistered\x00"
+_NOTICE = struct.Struct(f"<{len(_DEREGISTERED)}s16sQ")
+
+
+def notice(instance: bytes, epoch: int) -> bytes:
+    return _NOTICE.pack(_DEREGISTERED, instance, epoch)
+
+
+def parse_notice(msg: bytes) -> tuple[bytes, int] | None:
+    """``(instance, epoch)`` if ``msg`` is a deregistration notice, else None."""
+    if len(msg) != _NOTICE.size or not msg.startswith(_DEREGISTERED):
+        return None
+    _, instance, epoch = _NOTICE.unpack(msg)
+    return instance, epoch
+
+
+def extents(descs: DescriptorList) -> np.ndarray:
+    """``(address, nbytes, device)`` spans covering every span of the list (strided rows whole)."""
+    a = descs.array
+    if not descs.strided:
+        return a
+    a = a[a[:, 4] > 0]
+    n, length, stride = a[:, 4] - np.uint64(1), a[:, 1], a[:, 3]
+    wraps = (n > 0) & (stride > (np.uint64(_U64) - length) // np.maximum(n, np.uint64(1)))
+    if wraps.any():
+        raise OutOfRegistrationError("a strided descriptor row runs past the end of the address space")
+    return np.stack([a[:, 0], stride * n + length, a[:, 2]], axis=1)
+
+
+@dataclass(eq=False)
+class Remote:
+    name: str  # the peer's agent name
+    nixl: str  # the name its metadata is loaded under in NIXL: unique per load
+    epoch: int  # the backend's load counter: lists from an older load are stale
+    blob: PeerBlob
+    memory: SpanIndex  # what the peer registered, from its blob
+    local: "weakref.ReferenceType[Any] | None"  # the peer's backend, when in this process
+    stale: str | None = None  # set when the peer announced it deregistered memory
+
+
+@dataclass(eq=False)
+class Prepared:
+    nixl: Any  # NIXL's prepared-list handle (None once released)
+    peer: str | None
+    epoch: int
+    descs: DescriptorList
+    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
+    gone: str | None = None  # why the list is unusable (its local memory was deregistered)
+
+
+@dataclass(eq=False)
+class Registration:
+    lists: list[tuple[MemoryKind, Any]]
+    allocations: tuple[Allocation, ...]
+    device_token: int = 0
+
+
+class Path(Protocol):
+    """A data path: start a post, poll it (one step), cancel it; ``kind`` names it in stats."""
+
+    sends_notification: bool
+
+    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> Any: ...
+
+    def poll(self, h: Any) -> bool: ...
+
+    def cancel(self, h: Any) -> None: ...
+
+    def kind(self, h: Any) -> str: ...
+
+
+class Flush:
+    """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
+
+    until = 0.0
+
+
+class Xfer:
+    """One post: the data path that serves it, and that path's handle."""
+
+    __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
+
+    def __init__(self, path: Path, h: Any, rem: Remote, notification: bytes | None) -> None:
+        self.path, self.h, self.rem, self.notification = path, h, rem, notification
+        self.done = self.released = self.pumped = False
+        self.error: KvxferError | None = None
