@@ -169,6 +169,10 @@ def test_peer_names_that_are_not_unicode_strings_are_metadata_errors(pair: Any, 
     assert not b._remotes
 
 
+@pytest.mark.skipif(not os.environ.get("KVXFER_NATIVE_CRASH_TESTS"),
+                    reason="feeds corrupt remote keys to NIXL in this process, which can SIGSEGV inside NIXL "
+                           "(seen in CI); the fuzz campaign counts such crashes in subprocesses. "
+                           "Set KVXFER_NATIVE_CRASH_TESTS=1 to run it")
 def test_a_blob_nixl_refuses_halfway_does_not_block_the_genuine_peer(pair: Any) -> None:
     """NIXL loads the connection, then fails on a remote key it cannot unpack. NIXL keeps that
     connection under the name it was given and would refuse the name from then on."""
