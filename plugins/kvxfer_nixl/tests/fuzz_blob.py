@@ -171,10 +171,14 @@ def worker(args: argparse.Namespace) -> int:
     with open(args.metadata, "rb") as f:
         genuine = kvxfer.AgentMetadata.decode(f.read())
     reg = regions(genuine.blob)
-    cache = np.zeros((4, 1024), np.uint8)
+    from kvxfer.testing.buffers import make_cache
+
+    # The victim's cache has the genuine peer's geometry (see ``campaign``), so the genuine
+    # metadata pairs and the only refusals left are the ones the mutations cause.
+    cache = make_cache("packed", num_blocks=4, num_layers=2, page=256)
     out = sys.stdout
     with kvxfer.Agent("victim", backend="nixl") as agent:
-        agent.register({"layer.0": cache})
+        agent.register(cache.views)
         generation = genuine.generation
         for i in range(args.start, args.start + args.count):
             op, region, blob = mutate(genuine.blob, reg, args.seed, i, args.sweep)

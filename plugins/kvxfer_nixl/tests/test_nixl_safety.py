@@ -210,6 +210,9 @@ def test_replacing_a_peer_keeps_the_old_one_until_the_new_one_loaded(pair: Any) 
 def test_fuzzed_blobs_never_raise_untyped_errors_nor_block_the_peer() -> None:
     res = fuzz_blob.campaign(1200, seed=int(os.environ.get("KVXFER_FUZZ_SEED", "0")))
     assert res["mutations"] == 1200
+    # Some mutations keep the blob valid (a changed key byte, an address): if none is accepted,
+    # the victim refused the genuine peer itself and nothing below was exercised.
+    assert res["results"].get("accepted", 0) > 0, res["results"]
     assert not res["findings"], res["findings"][:5]  # untyped errors, or the genuine blob refused after
     # Crashes are counted, not hidden: the only bytes that may still crash are UCX's own
     # payloads (worker address, remote keys), which kvxfer cannot parse (RELIABILITY.md).
