@@ -15,6 +15,7 @@ others are done: NIXL sends it after that piece's data, so it follows all of the
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +28,7 @@ from ._nixl import map_error
 __all__ = ["NixlPath", "NixlXfer", "as_int32"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+QUIESCE_S = 5.0  # longest a cancel waits for posted pieces to end (see NixlPath.cancel)
 
 
 def as_int32(idx: np.ndarray) -> np.ndarray:
@@ -100,12 +102,25 @@ class NixlPath:
             return x.next >= n and not x.live
 
     def cancel(self, x: NixlXfer) -> None:
-        """Release every handle (NIXL aborts what is pending); never raises."""
+        """Let the pieces in flight settle, then release every handle; never raises.
+
+        Releasing a pending NIXL request does not stop copies the transport already handed
+        to hardware (with ``cuda_ipc`` the destination kept changing after release), so a
+        cancelled transfer first waits, at most ``QUIESCE_S``, for its posted pieces to end.
+        Nothing further is posted, so that wait is bounded by one piece.
+        """
         with self._lock:
             if x.released:
                 return
             x.released = True
+            end = time.monotonic() + QUIESCE_S
             for h in x.live:
+                while time.monotonic() < end:
+                    try:
+                        if self._agent.check_xfer_state(h) != "PROC":
+                            break
+                    except Exception:
+                        break  # failed: nothing of it is still moving
                 self._release(h)
             x.live.clear()
 
