@@ -11,7 +11,8 @@ explicitly (README, "Side channel", says what that exposes). The modules:
 
 * :mod:`.frames`: the 12-byte header, message types and the errors carried on the wire;
 * :mod:`.auth`: the conversation, nonces and HMAC proofs (authenticate, then talk);
-* :mod:`.server`: one event loop for all sockets; a slot only after authentication;
+* :mod:`.loop`: one event loop for all sockets; a slot only after authentication;
+* :mod:`.server`: the protocol on that loop (HELLO, AUTH, metadata) and the callback thread;
 * :mod:`.client`: blocking :func:`exchange` / :func:`fetch` with one deadline.
 
 Why stdlib sockets, not asyncio or pyzmq: no new dependency for a handful of messages per

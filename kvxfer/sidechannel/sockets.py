@@ -1,7 +1,7 @@
 """Socket plumbing for the side-channel server: per-client state, the listener, freeing memory.
 
-Kept apart from :mod:`.server` so that the server reads as the protocol (who may do what,
-when) and this module as the mechanics it needs.
+Kept apart from :mod:`.loop` and :mod:`.server` so that they read as the event loop and the
+protocol, and this module as the state and mechanics they share.
 """
 
 from __future__ import annotations

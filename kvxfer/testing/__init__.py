@@ -17,7 +17,8 @@ except ImportError:  # the demo and `kvxfer bench` use the buffers and the peer 
 else:
     # Plugin authors collect this suite from an installed package, which pytest does not rewrite
     # by default: without this their failures would be a bare AssertionError with no diff.
-    pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.buffers")
+    pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.conformance_base",
+                                   "kvxfer.testing.conformance_processes", "kvxfer.testing.buffers")
 
 from .buffers import SENTINEL, Cache, expected_after, make_cache  # noqa: E402
 

@@ -33,97 +33,28 @@ Every test is bounded (``pytest-timeout``), so a hanging backend fails in minute
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
-from .. import Agent, AgentMetadata, Capabilities, KVCacheSpec, MemoryKind, Op
+from .. import Agent, AgentMetadata, KVCacheSpec
 from ..errors import (
     AgentClosedError,
     BlockCountMismatchError,
     BlockIdOutOfRangeError,
     KvxferError,
     MetadataError,
-    PeerDisconnectedError,
     StalePeerError,
-    TransferTimeoutError,
     UnknownPeerError,
 )
-from .buffers import SENTINEL, Cache, expected_after, make_cache
-from .peer import PeerProcess, spawn_args
+from .buffers import Cache, make_cache
+from .conformance_base import DST_BLOCKS, GEOM, SRC_BLOCKS, _Base, _Snapshot
+from .conformance_processes import TwoProcessConformance, _PeerProcess
 
-GEOM = {"num_layers": 5, "page": 384}
-SRC_BLOCKS = [7, 3, 4, 5, 11, 0]
-DST_BLOCKS = [0, 9, 10, 11, 2, 5]
-
-
-_CAPS: dict[tuple[str, str], Capabilities] = {}
-
-
-class _Base:
-    backend: str = "loopback"
-    options: dict[str, Any] = {}
-    memory: str = "DRAM"
-    timeout: float = 20.0
-    #: Every test of the suite ends within this many seconds, hung or not.
-    pytestmark = pytest.mark.timeout(180)
-
-    @pytest.fixture(autouse=True)
-    def _skip_unavailable(self) -> None:
-        from ..plugin.registry import available_backends
-
-        status = {s.name: s for s in available_backends()}
-        if self.backend not in status:
-            pytest.skip(f"backend {self.backend!r} is not installed")
-        if not status[self.backend].available:
-            pytest.skip(f"backend {self.backend!r} unavailable: {status[self.backend].reason}")
-        if self.memory == "VRAM":
-            if MemoryKind.VRAM not in self.capabilities().memory_kinds:
-                pytest.skip(f"backend {self.backend!r} does not claim VRAM")
-            torch = pytest.importorskip("torch")
-            if not torch.cuda.is_available():
-                pytest.skip("VRAM tests need a CUDA device")
-
-    def capabilities(self) -> Capabilities:
-        """What an agent of this backend, with these options, claims (backends may decide per instance)."""
-        key = (self.backend, json.dumps(self.options, sort_keys=True, default=str))
-        caps = _CAPS.get(key)
-        if caps is None:
-            with Agent("capabilities-probe", backend=self.backend, **self.options) as probe:
-                caps = _CAPS[key] = probe.backend.capabilities
-        return caps
-
-    def require(self, *, op: str | None = None, notifications: bool = False, cross_process: bool = False) -> None:
-        """Skip the calling test unless the backend claims what it exercises."""
-        caps = self.capabilities()
-        if op is not None and Op(op) not in caps.ops:
-            pytest.skip(f"backend {self.backend!r} does not claim {op}")
-        if notifications and not caps.notifications:
-            pytest.skip(f"backend {self.backend!r} does not claim notifications")
-        if cross_process and not caps.cross_process:
-            pytest.skip(f"backend {self.backend!r} does not claim peers in other processes")
-
-
-class _Snapshot:
-    """Destination and source bytes before a transfer, to check what changed and what did not."""
-
-    def __init__(self, src: Cache, dst: Cache):
-        self.src, self.dst = src, dst
-        self.dst_pages, self.dst_padding, self.src_pages = dst.layer_pages(), dst.padding(), src.layer_pages()
-
-    def check(self, dst_blocks: list[int], src_blocks: list[int]) -> None:
-        want = expected_after(self.dst_pages, self.src_pages, dst_blocks, src_blocks)
-        got = self.dst.layer_pages()
-        moved = np.zeros(got.shape[1], dtype=bool)
-        moved[dst_blocks] = True
-        np.testing.assert_array_equal(got[:, moved], want[:, moved], err_msg="requested blocks differ from the source")
-        np.testing.assert_array_equal(got[:, ~moved], self.dst_pages[:, ~moved],
-                                      err_msg="blocks outside the request changed")
-        np.testing.assert_array_equal(self.dst.padding(), self.dst_padding, err_msg="row padding changed")
-        np.testing.assert_array_equal(self.src.layer_pages(), self.src_pages, err_msg="the source changed")
+# Importable from here as before: the two-process class and its peer moved beside this module.
+__all__ = ["BackendConformance", "TwoProcessConformance", "GEOM", "SRC_BLOCKS", "DST_BLOCKS", "_PeerProcess"]
 
 
 class BackendConformance(_Base):
@@ -436,102 +367,3 @@ class BackendConformance(_Base):
             b.check(peer)
         with pytest.raises(LayoutMismatchError, match="layer.3"):
             b.read(peer, [0], [0])
-
-
-class TwoProcessConformance(_Base):
-    """The peer lives in another process (``python -m kvxfer.testing.peer``)."""
-
-    peer_timeout: float = 60.0
-    peer_args: tuple[str, ...] = ()  # extra ``kvxfer.testing.peer`` arguments, e.g. ("--cuda-device", "1")
-    peer_env: dict[str, str] = {}
-
-    def _spawn(self, cache: str, seed: int | None, name: str = "remote") -> "_PeerProcess":
-        return _PeerProcess(self.backend, self.options, self.memory, cache, seed, name, self.peer_timeout,
-                            self.peer_args, self.peer_env)
-
-    @pytest.fixture(autouse=True)
-    def _skip_same_process_only(self, _skip_unavailable: None) -> None:
-        self.require(cross_process=True)
-
-    @pytest.mark.parametrize("remote_kind,local_kind", [("packed", "packed"), ("packed", "layers")])
-    def test_read_from_other_process(self, remote_kind: str, local_kind: str) -> None:
-        peer = self._spawn(remote_kind, seed=7)
-        try:
-            dst = make_cache(local_kind, num_blocks=16, memory=self.memory, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
-                agent.register(dst.views, replicated=True)
-                before = dst.layer_pages()
-                name = agent.add_peer(peer.metadata)
-                agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
-                src_pages = peer.pages()
-                want = expected_after(before, src_pages, DST_BLOCKS, SRC_BLOCKS)
-                np.testing.assert_array_equal(dst.layer_pages(), want)
-        finally:
-            peer.close()
-
-    def test_write_with_notification(self) -> None:
-        """The initiator never polls while the peer waits: the notification must still come."""
-        self.require(op="WRITE", notifications=True)
-        peer = self._spawn("packed", seed=None)  # remote holds the sentinel
-        try:
-            src = make_cache("layers", num_blocks=12, memory=self.memory, seed=5, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
-                agent.register(src.views, replicated=True)
-                name = agent.add_peer(peer.metadata)
-                peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
-                before = peer.pages()
-                t = agent.write(name, SRC_BLOCKS, DST_BLOCKS, notify=b"pushed")
-                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
-                assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"pushed"]}
-                after = peer.pages()  # read only after the notification: data must be visible
-                np.testing.assert_array_equal(after, expected_after(before, src.layer_pages(), DST_BLOCKS, SRC_BLOCKS))
-                assert (peer.padding() == SENTINEL).all()
-                t.wait(self.timeout)
-        finally:
-            peer.close()
-
-    def test_standalone_notify_reaches_a_busy_peer(self) -> None:
-        """A notification must leave even while the sender does nothing but wait on a pipe."""
-        peer = self._spawn("packed", seed=None)
-        try:
-            cache = make_cache("packed", num_blocks=4, memory=self.memory, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
-                agent.register(cache.views, replicated=True)
-                name = agent.add_peer(peer.metadata)
-                peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
-                agent.notify(name, b"ready")
-                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
-                assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"ready"]}
-        finally:
-            peer.close()
-
-    def test_dead_peer_is_reported_not_waited_on(self) -> None:
-        peer = self._spawn("packed", seed=3)
-        dst = make_cache("packed", num_blocks=16, memory=self.memory, **GEOM)
-        with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
-            agent.register(dst.views, replicated=True)
-            name = agent.add_peer(peer.metadata)
-            agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
-            peer.kill()
-            with pytest.raises(KvxferError) as info:
-                for _ in range(50):  # the first posts after a kill may still succeed on some transports
-                    agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
-            assert not isinstance(info.value, TransferTimeoutError), "a dead peer must be detected, not timed out"
-            assert isinstance(info.value, PeerDisconnectedError), f"expected PeerDisconnectedError, got {info.value!r}"
-
-
-class _PeerProcess(PeerProcess):
-    """The suite's peer: 12 blocks of the suite's geometry, rows padded with 32 spare bytes."""
-
-    def __init__(self, backend: str, options: dict[str, Any], memory: str, cache: str, seed: int | None, name: str,
-                 timeout: float, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
-        super().__init__(spawn_args(backend, name=name, cache=cache, memory=memory, blocks=12,
-                                    layers=GEOM["num_layers"], page=GEOM["page"], pad=32, options=options,
-                                    replicated=True, seed=seed) + list(extra), timeout=timeout, env=env)
-
-    def pages(self) -> np.ndarray:
-        raw = base64.b64decode(self.call({"cmd": "pages"})["pages"])
-        return np.frombuffer(raw, np.uint8).reshape(GEOM["num_layers"], 12, GEOM["page"])
-
-    def padding(self) -> np.ndarray:
-        return np.frombuffer(base64.b64decode(self.call({"cmd": "pages"})["padding"]), np.uint8)
