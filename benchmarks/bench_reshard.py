@@ -20,7 +20,8 @@ import numpy as np
 from _timing import samples
 
 import kvxfer
-from kvxfer.reshard import gather, plan_gather
+from kvxfer.planner import plan_gather
+from kvxfer.reshard import gather
 
 LAYERS, HEADS, DIM, TOKENS = 32, 8, 128, 16
 

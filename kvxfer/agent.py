@@ -31,11 +31,11 @@ from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
-from .planner import Pairing, TransferPlan, pair, plan
+from .planner import Pairing, TransferPlan, pair, plan, plan_gather
 from .plugin.backend import Backend
 from .plugin.registry import get_backend_class, plugin_manager
 from .posts import Chunk, plan_chunks
-from .reshard import Gather, cached_gather, pair_source, plan_gather
+from .reshard import Gather, cached_gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
 

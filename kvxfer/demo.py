@@ -34,7 +34,7 @@ class VerificationError(KvxferError):
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from .cli.app import add_json, positive_int
+    from .cli.args import add_json, positive_int
 
     ap.add_argument("--backend", default="auto", help="auto (nixl if it runs here, else loopback), or any "
                                                       "backend `kvxfer backends` lists")
@@ -238,12 +238,7 @@ def _print(r: dict[str, Any], geometry: Any) -> None:
                 caption=f"total {r['total_seconds']:.2f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvxfer.demo [options]``: the same as ``kvxfer demo``."""
-    from .cli.app import main as cli_main
+if __name__ == "__main__":  # ``python -m kvxfer.demo [options]``: the same as ``kvxfer demo``
+    from kvxfer.cli.app import main
 
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["demo", *sys.argv[1:]]))

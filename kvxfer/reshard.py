@@ -4,8 +4,8 @@ When two caches do not hold the same pages (another TP rank's heads, another pip
 stage's layers, smaller blocks) a single copy per block is wrong, but a few copies per block
 out of one or several peers are right. This module decides, once per set of specs, which
 peer supplies which heads of which local member, and which byte ranges inside the pages
-that takes (:class:`Gather`); per request it broadcasts those templates over block ids
-(:func:`plan_gather`). Everything is refused, with a typed error, unless each copied range
+that takes (:class:`Gather`); per request :func:`kvxfer.planner.plan_gather` broadcasts
+those templates over block ids. Everything is refused, with a typed error, unless each copied range
 is contiguous in both pages up to a constant factor: docs/geometry.md has the table.
 
 Choices between peers holding the same bytes (replicated MLA pages, heads repeated when the
@@ -23,14 +23,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import (BlockCountMismatchError, BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError,
-                     LayoutMismatchError, PageFormatMismatchError)
-from .layout import Granularity, KVCacheSpec, Member
-from .memory import DescriptorList, MemoryKind, Op
+from .errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
+                     PageFormatMismatchError)
+from .layout import KVCacheSpec, Member
+from .memory import MemoryKind
 from .pageformat import PageFormat
-from .slicedlists import SlicedLists, may_merge as _may_merge
+from .slicedlists import SlicedLists
 
-__all__ = ["Gather", "Route", "SlicedLists", "gather", "cached_gather", "pair_source", "plan_gather", "sources", "readers", "may_free",
+__all__ = ["Gather", "Route", "SlicedLists", "gather", "cached_gather", "pair_source", "sources", "readers", "may_free",
            "heads_of"]
 
 # Pieces per page a slice may take when an outer axis other than tokens or heads (K, S, X)
@@ -405,7 +405,7 @@ def pair_source(local: KVCacheSpec, remote: KVCacheSpec) -> Any:
     Same geometry: the ordinary :func:`~kvxfer.pairing.pair` (whole rows where possible).
     Otherwise a :class:`Gather` over this one peer: accepted when every member both sides
     hold pairs by the rules here, even if the peer holds only some of our heads or layers;
-    reading from it alone is refused by :func:`plan_gather` while anything is missing.
+    reading from it alone is refused by :func:`kvxfer.planner.plan_gather` while anything is missing.
     A peer sharing nothing with us is refused with the ordinary pairing error.
     """
     from .compat import check_pairing
@@ -419,77 +419,3 @@ def pair_source(local: KVCacheSpec, remote: KVCacheSpec) -> Any:
             raise exc
         return g
     return pair(local, remote)
-
-
-# -- per request ----------------------------------------------------------------------------
-def plan_gather(g: Gather, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec], local_blocks: Any,
-                remote_blocks: Mapping[str, Any] | Any, op: Op | str = Op.READ) -> dict[str, Any]:
-    """One :class:`~kvxfer.planner.TransferPlan` per peer read, for one request.
-
-    ``remote_blocks``: the peer's block ids (a mapping per peer, or one list for all).
-    Remote id ``j`` lands in local block ``local_blocks[j // k]`` at token ``(j % k) * remote
-    block tokens``; the last local block may be partly covered.
-    """
-    from .planner import Leg, TransferPlan, _alloc_starts, _coalesce, as_block_ids, check_unique
-
-    op = Op(op)
-    if g.missing:
-        raise LayoutMismatchError(
-            "no peer given holds every page this rank needs; read the other tensor- or pipeline-parallel "
-            "ranks together with Agent.read_many", [("missing", ", ".join(g.missing[:6])
-                                                     + (f" (+{len(g.missing) - 6} more)" if len(g.missing) > 6
-                                                        else ""), "-")])
-    lb = as_block_ids(local_blocks, local.num_blocks, "local")
-    if op is Op.READ:
-        check_unique(lb, local.num_blocks, "local")
-    todo: list[tuple[str, KVCacheSpec, np.ndarray, np.ndarray, np.ndarray, list[Any]]] = []
-    for n, tabs in g.tables.items():
-        spec = remotes[n]
-        ids = remote_blocks[n] if isinstance(remote_blocks, Mapping) else remote_blocks
-        rb = as_block_ids(ids, spec.num_blocks, "remote" if n == "" else f"peer {n!r}")
-        if -(-rb.shape[0] // g.k) != lb.shape[0]:
-            raise BlockCountMismatchError(
-                f"{lb.shape[0]} local blocks take {lb.shape[0] * g.k - g.k + 1} to {lb.shape[0] * g.k} remote blocks "
-                f"({g.k} per local block); {rb.shape[0]} given for peer {n!r}")
-        if op is Op.WRITE:
-            check_unique(rb, spec.num_blocks, "remote")
-        if g.k == 1:
-            lblk, sub = lb.astype(np.int64, copy=False), np.zeros(rb.shape[0], dtype=np.int64)
-        else:
-            j = np.arange(rb.shape[0], dtype=np.int64)
-            lblk, sub = lb.astype(np.int64)[j // g.k], j % g.k
-        rb = rb.astype(np.int64, copy=False)
-        # Per leg: its index-array size, or None where descriptors meet and must be coalesced.
-        sizes = [None if _may_merge(t, g.lists[n][kk].combos, lblk, sub, rb) else t.shape[0] * rb.shape[0]
-                 for kk, t in tabs.items()]
-        todo.append((n, spec, rb, lblk, sub, sizes))
-    # Every index array of the request is a view into one buffer: one large allocation is
-    # far cheaper than dozens of fresh ones, whose page faults would dominate planning.
-    total = sum(x for *_, sizes in todo for x in sizes if x is not None)
-    wide = any(sl.dtype is np.int64 for per in g.lists.values() for sl in per.values())
-    buf = np.empty(2 * total, dtype=np.int64 if wide else np.int32)
-    at = 0
-    out: dict[str, Any] = {}
-    for n, spec, rb, lblk, sub, sizes in todo:
-        legs = []
-        for ((lk, rk), t), size in zip(g.tables[n].items(), sizes):
-            if size is not None:  # index arrays into the prepared sliced lists
-                sl = g.lists[n][(lk, rk)]
-                li, ri = buf[at:at + size], buf[at + size:at + 2 * size]
-                at += 2 * size
-                lbase = sl.lbase[:, 0:1] if g.k == 1 else sl.lbase[:, sub]
-                np.add(lbase, lblk.astype(buf.dtype)[None, :], out=li.reshape(t.shape[0], -1))
-                np.add(sl.rbase[:, None], rb.astype(buf.dtype)[None, :], out=ri.reshape(t.shape[0], -1))
-                legs.append(Leg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, li, ri, t[:, 7], int(rb.shape[0]),
-                                member_major=True, lists=sl))
-                continue
-            la = t[:, 0:1] + lblk[None, :] * t[:, 1:2] + sub[None, :] * t[:, 2:3]  # piece-major: blocks merge
-            ra = t[:, 4:5] + rb[None, :] * t[:, 5:6]
-            ln = np.repeat(t[:, 7], rb.shape[0])
-            ld = np.stack([la.reshape(-1), ln, np.repeat(t[:, 3], rb.shape[0])], axis=1).astype(np.uint64)
-            rd = np.stack([ra.reshape(-1), ln, np.repeat(t[:, 6], rb.shape[0])], axis=1).astype(np.uint64)
-            lo, ro = _coalesce(ld, rd, _alloc_starts(local, lk), _alloc_starts(spec, rk))
-            legs.append(Leg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, None, None, t[:, 7], int(rb.shape[0]),
-                            DescriptorList(lo, lk), DescriptorList(ro, rk), member_major=True))
-        out[n] = TransferPlan(local, spec, op, tuple(legs), 0, len(local.regions), True)
-    return out

@@ -198,7 +198,8 @@ def _page_spec(members: list[tuple[str, kvxfer.MemoryKind, int, int]], tokens: i
 
 def test_host_mla_and_device_indexer_against_an_all_device_peer_plan_two_legs() -> None:
     """Host DRAM MLA cache + VRAM indexer locally, all VRAM remotely, 16-token remote blocks."""
-    from kvxfer.reshard import gather, plan_gather
+    from kvxfer.planner import plan_gather
+    from kvxfer.reshard import gather
 
     dram, vram = kvxfer.MemoryKind.DRAM, kvxfer.MemoryKind.VRAM
     local = _page_spec([("mla.0", dram, 1 << 20, 32), ("idx.0", vram, 1 << 30, 8)], 64, 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .app import add_json
+from .args import add_json
 from .output import emit_json
 from .table import Column, print_table
 

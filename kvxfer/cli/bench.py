@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .app import add_json, int_list, plain, positive_int
+from .args import add_json, int_list, plain, positive_int
 from .output import CliError, check_memory, emit_json
 from .table import Column, count, print_table
 

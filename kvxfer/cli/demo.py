@@ -7,7 +7,7 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     from .. import demo
-    from .app import plain
+    from .args import plain
 
     p = sub.add_parser("demo", help="prefill and decode move a real KV request, verify it and show the costs",
                        description=plain(demo.__doc__))

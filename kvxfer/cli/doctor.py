@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .app import add_json
+from .args import add_json
 from .output import CliError, emit_json
 from .table import Column, print_table
 

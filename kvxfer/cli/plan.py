@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .app import add_json, positive_int, rank_of
+from .args import add_json, positive_int, rank_of
 from .output import CliError, emit_json
 from .table import Column, count, print_table
 
