@@ -7,7 +7,7 @@ counted. Every mode verifies the bytes it received against the target's pattern 
 Modes (each runs in fresh processes, so nixl's bundled UCX and the libucx wheel never share
 an address space). Seam level (the backend object, one descriptor per row):
 
-``ucx``        kvxfer_ucx.UcxBackend, default options: the same-host copy path
+``ucx``        kvxfer_ucx.backend.UcxBackend, default options: the same-host copy path
 ``ucx-rma``    UcxBackend(same_host_copy=False): UCX RMA over the default (same-host) transports
 ``ucx-tcp``    UcxBackend(same_host_copy=False, trusted_network=True, tls="self,tcp"): UCX RMA
                over TCP, the path between hosts
