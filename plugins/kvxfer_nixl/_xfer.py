@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer import Op
+from kvxfer import MemoryKind, Op
 from kvxfer.errors import BackendError, TransferCancelledError, UnsupportedError
 
 from ._nixl import map_error
@@ -48,7 +48,7 @@ class _Listed(Protocol):
 class NixlXfer:
     """One post on the NIXL path: pieces not yet posted, and NIXL handles in flight."""
 
-    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released")
+    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released", "settle")
 
     def __init__(self, op: Op, lp: _Listed, li: np.ndarray, rp: _Listed, ri: np.ndarray, notification: bytes,
                  peer: str) -> None:
@@ -58,6 +58,8 @@ class NixlXfer:
         self.next = 0  # first descriptor not yet posted
         self.live: list[Any] = []  # NIXL handles posted and not yet DONE
         self.released = False
+        # Device memory: a released request's copies may already sit on a GPU's queues.
+        self.settle = any(getattr(getattr(p, "descs", None), "kind", None) is MemoryKind.VRAM for p in (lp, rp))
 
 
 class NixlPath:
@@ -105,15 +107,16 @@ class NixlPath:
         """Let the pieces in flight settle, then release every handle; never raises.
 
         Releasing a pending NIXL request does not stop copies the transport already handed
-        to hardware (with ``cuda_ipc`` the destination kept changing after release), so a
-        cancelled transfer first waits, at most ``QUIESCE_S``, for its posted pieces to end.
-        Nothing further is posted, so that wait is bounded by one piece.
+        to a GPU (with ``cuda_ipc`` the destination kept changing after release), so a
+        cancelled transfer that touches device memory first waits, at most ``QUIESCE_S``,
+        for its posted pieces to end. Nothing further is posted, so that wait is bounded by
+        one piece. Host memory needs no wait: NIXL's abort stops those copies.
         """
         with self._lock:
             if x.released:
                 return
             x.released = True
-            end = time.monotonic() + QUIESCE_S
+            end = time.monotonic() + (QUIESCE_S if x.settle else 0.0)
             for h in x.live:
                 while time.monotonic() < end:
                     try:
