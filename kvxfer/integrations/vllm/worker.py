@@ -1,0 +1,231 @@
+"""Worker side of the connector: registers vLLM's KV cache and moves blocks with kvxfer.
+
+Prefill workers register their cache and serve the agent's metadata on the side channel;
+they release a request's blocks when decode's notification (the request id) arrives, or
+when the lease runs out. Decode workers fetch the prefill's metadata for each load (the
+fetch doubles as a liveness and restart check before any transport memory is touched),
+post one kvxfer READ per request and poll it each step. A failed or late load is reported
+both as failed blocks (``get_block_ids_with_load_errors``) and a failed request, so vLLM
+recomputes those tokens instead of attending over garbage.
+
+Everything here runs on the worker's own thread; only the metadata server has a thread of
+its own, and it serves immutable bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import kvxfer
+from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
+from kvxfer.sidechannel import MetadataServer, fetch
+
+from .config import ConnectorConfig
+from .metadata import KvxferConnectorMetadata, LoadTask
+from .registration import describe_spec, spec_from_vllm
+from .stats import KvxferConnectorStats
+
+__all__ = ["WorkerSide", "agent_name"]
+
+# Under "vllm." so that vLLM's logging configuration (format, level, handlers) applies.
+log = logging.getLogger("vllm.kvxfer")
+
+#: Notifications for requests this worker does not hold (yet) are kept this long at most.
+_EARLY_LIMIT = 4096
+
+
+def agent_name(engine_id: str, rank: int) -> str:
+    return f"kvxfer-vllm:{engine_id}:{rank}"
+
+
+@dataclass
+class _Load:
+    task: LoadTask
+    transfer: Any
+    deadline: float
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.rank = rank
+        self.stats = KvxferConnectorStats()
+        self.agent: kvxfer.Agent | None = None
+        self.server: MetadataServer | None = None
+        self._loads: dict[str, _Load] = {}
+        self._sending: dict[str, float] = {}  # prefill request id -> deadline
+        self._early: dict[str, float] = {}  # notifications that beat their request's metadata
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    # -- registration ---------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes: Mapping[str, int],
+                 layout: str | None, block_tokens: int, tp_size: int, replicated: bool) -> kvxfer.KVCacheSpec:
+        spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
+                              block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
+        options = dict(self.cfg.backend_options)
+        if self.cfg.backend == "nixl":
+            # NIXL's own progress thread, as vLLM's NixlConnector runs it: without it, first
+            # transfers between two vLLM CPU instances stalled for tens of seconds (docs/vllm.md).
+            options.setdefault("progress_thread", True)
+        agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
+                             timeout=self.cfg.transfer_timeout, **options)
+        try:
+            if not agent.backend.capabilities.cross_process:
+                raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
+                                              "prefill and decode are separate vLLM instances (use nixl or ucx)")
+            agent.register(spec)
+            self.server = MetadataServer(agent.metadata(), self.cfg.bind_host, self.cfg.rank_port(self.rank),
+                                         token=self.cfg.token, timeout=self.cfg.handshake_timeout)
+        except BaseException:
+            agent.close()
+            raise
+        self.agent = agent
+        log.info("kvxfer registered %s; backend %s; metadata on %s:%d", describe_spec(spec), self.cfg.backend,
+                 *self.server.address)
+        self._cross_check(kv_caches, spec)
+        return spec
+
+    def _cross_check(self, kv_caches: Mapping[str, Any], spec: kvxfer.KVCacheSpec) -> None:
+        """Say whether kvxfer's generic discovery reads vLLM's tensors the same way."""
+        try:
+            found = kvxfer.spec_from_tensors(kv_caches, layout=spec.layout, block_tokens=spec.block_tokens,
+                                             tp_rank=spec.tp_rank, tp_size=spec.tp_size,
+                                             replicated=all(m.replicated for m in spec.members))
+            same = found.regions == spec.regions and found.allocations == spec.allocations
+        except KvxferError as exc:
+            same, found = False, exc
+        log.info("kvxfer: generic discovery %s", "agrees" if same else f"differs ({found!r}); using the explicit spec")
+
+    # -- each step ------------------------------------------------------------------------
+    def start(self, meta: KvxferConnectorMetadata) -> None:
+        now = time.monotonic()
+        for rid, lease in meta.sends.items():
+            if self._early.pop(rid, None) is not None:
+                self._sending[rid] = 0.0  # decode already released it
+            else:
+                self._sending[rid] = now + lease
+        for task in meta.loads:
+            self._start_load(task)
+
+    def _start_load(self, task: LoadTask) -> None:
+        assert self.agent is not None
+        msg = task.remote.request_id.encode()
+        try:
+            peer = self._peer(task)
+            if not task.local_block_ids:
+                self.agent.notify(peer, msg)
+                return
+            t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
+        except KvxferError as exc:
+            self._fail(task, exc)
+            return
+        self._loads[task.request_id] = _Load(task, t, time.monotonic() + self.cfg.transfer_timeout)
+
+    def _peer(self, task: LoadTask) -> str:
+        assert self.agent is not None
+        r = task.remote
+        try:
+            md = fetch(r.host, r.port + self.rank, token=self.cfg.token, timeout=self.cfg.handshake_timeout)
+        except KvxferError:
+            self.stats.count("handshake_failures")
+            raise
+        name = self.agent.add_peer(md)
+        if name != agent_name(r.engine_id, self.rank):
+            raise MetadataError(f"{r.host}:{r.port + self.rank} serves agent {name!r}, not prefill engine "
+                                f"{r.engine_id!r} rank {self.rank}")
+        return name
+
+    def _fail(self, task: LoadTask, exc: BaseException) -> None:
+        log.warning("kvxfer: load of request %s failed, vLLM recomputes it: %s", task.request_id, exc)
+        self.stats.count("failed_loads")
+        if task.local_block_ids:
+            self._failed_blocks.update(task.local_block_ids)
+            self._failed_recv.add(task.request_id)
+            self._done_recv.add(task.request_id)
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished sending, finished receiving, failed receiving)`` since the last call."""
+        if self.agent is None:
+            return set(), set(), set()
+        now = time.monotonic()
+        for rid, load in list(self._loads.items()):
+            t = load.transfer
+            try:
+                finished = t.done()
+            except KvxferError as exc:
+                del self._loads[rid]
+                self._fail(load.task, exc)
+                continue
+            if finished:
+                del self._loads[rid]
+                s = t.stats
+                self.stats.record_load(seconds=s.seconds or 0.0, plan_seconds=s.plan_seconds, nbytes=s.nbytes,
+                                       descriptors=s.descriptors, posts=s.posts, tokens=load.task.tokens)
+                log.debug("kvxfer: loaded request %s: %d descriptors, %d bytes, %.3f ms", rid, s.descriptors,
+                          s.nbytes, 1e3 * (s.seconds or 0.0))
+                self._done_recv.add(rid)
+            elif now > load.deadline:
+                t.cancel()
+                del self._loads[rid]
+                self._fail(load.task, TransferTimeoutError(f"not done within {self.cfg.transfer_timeout:g} s"))
+        sending = self._release_sends(now)
+        recv, failed = self._done_recv, self._failed_recv
+        self._done_recv, self._failed_recv = set(), set()
+        return sending, recv, failed
+
+    def _release_sends(self, now: float) -> set[str]:
+        assert self.agent is not None
+        done: set[str] = set()
+        released = 0
+        try:
+            notes = self.agent.notifications()
+        except KvxferError as exc:
+            log.warning("kvxfer: reading notifications failed: %s", exc)
+            notes = {}
+        for msgs in notes.values():
+            for m in msgs:
+                rid = m.decode("utf-8", "replace")
+                if rid in self._sending:
+                    del self._sending[rid]
+                    done.add(rid)
+                    released += 1
+                elif len(self._early) < _EARLY_LIMIT:
+                    self._early[rid] = now
+        for rid, deadline in list(self._sending.items()):
+            if deadline == 0.0:
+                done.add(rid)
+                del self._sending[rid]
+                released += 1
+            elif now > deadline:
+                log.warning("kvxfer: no decode released request %s within %g s; freeing its blocks",
+                            rid, self.cfg.lease_seconds)
+                self.stats.count("expired_sends")
+                done.add(rid)
+                del self._sending[rid]
+        if released:
+            self.stats.count("sends_done", released)
+        for rid, seen in list(self._early.items()):
+            if now - seen > self.cfg.lease_seconds:
+                del self._early[rid]
+        return done
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_stats(self) -> KvxferConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

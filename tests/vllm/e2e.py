@@ -1,0 +1,154 @@
+"""Shared steps of the vLLM end-to-end tests: engine configs, one P/D request, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import TOKEN_ENV, Engine, free_port, start_engine
+
+#: Prompts as token ids, seeded: lengths chosen for 1, 2 (exactly full), 3 and 6 blocks of 128.
+PROMPT_LENGTHS = (97, 256, 300, 700)
+#: Prompts for the fault cases, never sent to a decode before their own case.
+FAULT_LENGTHS = {"tampered": 200, "out_of_range": 300, "wrong_kv": 300, "wrong_kv_source": 300, "killed": 150}
+MAX_TOKENS = 8
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 511) for _ in range(n)]
+
+
+PROMPTS = [_prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
+FAULT_PROMPTS = {k: _prompt(100 + i, n) for i, (k, n) in enumerate(FAULT_LENGTHS.items())}
+
+#: Greedy tokens of a plain instance (no connector), filled once per session.
+REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+TOKEN = secrets.token_hex(16)
+BLOCK = 128  # vLLM CPU's block size for this model
+LAYERS, KV_HEADS, HEAD_DIM, ITEM = 4, 2, 32, 4
+PAGE = 2 * KV_HEADS * BLOCK * HEAD_DIM * ITEM  # K and V of one layer's block, float32
+ROWS: list[dict[str, Any]] = []  # the comparison table, written at session end
+
+
+def blocks(n_tokens: int) -> int:
+    return math.ceil(n_tokens / BLOCK)
+
+
+def kvxfer_config(role: str, port: int, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
+            "kv_role": role, "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"backend": "nixl", "port": port, "token_env": TOKEN_ENV,
+                                          "transfer_timeout": 20, "handshake_timeout": 5, "lease_seconds": 60,
+                                          **extra}}
+
+
+def nixl_config(role: str) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute"}
+
+
+@dataclass
+class Pair:
+    connector: str
+    layout: str
+    prefill: Engine
+    decode: Engine
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [self.prefill, self.decode]
+
+
+def start_pairs(model: Path, logdir: Path, layout: str) -> dict[str, Pair]:
+    """A kvxfer prefill+decode and a NixlConnector prefill+decode, all starting at once."""
+    bl = layout == "BLHNC"
+    tag = layout.lower()
+    env = {TOKEN_ENV: TOKEN}
+    port = free_port(2)
+    pairs = {"kvxfer": Pair("kvxfer", layout,
+                            start_engine(f"kvxfer-prefill-{tag}", model, logdir, env=env, blhnc=bl,
+                                         kv_transfer_config=kvxfer_config("kv_producer", port)),
+                            start_engine(f"kvxfer-decode-{tag}", model, logdir, env=env, blhnc=bl,
+                                         kv_transfer_config=kvxfer_config("kv_consumer", port + 1)))}
+    nixl = []
+    for role in ("kv_producer", "kv_consumer"):
+        e = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        nixl.append(start_engine(f"nixl-{role.split('_')[1]}-{tag}", model, logdir, env=e, blhnc=bl,
+                                 kv_transfer_config=nixl_config(role)))
+    pairs["nixl"] = Pair("NixlConnector", layout, *nixl)
+    return pairs
+
+
+def all_prompts() -> list[list[int]]:
+    return PROMPTS + list(FAULT_PROMPTS.values())
+
+
+def fill_reference(ref: Engine) -> None:
+    """Greedy tokens of a plain instance, one prompt per call (as the P/D runs send them)."""
+    for p in all_prompts():
+        if tuple(p) not in REFERENCE:
+            REFERENCE[tuple(p)] = ref.generate([p], MAX_TOKENS)["tokens"][0]
+
+
+def prefill(pair: Pair, prompt: list[int]) -> dict[str, Any]:
+    out = pair.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+    params = out["params"][0]
+    assert params and params.get("do_remote_prefill") is True, params
+    return params
+
+
+def decode(pair: Pair, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    return pair.decode.generate([prompt], MAX_TOKENS, [params])
+
+
+def wait_metric(engine: Engine, name: str, at_least: float, timeout: float = 60.0) -> float:
+    """Poll an engine's metric until it reaches ``at_least`` (prefill frees blocks asynchronously)."""
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        value = engine.call({"cmd": "metrics"})["metrics"].get(name, 0.0)
+        if value >= at_least:
+            break
+        time.sleep(0.5)
+    return value
+
+
+def record(pair: Pair, prompt: list[int], out: dict[str, Any]) -> dict[str, Any]:
+    d = out["delta"]
+    key = "kvxfer" if pair.connector == "kvxfer" else "nixl"
+    row = {"connector": pair.connector, "layout": pair.layout, "tokens": len(prompt), "blocks": blocks(len(prompt)),
+           "descriptors": d.get(f"vllm:{key}_num_descriptors:sum"),
+           "transfers": d.get(f"vllm:{key}_num_descriptors:count"),
+           "bytes": d.get(f"vllm:{key}_bytes_transferred:sum"),
+           "xfer_ms": 1e3 * d[f"vllm:{key}_xfer_time_seconds:sum"] if f"vllm:{key}_xfer_time_seconds:sum" in d else None,
+           "decode_call_ms": 1e3 * out["seconds"]}
+    ROWS.append(row)
+    return row
+
+
+def write_report(path: Path) -> str:
+    lines = ["| connector | cache layout | prompt tokens | blocks | descriptors | bytes | transfer ms | decode call ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in ROWS:
+        fmt = (lambda v, f: "n/a" if v is None else format(v, f))
+        lines.append(f"| {r['connector']} | {r['layout']} | {r['tokens']} | {r['blocks']} | "
+                     f"{fmt(r['descriptors'], '.0f')} | {fmt(r['bytes'], '.0f')} | {fmt(r['xfer_ms'], '.3f')} | "
+                     f"{r['decode_call_ms']:.1f} |")
+    text = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(ROWS, indent=1))
+    return text
+
+
+def report_path() -> Path:
+    return Path(os.environ.get("KVXFER_VLLM_REPORT", Path(__file__).resolve().parents[2] / "build" / "vllm-e2e.md"))
