@@ -1,6 +1,7 @@
 """One vLLM instance, driven by the end-to-end tests over a pipe (JSON lines, no pickle).
 
-``python engine_proc.py CONFIG_JSON``: CONFIG_JSON holds the model folder, the file
+``python engine_proc.py CONFIG_JSON``: CONFIG_JSON holds the model folder (a local
+checkpoint, nothing is downloaded), the file
 descriptor to answer on, and the ``KVTransferConfig`` fields (or none). Commands arrive as
 JSON lines on stdin; answers go to that descriptor, so vLLM's own output on stdout and
 stderr can go to a log file. vLLM spawns processes, hence the ``__main__`` guard.
@@ -45,7 +46,7 @@ def main() -> None:
 
     ktc = KVTransferConfig(**cfg["kv_transfer_config"]) if cfg.get("kv_transfer_config") else None
     t0 = time.perf_counter()
-    llm = LLM(model=cfg["model"], load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="float32",
               enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
               num_gpu_blocks_override=cfg.get("num_blocks"), disable_log_stats=False, seed=0,
               kv_transfer_config=ktc)

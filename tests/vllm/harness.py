@@ -47,11 +47,21 @@ def free_port(count: int = 1) -> int:
 
 
 def write_tiny_llama(folder: Path) -> Path:
-    """4 layers, hidden 128, 4 heads of 32, 2 KV heads: a config only, weights are dummy."""
-    from transformers import LlamaConfig
+    """A 4-layer Llama (hidden 128, 4 heads of 32, 2 KV heads) with seeded random weights, saved locally.
 
-    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(folder)
+    Not vLLM's ``load_format="dummy"``: its weights (uniform in +-1e-3) make attention almost
+    uniform, so the greedy tokens barely depend on the prompt's KV and even loading another
+    prompt's KV left them unchanged. With weights drawn at ``initializer_range=0.2`` they do
+    depend on it, which the control test checks.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.2, torch_dtype="float32")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
 

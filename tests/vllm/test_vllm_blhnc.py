@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e import LAYERS, PAGE, PROMPTS, REFERENCE, all_prompts, blocks, decode, fill_reference, prefill, record, start_pairs
+from e2e import (LAYERS, PAGE, PROMPTS, REFERENCE, all_prompts, blocks, decode, fill_reference, prefill, record,
+                 start_pairs, warm_up)
 from harness import start_engine
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
@@ -31,6 +32,7 @@ def pairs(model_dir: Path, workdir: Path):
             ref.stop()
         for e in engines:
             e.wait_ready()
+        warm_up(started)
         yield started
     finally:
         for e in engines:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e import (BLOCK, FAULT_PROMPTS, LAYERS, PAGE, PROMPTS, REFERENCE, TOKEN, all_prompts, blocks, decode,
-                 fill_reference, prefill, record, start_pairs, wait_metric)
+                 fill_reference, flushed_metric, prefill, record, start_pairs, warm_up)
 from harness import start_engine
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
@@ -36,6 +36,7 @@ def pairs(model_dir: Path, workdir: Path):
             ref.stop()
         for e in engines:
             e.wait_ready()
+        warm_up(started)
         yield started
     finally:
         for e in engines:
@@ -50,7 +51,8 @@ def _expect_loaded(row: dict, n_tokens: int, per_block: int) -> None:
 
 def test_kvxfer_decode_matches_single_instance(pairs):
     pair = pairs["kvxfer"]
-    for i, prompt in enumerate(PROMPTS, 1):
+    released = flushed_metric(pair.prefill, "vllm:kvxfer_sends_done", 0)
+    for prompt in PROMPTS:
         out = decode(pair, prompt, prefill(pair, prompt))
         assert out["tokens"][0] == REFERENCE[tuple(prompt)], f"prompt {len(prompt)} tokens"
         row = record(pair, prompt, out)
@@ -58,8 +60,9 @@ def test_kvxfer_decode_matches_single_instance(pairs):
         _expect_loaded(row, len(prompt), LAYERS)
         assert out["delta"]["vllm:kvxfer_loaded_tokens"] == len(prompt)
         assert "vllm:kvxfer_failed_loads" not in out["delta"]
-        # Decode's notification lets prefill free the request's blocks.
-        assert wait_metric(pair.prefill, "vllm:kvxfer_sends_done", i) == i
+    # Decode's notifications let prefill free each request's blocks (not the lease running out).
+    n = released + len(PROMPTS)
+    assert flushed_metric(pair.prefill, "vllm:kvxfer_sends_done", n) == n
     lines = pair.decode.log_lines("kvxfer registered")
     assert lines and "LBHNC" in lines[0] and f"{LAYERS} descriptor(s) per block" in lines[0], lines
     assert pair.decode.log_lines("generic discovery agrees")

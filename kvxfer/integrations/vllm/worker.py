@@ -44,6 +44,7 @@ def agent_name(engine_id: str, rank: int) -> str:
 @dataclass
 class _Load:
     task: LoadTask
+    peer: str
     transfer: Any
     deadline: float
 
@@ -68,13 +69,8 @@ class WorkerSide:
                  layout: str | None, block_tokens: int, tp_size: int, replicated: bool) -> kvxfer.KVCacheSpec:
         spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
                               block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
-        options = dict(self.cfg.backend_options)
-        if self.cfg.backend == "nixl":
-            # NIXL's own progress thread, as vLLM's NixlConnector runs it: without it, first
-            # transfers between two vLLM CPU instances stalled for tens of seconds (docs/vllm.md).
-            options.setdefault("progress_thread", True)
         agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
-                             timeout=self.cfg.transfer_timeout, **options)
+                             timeout=self.cfg.transfer_timeout, **self.cfg.backend_options)
         try:
             if not agent.backend.capabilities.cross_process:
                 raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
@@ -116,6 +112,7 @@ class WorkerSide:
     def _start_load(self, task: LoadTask) -> None:
         assert self.agent is not None
         msg = task.remote.request_id.encode()
+        peer: str | None = None
         try:
             peer = self._peer(task)
             if not task.local_block_ids:
@@ -123,9 +120,9 @@ class WorkerSide:
                 return
             t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
         except KvxferError as exc:
-            self._fail(task, exc)
+            self._fail(task, exc, peer)
             return
-        self._loads[task.request_id] = _Load(task, t, time.monotonic() + self.cfg.transfer_timeout)
+        self._loads[task.request_id] = _Load(task, peer, t, time.monotonic() + self.cfg.transfer_timeout)
 
     def _peer(self, task: LoadTask) -> str:
         assert self.agent is not None
@@ -141,13 +138,18 @@ class WorkerSide:
                                 f"{r.engine_id!r} rank {self.rank}")
         return name
 
-    def _fail(self, task: LoadTask, exc: BaseException) -> None:
+    def _fail(self, task: LoadTask, exc: BaseException, peer: str | None = None) -> None:
         log.warning("kvxfer: load of request %s failed, vLLM recomputes it: %s", task.request_id, exc)
         self.stats.count("failed_loads")
         if task.local_block_ids:
             self._failed_blocks.update(task.local_block_ids)
             self._failed_recv.add(task.request_id)
             self._done_recv.add(task.request_id)
+        if peer is not None and self.agent is not None:
+            try:  # let prefill free its blocks now rather than at the end of its lease
+                self.agent.notify(peer, task.remote.request_id.encode())
+            except KvxferError:
+                pass
 
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` since the last call."""
@@ -160,7 +162,7 @@ class WorkerSide:
                 finished = t.done()
             except KvxferError as exc:
                 del self._loads[rid]
-                self._fail(load.task, exc)
+                self._fail(load.task, exc, load.peer)
                 continue
             if finished:
                 del self._loads[rid]
@@ -173,7 +175,8 @@ class WorkerSide:
             elif now > load.deadline:
                 t.cancel()
                 del self._loads[rid]
-                self._fail(load.task, TransferTimeoutError(f"not done within {self.cfg.transfer_timeout:g} s"))
+                self._fail(load.task, TransferTimeoutError(f"not done within {self.cfg.transfer_timeout:g} s"),
+                           load.peer)
         sending = self._release_sends(now)
         recv, failed = self._done_recv, self._failed_recv
         self._done_recv, self._failed_recv = set(), set()
