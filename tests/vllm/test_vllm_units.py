@@ -61,6 +61,7 @@ def test_config_needs_a_token_or_an_explicit_insecure():
     {"insecure": True, "transfer_timeout": -1},
     {"insecure": True, "backend_options": []},
     {"insecure": 1},
+    {"insecure": True, "lease_seconds": 60, "transfer_timeout": 30},  # a load could outlive the lease
 ])
 def test_config_refuses_bad_settings(extra):
     with pytest.raises(ConnectorConfigError):

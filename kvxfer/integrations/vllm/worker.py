@@ -45,6 +45,7 @@ def agent_name(engine_id: str, rank: int) -> str:
 class _Load:
     task: LoadTask
     peer: str
+    plan: Any
     transfer: Any
     deadline: float
 
@@ -66,7 +67,9 @@ class WorkerSide:
 
     # -- registration ---------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes: Mapping[str, int],
-                 layout: str | None, block_tokens: int, tp_size: int, replicated: bool) -> kvxfer.KVCacheSpec:
+                 layout: str | None, block_tokens: int, tp_size: int, replicated: bool,
+                 serve: bool = True) -> kvxfer.KVCacheSpec:
+        """Register vLLM's cache; ``serve``: publish the metadata (prefill roles; decode only reads)."""
         spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
                               block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
         agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
@@ -76,14 +79,15 @@ class WorkerSide:
                 raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
                                               "prefill and decode are separate vLLM instances (use nixl or ucx)")
             agent.register(spec)
-            self.server = MetadataServer(agent.metadata(), self.cfg.bind_host, self.cfg.rank_port(self.rank),
-                                         token=self.cfg.token, timeout=self.cfg.handshake_timeout)
+            if serve:
+                self.server = MetadataServer(agent.metadata(), self.cfg.bind_host, self.cfg.rank_port(self.rank),
+                                             token=self.cfg.token, timeout=self.cfg.handshake_timeout)
         except BaseException:
             agent.close()
             raise
         self.agent = agent
-        log.info("kvxfer registered %s; backend %s; metadata on %s:%d", describe_spec(spec), self.cfg.backend,
-                 *self.server.address)
+        where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
+        log.info("kvxfer registered %s; backend %s; %s", describe_spec(spec), self.cfg.backend, where)
         self._cross_check(kv_caches, spec)
         return spec
 
@@ -118,11 +122,13 @@ class WorkerSide:
             if not task.local_block_ids:
                 self.agent.notify(peer, msg)
                 return
+            # The plan read() posts, kept for its run count (what NIXL sends after merging).
+            plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
             t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
         except KvxferError as exc:
             self._fail(task, exc, peer)
             return
-        self._loads[task.request_id] = _Load(task, peer, t, time.monotonic() + self.cfg.transfer_timeout)
+        self._loads[task.request_id] = _Load(task, peer, plan, t, time.monotonic() + self.cfg.transfer_timeout)
 
     def _peer(self, task: LoadTask) -> str:
         assert self.agent is not None
@@ -168,7 +174,8 @@ class WorkerSide:
                 del self._loads[rid]
                 s = t.stats
                 self.stats.record_load(seconds=s.seconds or 0.0, plan_seconds=s.plan_seconds, nbytes=s.nbytes,
-                                       descriptors=s.descriptors, posts=s.posts, tokens=load.task.tokens)
+                                       descriptors=s.descriptors, runs=load.plan.runs, posts=s.posts,
+                                       tokens=load.task.tokens)
                 log.debug("kvxfer: loaded request %s: %d descriptors, %d bytes, %.3f ms", rid, s.descriptors,
                           s.nbytes, 1e3 * (s.seconds or 0.0))
                 self._done_recv.add(rid)
