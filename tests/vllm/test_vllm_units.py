@@ -214,3 +214,32 @@ def test_registered_caches_move_the_right_bytes(L, B, H, N, C, prefill_layout, d
         whole_rows = prefill_layout == decode_layout == "BLHNC"
         assert t.stats.descriptors == n * (1 if whole_rows else L)
     assert torch.equal(dst_store.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or (__import__("os").cpu_count() or 1) < 2,
+                    reason="needs Linux and two CPUs")
+def test_helper_threads_are_not_pinned_to_the_engine_core():
+    """vLLM pins a CPU worker's main thread; the connector's threads must not inherit that."""
+    import os
+    import threading
+
+    from kvxfer.integrations.vllm.worker import _unpinned
+
+    before = os.sched_getaffinity(0)
+    seen: dict[str, set[int]] = {}
+
+    def report(key: str) -> None:
+        seen[key] = os.sched_getaffinity(0)
+
+    try:
+        os.sched_setaffinity(0, {0})
+        for key, ctx in (("pinned", None), ("unpinned", _unpinned())):
+            with ctx if ctx is not None else __import__("contextlib").nullcontext():
+                t = threading.Thread(target=report, args=(key,))
+                t.start()
+            t.join()
+        after = os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen["pinned"] == {0} and after == {0}
+    assert len(seen["unpinned"]) > 1

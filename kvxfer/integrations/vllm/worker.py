@@ -14,8 +14,11 @@ its own, and it serves immutable bytes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -39,6 +42,28 @@ _EARLY_LIMIT = 4096
 
 def agent_name(engine_id: str, rank: int) -> str:
     return f"kvxfer-vllm:{engine_id}:{rank}"
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Threads started inside may run on every CPU, not only on the caller's.
+
+    vLLM's CPU worker pins its main thread to one core, and a new thread inherits its
+    creator's affinity: the transport's event thread and the side channel's server threads
+    would share that core with the busy engine loop and wait seconds for it (first transfers
+    stalled for tens of seconds that way, see docs/vllm.md). They do little work; they need
+    to run promptly.
+    """
+    try:
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: leave as is
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 @dataclass
@@ -72,16 +97,19 @@ class WorkerSide:
         """Register vLLM's cache; ``serve``: publish the metadata (prefill roles; decode only reads)."""
         spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
                               block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
-        agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
-                             timeout=self.cfg.transfer_timeout, **self.cfg.backend_options)
+        with _unpinned():
+            agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
+                                 timeout=self.cfg.transfer_timeout, **self.cfg.backend_options)
         try:
             if not agent.backend.capabilities.cross_process:
                 raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
                                               "prefill and decode are separate vLLM instances (use nixl or ucx)")
             agent.register(spec)
             if serve:
-                self.server = MetadataServer(agent.metadata(), self.cfg.bind_host, self.cfg.rank_port(self.rank),
-                                             token=self.cfg.token, timeout=self.cfg.handshake_timeout)
+                with _unpinned():
+                    self.server = MetadataServer(agent.metadata(), self.cfg.bind_host,
+                                                 self.cfg.rank_port(self.rank), token=self.cfg.token,
+                                                 timeout=self.cfg.handshake_timeout)
         except BaseException:
             agent.close()
             raise
@@ -124,7 +152,8 @@ class WorkerSide:
                 return
             # The plan read() posts, kept for its run count (what NIXL sends after merging).
             plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
-            t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
+            with _unpinned():  # a backend may start a helper thread to deliver the notification
+                t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
         except KvxferError as exc:
             self._fail(task, exc, peer)
             return
