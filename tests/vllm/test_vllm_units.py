@@ -21,7 +21,7 @@ import kvxfer
 from kvxfer.integrations.vllm._compat import SUPPORTED, VllmVersionError, check_vllm, parse_version
 from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvxfer.integrations.vllm.params import ParamsError, RemoteKV
-from kvxfer.integrations.vllm.registration import spec_from_vllm
+from kvxfer.integrations.vllm.registration import discovered_spec, spec_from_vllm
 
 SENTINEL = 0xAA
 
@@ -135,6 +135,16 @@ def _spec(views: dict[str, torch.Tensor], layout: str, B: int, page: int, N: int
     return spec_from_vllm(views, num_blocks=B, page_bytes={k: page for k in views}, layout=layout, block_tokens=N)
 
 
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_generic_discovery_reads_the_same_memory_and_names_the_axes(layout):
+    _, views = vllm_cache(layout, 4, 16, 2, 8, 16)
+    explicit = _spec(views, layout, 16, 2 * 8 * 16 * 4, 8)
+    found = discovered_spec(views, explicit)
+    assert len(found.regions) == len(explicit.regions) and found.allocations == explicit.allocations
+    m = found.members[0]
+    assert m.page.axes == "HND" and m.page.shape == (2, 8, 16) and m.shard.heads == (0, 2)
+
+
 def test_layer_outermost_is_one_region_per_layer():
     storage, views = vllm_cache("LBHNC", 4, 16, 2, 8, 16)
     spec = _spec(views, "LBHNC", 16, 2 * 8 * 16 * 4, 8)
@@ -207,8 +217,8 @@ def test_registered_caches_move_the_right_bytes(L, B, H, N, C, prefill_layout, d
             exp_views[name][lb] = src[name][rb]
     with kvxfer.Agent("prefill", backend="loopback", coalesce=False) as p, \
             kvxfer.Agent("decode", backend="loopback", coalesce=False) as d:
-        p.register(_spec(src, prefill_layout, B, page, N))
-        d.register(_spec(dst, decode_layout, B, page, N))
+        p.register(discovered_spec(src, _spec(src, prefill_layout, B, page, N)))
+        d.register(discovered_spec(dst, _spec(dst, decode_layout, B, page, N)))
         peer = d.add_peer(p.metadata())
         t = d.read(peer, local, remote).wait(timeout=10)
         whole_rows = prefill_layout == decode_layout == "BLHNC"

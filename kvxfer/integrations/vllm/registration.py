@@ -20,10 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer import Allocation, KVCacheSpec, Member, MemoryKind, PackedLayout, Region, SpecError
+from kvxfer import Allocation, KVCacheSpec, Member, MemoryKind, PackedLayout, Region, SpecError, spec_from_tensors
 from kvxfer.layout import KNOWN_LAYOUTS
 
-__all__ = ["View", "spec_from_vllm", "describe_spec"]
+__all__ = ["View", "spec_from_vllm", "discovered_spec", "describe_spec"]
+
+#: vLLM's per-layer view is ``[B, H, N, C]`` (or ``[B, N, H, C]``), K and V inside ``C``.
+_DIMS = {"HNC": "BHND", "NHC": "BNHD"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,33 @@ def spec_from_vllm(kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes:
                         "refusing a spec that contradicts the engine")
     return KVCacheSpec(tuple(allocs), tuple(regions), layout=layout, block_tokens=block_tokens,
                        tp_rank=tp_rank, tp_size=tp_size)
+
+
+def _geometry(spec: KVCacheSpec) -> tuple:
+    allocs = tuple((a.address, a.nbytes, a.kind, a.device) for a in spec.allocations)
+    regions = sorted((spec.allocations[r.allocation].address, r.offset, r.num_blocks, r.layout.stride,
+                      tuple(sorted((m.name, m.offset, m.size, m.replicated) for m in r.members)))
+                     for r in spec.regions)
+    return allocs, tuple(regions)
+
+
+def discovered_spec(kv_caches: Mapping[str, Any], explicit: KVCacheSpec) -> KVCacheSpec:
+    """kvxfer's generic discovery on the same tensors, told vLLM's dimension order.
+
+    Returned only if it describes exactly the memory of ``explicit`` (allocations, regions,
+    row strides, member offsets and sizes); it adds what the explicit spec leaves opaque
+    (element type, page axes, head slices), which peers then check before pairing. Raises
+    :class:`SpecError` when the two readings differ.
+    """
+    dims = _DIMS.get(explicit.layout[2:])
+    if dims is None or any(len(getattr(t, "shape", ())) != 4 for t in kv_caches.values()):
+        raise SpecError(f"no dimension names for vLLM's {explicit.layout} views; keeping the explicit spec")
+    found = spec_from_tensors(kv_caches, dims=dims, layout=explicit.layout, block_tokens=explicit.block_tokens,
+                              tp_rank=explicit.tp_rank, tp_size=explicit.tp_size,
+                              replicated=all(m.replicated for m in explicit.members))
+    if _geometry(found) != _geometry(explicit):
+        raise SpecError(f"generic discovery (dims {dims}) reads other regions than vLLM's KVCacheConfig implies")
+    return found
 
 
 def describe_spec(spec: KVCacheSpec) -> str:

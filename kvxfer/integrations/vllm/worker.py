@@ -24,11 +24,11 @@ from typing import Any, Mapping
 
 import kvxfer
 from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
-from kvxfer.sidechannel import MetadataServer, fetch
+from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
-from .registration import describe_spec, spec_from_vllm
+from .registration import describe_spec, discovered_spec, spec_from_vllm
 from .stats import KvxferConnectorStats
 
 __all__ = ["WorkerSide", "agent_name"]
@@ -89,6 +89,8 @@ class WorkerSide:
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
+        self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
 
     # -- registration ---------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes: Mapping[str, int],
@@ -97,9 +99,14 @@ class WorkerSide:
         """Register vLLM's cache; ``serve``: publish the metadata (prefill roles; decode only reads)."""
         spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
                               block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
+        try:
+            spec = discovered_spec(kv_caches, spec)
+            log.info("kvxfer: generic discovery agrees; registering its spec (element type, page axes, heads)")
+        except KvxferError as exc:
+            log.warning("kvxfer: generic discovery differs, registering the explicit spec: %s", exc)
         with _unpinned():
             agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
-                                 timeout=self.cfg.transfer_timeout, **self.cfg.backend_options)
+                                 timeout=self.cfg.transfer_timeout, token=self.cfg.token, **self.cfg.backend_options)
         try:
             if not agent.backend.capabilities.cross_process:
                 raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
@@ -108,7 +115,7 @@ class WorkerSide:
             if serve:
                 with _unpinned():
                     self.server = MetadataServer(agent.metadata(), self.cfg.bind_host,
-                                                 self.cfg.rank_port(self.rank), token=self.cfg.token,
+                                                 self.cfg.rank_port(self.rank), token=self._side_token,
                                                  timeout=self.cfg.handshake_timeout)
         except BaseException:
             agent.close()
@@ -116,19 +123,7 @@ class WorkerSide:
         self.agent = agent
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
         log.info("kvxfer registered %s; backend %s; %s", describe_spec(spec), self.cfg.backend, where)
-        self._cross_check(kv_caches, spec)
         return spec
-
-    def _cross_check(self, kv_caches: Mapping[str, Any], spec: kvxfer.KVCacheSpec) -> None:
-        """Say whether kvxfer's generic discovery reads vLLM's tensors the same way."""
-        try:
-            found = kvxfer.spec_from_tensors(kv_caches, layout=spec.layout, block_tokens=spec.block_tokens,
-                                             tp_rank=spec.tp_rank, tp_size=spec.tp_size,
-                                             replicated=all(m.replicated for m in spec.members))
-            same = found.regions == spec.regions and found.allocations == spec.allocations
-        except KvxferError as exc:
-            same, found = False, exc
-        log.info("kvxfer: generic discovery %s", "agrees" if same else f"differs ({found!r}); using the explicit spec")
 
     # -- each step ------------------------------------------------------------------------
     def start(self, meta: KvxferConnectorMetadata) -> None:
@@ -163,7 +158,7 @@ class WorkerSide:
         assert self.agent is not None
         r = task.remote
         try:
-            md = fetch(r.host, r.port + self.rank, token=self.cfg.token, timeout=self.cfg.handshake_timeout)
+            md = fetch(r.host, r.port + self.rank, token=self._side_token, timeout=self.cfg.handshake_timeout)
         except KvxferError:
             self.stats.count("handshake_failures")
             raise
