@@ -14,7 +14,20 @@ from pathlib import Path
 
 import pytest
 
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["*.py"]
+HERE = Path(__file__).resolve().parent
+
+
+def _have_vllm() -> bool:
+    """vLLM itself, not this folder: with ``tests/`` on ``sys.path`` (the main suite puts it
+    there) this folder is a namespace package named ``vllm``, which has no origin."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().parent != HERE
+
+
+collect_ignore_glob = [] if _have_vllm() else ["*.py"]
 
 
 @pytest.fixture(scope="session")
