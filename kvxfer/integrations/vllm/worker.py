@@ -8,8 +8,12 @@ post one kvxfer READ per request and poll it each step. A failed or late load is
 both as failed blocks (``get_block_ids_with_load_errors``) and a failed request, so vLLM
 recomputes those tokens instead of attending over garbage.
 
-Everything here runs on the worker's own thread; only the metadata server has a thread of
-its own, and it serves immutable bytes.
+Everything here runs on the worker's own thread, except two helpers: the metadata server,
+which serves immutable bytes, and, on prefill, a :class:`kvxfer.progress.Pump` that drives
+the transport while blocks are leased. vLLM steps an engine only while it has requests to
+run: a prefill that handed out its last parameters goes idle and would no longer drive
+NIXL, and a decode's READ (its first above all, which needs the prefill to answer the
+connection set-up) would wait until the prefill's next request.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Mapping
 
 import kvxfer
 from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
+from kvxfer.progress import Pump
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 
 from .config import ConnectorConfig
@@ -38,6 +43,8 @@ log = logging.getLogger("vllm.kvxfer")
 
 #: Notifications for requests this worker does not hold (yet) are kept this long at most.
 _EARLY_LIMIT = 4096
+#: The one handle the prefill's pump polls while any request's blocks are leased.
+_LEASED = "leased"
 
 
 def agent_name(engine_id: str, rank: int) -> str:
@@ -89,6 +96,7 @@ class WorkerSide:
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._pump: Pump[str] | None = None
         # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
         self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
 
@@ -121,9 +129,19 @@ class WorkerSide:
             agent.close()
             raise
         self.agent = agent
+        if serve:
+            self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
         log.info("kvxfer registered %s; backend %s; %s", describe_spec(spec), self.cfg.backend, where)
         return spec
+
+    def _drive(self, handle: str) -> bool:
+        """The pump's poll: drive the transport once; pumping ends when :meth:`_release_sends` says."""
+        agent = self.agent
+        if agent is None:
+            return True
+        agent.progress()
+        return False
 
     # -- each step ------------------------------------------------------------------------
     def start(self, meta: KvxferConnectorMetadata) -> None:
@@ -133,6 +151,9 @@ class WorkerSide:
                 self._sending[rid] = 0.0  # decode already released it
             else:
                 self._sending[rid] = now + lease
+        if meta.sends and self._pump is not None and not len(self._pump):
+            with _unpinned():  # the pump's thread must not share the engine loop's core
+                self._pump.add(_LEASED)
         for task in meta.loads:
             self._start_load(task)
 
@@ -244,6 +265,8 @@ class WorkerSide:
                 del self._sending[rid]
         if released:
             self.stats.count("sends_done", released)
+        if not self._sending and self._pump is not None:
+            self._pump.discard(_LEASED)
         for rid, seen in list(self._early.items()):
             if now - seen > self.cfg.lease_seconds:
                 del self._early[rid]
@@ -257,6 +280,9 @@ class WorkerSide:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def close(self) -> None:
+        if self._pump is not None:
+            self._pump.stop()
+            self._pump = None
         if self.server is not None:
             self.server.close()
             self.server = None
