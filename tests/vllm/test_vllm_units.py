@@ -9,7 +9,6 @@ BLHNC is one storage whose row holds every layer's page of a block.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest

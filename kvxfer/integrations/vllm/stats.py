@@ -35,7 +35,8 @@ class KvxferConnectorStats(KVConnectorStats):
                 self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        self.data = {key: [] for key in PER_TRANSFER + COUNTS}
+        fresh: dict[str, list[Any]] = {key: [] for key in PER_TRANSFER + COUNTS}
+        self.data = fresh
 
     def record_load(self, *, seconds: float, plan_seconds: float, nbytes: int, descriptors: int, runs: int,
                     posts: int, tokens: int) -> None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Sequence
+from types import ModuleType
 
 _TARGET = "vllm.v1.attention.backends.cpu_attn"
 
 
-def _patch(module) -> None:
+def _patch(module: ModuleType) -> None:
     from vllm.v1.kv_cache_interface import KVCacheLayout
 
     backend = module.CPUAttentionBackend
@@ -28,16 +30,17 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self.inner = inner
 
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         _patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != _TARGET:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
