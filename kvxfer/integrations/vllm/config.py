@@ -1,0 +1,129 @@
+"""The connector's settings, read from ``kv_connector_extra_config`` and checked once.
+
+Unknown keys are refused (a misspelt ``"tokn"`` must not silently turn authentication off),
+and the side channel needs either a shared token or an explicit ``"insecure": true``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvxfer.errors import KvxferError
+
+__all__ = ["ConnectorConfig", "ConnectorConfigError"]
+
+
+class ConnectorConfigError(KvxferError, ValueError):
+    """``kv_connector_extra_config`` holds an unknown key or a value of the wrong kind."""
+
+
+_DEFAULTS: dict[str, Any] = {
+    "backend": "nixl",
+    "backend_options": {},
+    "host": "127.0.0.1",
+    "bind_host": None,
+    "port": 5720,
+    "token": None,
+    "token_env": None,
+    "insecure": False,
+    "transfer_timeout": 30.0,
+    "handshake_timeout": 5.0,
+    "lease_seconds": 120.0,
+    "min_tokens": 1,
+}
+
+
+def _want(key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    if isinstance(value, bool) and kind is not bool:
+        raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be {kind}, got a bool")
+    if not isinstance(value, kind):
+        raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] must be "
+                                   f"{getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated settings. ``token`` is the resolved secret (from ``token`` or ``token_env``)."""
+
+    backend: str = "nixl"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"
+    port: int = 5720
+    token: bytes | None = None
+    insecure: bool = False
+    transfer_timeout: float = 30.0
+    handshake_timeout: float = 5.0
+    lease_seconds: float = 120.0
+    min_tokens: int = 1
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_DEFAULTS))
+        if unknown:
+            raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
+                                       f"known: {sorted(_DEFAULTS)}")
+        v = {**_DEFAULTS, **extra}
+        env = os.environ if env is None else env
+        backend = _want("backend", v["backend"], str)
+        options = dict(_want("backend_options", v["backend_options"], dict))
+        host = _want("host", v["host"], str)
+        bind_host = host if v["bind_host"] is None else _want("bind_host", v["bind_host"], str)
+        port = _want("port", v["port"], int)
+        if not 1 <= port <= 65535:
+            raise ConnectorConfigError(f"kv_connector_extra_config['port']={port} is not a TCP port")
+        token = _resolve_token(v["token"], v["token_env"], env)
+        insecure = _want("insecure", v["insecure"], bool)
+        if token is None and not insecure:
+            raise ConnectorConfigError(
+                "the kvxfer side channel needs a shared token: set kv_connector_extra_config "
+                "'token_env' to the name of an environment variable holding it (or 'token'), on both "
+                "prefill and decode; or set 'insecure': true to run without authentication")
+        if token is not None and insecure:
+            raise ConnectorConfigError("'insecure': true and a token contradict each other; pick one")
+        times = {}
+        for key in ("transfer_timeout", "handshake_timeout", "lease_seconds"):
+            t = float(_want(key, v[key], (int, float)))
+            if not 0 < t < 86400:
+                raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}]={t} must be in (0, 86400) seconds")
+            times[key] = t
+        if times["lease_seconds"] < 2 * (times["transfer_timeout"] + times["handshake_timeout"]):
+            # Prefill frees (and may reuse) blocks when the lease ends: a decode still reading
+            # them then would load another request's KV. Keep the lease well above a load's
+            # longest life on the decode side.
+            raise ConnectorConfigError(
+                f"lease_seconds={times['lease_seconds']:g} must be at least twice transfer_timeout + "
+                f"handshake_timeout ({times['transfer_timeout']:g} + {times['handshake_timeout']:g})")
+        min_tokens = _want("min_tokens", v["min_tokens"], int)
+        if min_tokens < 1:
+            raise ConnectorConfigError("kv_connector_extra_config['min_tokens'] must be >= 1")
+        return cls(backend, options, host, bind_host, port, token, insecure, times["transfer_timeout"],
+                   times["handshake_timeout"], times["lease_seconds"], min_tokens)
+
+    def rank_port(self, rank: int) -> int:
+        """Each worker rank serves its own metadata on ``port + rank``."""
+        p = self.port + int(rank)
+        if p > 65535:
+            raise ConnectorConfigError(f"side-channel port {self.port} + rank {rank} exceeds 65535")
+        return p
+
+
+def _resolve_token(token: Any, token_env: Any, env: Mapping[str, str]) -> bytes | None:
+    if token is not None and token_env is not None:
+        raise ConnectorConfigError("set either 'token' or 'token_env', not both")
+    if token_env is not None:
+        name = _want("token_env", token_env, str)
+        value = env.get(name)
+        if not value:
+            raise ConnectorConfigError(f"'token_env' names {name!r}, which is unset or empty in this process")
+        return value.encode()
+    if token is not None:
+        value = _want("token", token, str)
+        if not value:
+            raise ConnectorConfigError("'token' is empty")
+        return value.encode()
+    return None

@@ -1,0 +1,33 @@
+"""What the scheduler side tells the worker side each step (both run inside vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .params import RemoteKV
+
+__all__ = ["LoadTask", "KvxferConnectorMetadata"]
+
+
+@dataclass
+class LoadTask:
+    """Decode: pull ``remote_block_ids`` of a prefill into ``local_block_ids``.
+
+    Empty block lists mean nothing to load (a local prefix hit, or too few tokens to be
+    worth a transfer): the worker only tells prefill to release its blocks.
+    """
+
+    request_id: str
+    remote: RemoteKV
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    tokens: int
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadTask] = field(default_factory=list)
+    #: Prefill: request id -> seconds its blocks stay reserved for decode at most.
+    sends: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""Scheduler side of the connector: decides what to load and what to hold, never moves bytes.
+
+Prefill: ``request_finished`` keeps a finished request's blocks and returns transfer
+parameters naming them. Decode: ``get_num_new_matched_tokens`` reports the prompt tokens a
+prefill holds, after checking the parameters (bad ones mean recompute, never a transfer);
+``update_state_after_alloc`` pairs the blocks vLLM allocated with the prefill's blocks.
+Both hand their work to the workers through :class:`KvxferConnectorMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from .config import ConnectorConfig
+from .metadata import KvxferConnectorMetadata, LoadTask
+from .params import ParamsError, RemoteKV, wants_remote_decode, wants_remote_prefill
+from .stats import KvxferConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+# Under "vllm." so that vLLM's logging configuration (format, level, handlers) applies.
+log = logging.getLogger("vllm.kvxfer")
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, tp_size: int) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.stats = KvxferConnectorStats()
+        # Parsed once per request: vLLM may ask for matched tokens several times.
+        self._remote: dict[str, RemoteKV | None] = {}
+        self._loads: list[LoadTask] = []
+        self._sends: dict[str, float] = {}
+
+    # -- decode ---------------------------------------------------------------------------
+    def _parse(self, request: "Request") -> RemoteKV | None:
+        rid = request.request_id
+        if rid not in self._remote:
+            try:
+                remote = RemoteKV.from_params(request.kv_transfer_params, self.cfg.token, self.block_size)
+                if remote.tp_size != self.tp_size:
+                    raise ParamsError(f"prefill runs TP={remote.tp_size}, this decode TP={self.tp_size}; "
+                                      "kvxfer's vLLM connector pairs equal TP sizes")
+            except ParamsError as exc:
+                log.warning("kvxfer: request %s recomputes its prompt: %s", rid, exc)
+                self.stats.count("rejected_params")
+                remote = None
+            self._remote[rid] = remote
+        return self._remote[rid]
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if not wants_remote_prefill(request.kv_transfer_params):
+            return 0, False
+        remote = self._parse(request)
+        if remote is None:
+            return 0, False
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if count < self.cfg.min_tokens:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        remote = self._parse(request)
+        del self._remote[request.request_id]
+        params["do_remote_prefill"] = False  # load once, even if the request is preempted later
+        if remote is None:
+            return
+        if num_external_tokens <= 0:  # nothing to pull; prefill may release its blocks now
+            self._loads.append(LoadTask(request.request_id, remote, [], [], 0))
+            return
+        (all_ids,) = blocks.get_block_ids()
+        local = blocks.get_unhashed_block_ids()  # the blocks not served by the local prefix cache
+        cached = len(all_ids) - len(local)
+        remote_ids = list(remote.block_ids[cached:cached + len(local)])
+        self._loads.append(LoadTask(request.request_id, remote, local, remote_ids, num_external_tokens))
+
+    # -- prefill --------------------------------------------------------------------------
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):  # a decode request that finished before it loaded
+            self._remote.pop(request.request_id, None)
+            return False, None
+        if not wants_remote_decode(params):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: free now
+        tokens = int(request.num_computed_tokens)
+        needed = math.ceil(tokens / self.block_size)
+        if tokens <= 0 or len(block_ids) < needed:
+            return False, None
+        remote = RemoteKV(self.engine_id, self.cfg.host, self.cfg.port, request.request_id,
+                          tuple(int(b) for b in block_ids[:needed]), tokens, self.tp_size)
+        self._sends[request.request_id] = self.cfg.lease_seconds
+        return True, remote.to_params(self.cfg.token)
+
+    # -- every step -----------------------------------------------------------------------
+    def build_connector_meta(self) -> KvxferConnectorMetadata:
+        meta = KvxferConnectorMetadata(self._loads, self._sends)
+        self._loads, self._sends = [], {}
+        return meta
+
+    def take_stats(self) -> KvxferConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()

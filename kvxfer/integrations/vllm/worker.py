@@ -1,0 +1,291 @@
+"""Worker side of the connector: registers vLLM's KV cache and moves blocks with kvxfer.
+
+Prefill workers register their cache and serve the agent's metadata on the side channel;
+they release a request's blocks when decode's notification (the request id) arrives, or
+when the lease runs out. Decode workers fetch the prefill's metadata for each load (the
+fetch doubles as a liveness and restart check before any transport memory is touched),
+post one kvxfer READ per request and poll it each step. A failed or late load is reported
+both as failed blocks (``get_block_ids_with_load_errors``) and a failed request, so vLLM
+recomputes those tokens instead of attending over garbage.
+
+Everything here runs on the worker's own thread, except two helpers: the metadata server,
+which serves immutable bytes, and, on prefill, a :class:`kvxfer.progress.Pump` that drives
+the transport while blocks are leased. vLLM steps an engine only while it has requests to
+run: a prefill that handed out its last parameters goes idle and would no longer drive
+NIXL, and a decode's READ (its first above all, which needs the prefill to answer the
+connection set-up) would wait until the prefill's next request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import kvxfer
+from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
+from kvxfer.progress import Pump
+from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
+
+from .config import ConnectorConfig
+from .metadata import KvxferConnectorMetadata, LoadTask
+from .registration import describe_spec, discovered_spec, spec_from_vllm
+from .stats import KvxferConnectorStats
+
+__all__ = ["WorkerSide", "agent_name"]
+
+# Under "vllm." so that vLLM's logging configuration (format, level, handlers) applies.
+log = logging.getLogger("vllm.kvxfer")
+
+#: Notifications for requests this worker does not hold (yet) are kept this long at most.
+_EARLY_LIMIT = 4096
+#: The one handle the prefill's pump polls while any request's blocks are leased.
+_LEASED = "leased"
+
+
+def agent_name(engine_id: str, rank: int) -> str:
+    return f"kvxfer-vllm:{engine_id}:{rank}"
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Threads started inside may run on every CPU, not only on the caller's.
+
+    vLLM's CPU worker pins its main thread to one core, and a new thread inherits its
+    creator's affinity: the transport's event thread and the side channel's server threads
+    would share that core with the busy engine loop and wait seconds for it (first transfers
+    stalled for tens of seconds that way, see docs/vllm.md). They do little work; they need
+    to run promptly.
+    """
+    try:
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: leave as is
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+@dataclass
+class _Load:
+    task: LoadTask
+    peer: str
+    plan: Any
+    transfer: Any
+    deadline: float
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, rank: int) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.rank = rank
+        self.stats = KvxferConnectorStats()
+        self.agent: kvxfer.Agent | None = None
+        self.server: MetadataServer | None = None
+        self._loads: dict[str, _Load] = {}
+        self._sending: dict[str, float] = {}  # prefill request id -> deadline
+        self._early: dict[str, float] = {}  # notifications that beat their request's metadata
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._pump: Pump[str] | None = None
+        # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
+        self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
+
+    # -- registration ---------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes: Mapping[str, int],
+                 layout: str | None, block_tokens: int, tp_size: int, replicated: bool,
+                 serve: bool = True) -> kvxfer.KVCacheSpec:
+        """Register vLLM's cache; ``serve``: publish the metadata (prefill roles; decode only reads)."""
+        spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
+                              block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
+        try:
+            spec = discovered_spec(kv_caches, spec)
+            log.info("kvxfer: generic discovery agrees; registering its spec (element type, page axes, heads)")
+        except KvxferError as exc:
+            log.warning("kvxfer: generic discovery differs, registering the explicit spec: %s", exc)
+        with _unpinned():
+            agent = kvxfer.Agent(agent_name(self.engine_id, self.rank), backend=self.cfg.backend,
+                                 timeout=self.cfg.transfer_timeout, token=self.cfg.token, **self.cfg.backend_options)
+        try:
+            if not agent.backend.capabilities.cross_process:
+                raise kvxfer.UnsupportedError(f"backend {self.cfg.backend!r} cannot reach other processes; "
+                                              "prefill and decode are separate vLLM instances (use nixl or ucx)")
+            agent.register(spec)
+            if serve:
+                with _unpinned():
+                    self.server = MetadataServer(agent.metadata(), self.cfg.bind_host,
+                                                 self.cfg.rank_port(self.rank), token=self._side_token,
+                                                 timeout=self.cfg.handshake_timeout)
+        except BaseException:
+            agent.close()
+            raise
+        self.agent = agent
+        if serve:
+            self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
+        where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
+        log.info("kvxfer registered %s; backend %s; %s", describe_spec(spec), self.cfg.backend, where)
+        return spec
+
+    def _drive(self, handle: str) -> bool:
+        """The pump's poll: drive the transport once; pumping ends when :meth:`_release_sends` says."""
+        agent = self.agent
+        if agent is None:
+            return True
+        agent.progress()
+        return False
+
+    # -- each step ------------------------------------------------------------------------
+    def start(self, meta: KvxferConnectorMetadata) -> None:
+        now = time.monotonic()
+        for rid, lease in meta.sends.items():
+            if self._early.pop(rid, None) is not None:
+                self._sending[rid] = 0.0  # decode already released it
+            else:
+                self._sending[rid] = now + lease
+        if meta.sends and self._pump is not None and not len(self._pump):
+            with _unpinned():  # the pump's thread must not share the engine loop's core
+                self._pump.add(_LEASED)
+        for task in meta.loads:
+            self._start_load(task)
+
+    def _start_load(self, task: LoadTask) -> None:
+        assert self.agent is not None
+        msg = task.remote.request_id.encode()
+        peer: str | None = None
+        try:
+            peer = self._peer(task)
+            if not task.local_block_ids:
+                self.agent.notify(peer, msg)
+                return
+            # The plan read() posts, kept for its run count (what NIXL sends after merging).
+            plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
+            with _unpinned():  # a backend may start a helper thread to deliver the notification
+                t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
+        except KvxferError as exc:
+            self._fail(task, exc, peer)
+            return
+        self._loads[task.request_id] = _Load(task, peer, plan, t, time.monotonic() + self.cfg.transfer_timeout)
+
+    def _peer(self, task: LoadTask) -> str:
+        assert self.agent is not None
+        r = task.remote
+        try:
+            md = fetch(r.host, r.port + self.rank, token=self._side_token, timeout=self.cfg.handshake_timeout)
+        except KvxferError:
+            self.stats.count("handshake_failures")
+            raise
+        name = self.agent.add_peer(md)
+        if name != agent_name(r.engine_id, self.rank):
+            raise MetadataError(f"{r.host}:{r.port + self.rank} serves agent {name!r}, not prefill engine "
+                                f"{r.engine_id!r} rank {self.rank}")
+        return name
+
+    def _fail(self, task: LoadTask, exc: BaseException, peer: str | None = None) -> None:
+        log.warning("kvxfer: load of request %s failed, vLLM recomputes it: %s", task.request_id, exc)
+        self.stats.count("failed_loads")
+        if task.local_block_ids:
+            self._failed_blocks.update(task.local_block_ids)
+            self._failed_recv.add(task.request_id)
+            self._done_recv.add(task.request_id)
+        if peer is not None and self.agent is not None:
+            try:  # let prefill free its blocks now rather than at the end of its lease
+                self.agent.notify(peer, task.remote.request_id.encode())
+            except KvxferError:
+                pass
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished sending, finished receiving, failed receiving)`` since the last call."""
+        if self.agent is None:
+            return set(), set(), set()
+        now = time.monotonic()
+        for rid, load in list(self._loads.items()):
+            t = load.transfer
+            try:
+                finished = t.done()
+            except KvxferError as exc:
+                del self._loads[rid]
+                self._fail(load.task, exc, load.peer)
+                continue
+            if finished:
+                del self._loads[rid]
+                s = t.stats
+                self.stats.record_load(seconds=s.seconds or 0.0, plan_seconds=s.plan_seconds, nbytes=s.nbytes,
+                                       descriptors=s.descriptors, runs=load.plan.runs, posts=s.posts,
+                                       tokens=load.task.tokens)
+                log.debug("kvxfer: loaded request %s: %d descriptors, %d bytes, %.3f ms", rid, s.descriptors,
+                          s.nbytes, 1e3 * (s.seconds or 0.0))
+                self._done_recv.add(rid)
+            elif now > load.deadline:
+                t.cancel()
+                del self._loads[rid]
+                self._fail(load.task, TransferTimeoutError(f"not done within {self.cfg.transfer_timeout:g} s"),
+                           load.peer)
+        sending = self._release_sends(now)
+        recv, failed = self._done_recv, self._failed_recv
+        self._done_recv, self._failed_recv = set(), set()
+        return sending, recv, failed
+
+    def _release_sends(self, now: float) -> set[str]:
+        assert self.agent is not None
+        done: set[str] = set()
+        released = 0
+        try:
+            notes = self.agent.notifications()
+        except KvxferError as exc:
+            log.warning("kvxfer: reading notifications failed: %s", exc)
+            notes = {}
+        for msgs in notes.values():
+            for m in msgs:
+                rid = m.decode("utf-8", "replace")
+                if rid in self._sending:
+                    del self._sending[rid]
+                    done.add(rid)
+                    released += 1
+                elif len(self._early) < _EARLY_LIMIT:
+                    self._early[rid] = now
+        for rid, deadline in list(self._sending.items()):
+            if deadline == 0.0:
+                done.add(rid)
+                del self._sending[rid]
+                released += 1
+            elif now > deadline:
+                log.warning("kvxfer: no decode released request %s within %g s; freeing its blocks",
+                            rid, self.cfg.lease_seconds)
+                self.stats.count("expired_sends")
+                done.add(rid)
+                del self._sending[rid]
+        if released:
+            self.stats.count("sends_done", released)
+        if not self._sending and self._pump is not None:
+            self._pump.discard(_LEASED)
+        for rid, seen in list(self._early.items()):
+            if now - seen > self.cfg.lease_seconds:
+                del self._early[rid]
+        return done
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_stats(self) -> KvxferConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.stop()
+            self._pump = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

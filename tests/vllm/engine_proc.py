@@ -1,0 +1,75 @@
+"""One vLLM instance, driven by the end-to-end tests over a pipe (JSON lines, no pickle).
+
+``python engine_proc.py CONFIG_JSON``: CONFIG_JSON holds the model folder (a local
+checkpoint, nothing is downloaded), the file
+descriptor to answer on, and the ``KVTransferConfig`` fields (or none). Commands arrive as
+JSON lines on stdin; answers go to that descriptor, so vLLM's own output on stdout and
+stderr can go to a log file. vLLM spawns processes, hence the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+WATCHED = ("kvxfer", "nixl", "external_prefix_cache", "prefix_cache")
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    """Counters and histogram sums/counts that mention a watched word, summed over labels."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not any(w in m.name for w in WATCHED):
+            continue
+        if isinstance(m, Counter):
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif isinstance(m, Histogram):
+            out[m.name + ":sum"] = out.get(m.name + ":sum", 0) + m.sum
+            out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    answer = os.fdopen(int(cfg["fd"]), "w", buffering=1)
+
+    def send(obj: dict[str, Any]) -> None:
+        answer.write(json.dumps(obj) + "\n")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(**cfg["kv_transfer_config"]) if cfg.get("kv_transfer_config") else None
+    t0 = time.perf_counter()
+    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="float32",
+              enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
+              num_gpu_blocks_override=cfg.get("num_blocks"), disable_log_stats=False, seed=0,
+              kv_transfer_config=ktc)
+    send({"ready": True, "start_seconds": time.perf_counter() - t0})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["cmd"] == "quit":
+            break
+        if req["cmd"] == "metrics":
+            send({"metrics": metrics(llm)})
+            continue
+        params = req.get("params") or [None] * len(req["prompts"])
+        sps = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
+                              extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
+        before = metrics(llm)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sps, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        after = metrics(llm)
+        send({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "params": [o.kv_transfer_params for o in outs], "seconds": seconds,
+              "delta": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
+
+
+if __name__ == "__main__":
+    main()

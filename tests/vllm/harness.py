@@ -1,0 +1,158 @@
+"""Start, drive and stop vLLM instances for the end-to-end tests (see engine_proc.py).
+
+Every engine runs in its own process group, so stopping one stops the engine core and
+worker processes vLLM spawned under it, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TOKEN_ENV = "KVXFER_E2E_TOKEN"
+#: Generous: the CI machine has 2 cores shared by several vLLM starts.
+START_TIMEOUT = float(os.environ.get("KVXFER_E2E_START_TIMEOUT", "900"))
+CALL_TIMEOUT = 300.0
+
+
+def free_port(count: int = 1) -> int:
+    """A port p such that p..p+count-1 looked free just now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + count > 65535:
+            continue
+        ok = True
+        for q in range(p + 1, p + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+        if ok:
+            return p
+    raise RuntimeError("no free port range")
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """A 4-layer Llama (hidden 128, 4 heads of 32, 2 KV heads) with seeded random weights, saved locally.
+
+    Not vLLM's ``load_format="dummy"``: its weights (uniform in +-1e-3) make attention almost
+    uniform, so the greedy tokens barely depend on the prompt's KV and even loading another
+    prompt's KV left them unchanged. With weights drawn at ``initializer_range=0.2`` they do
+    depend on it, which the control test checks.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.2, torch_dtype="float32")
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@dataclass
+class Engine:
+    name: str
+    proc: subprocess.Popen
+    answers: Any
+    log_path: Path
+    start_seconds: float | None = None
+    ready: bool = False
+    _buf: bytes = field(default=b"", repr=False)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no answer within {timeout:g} s\n{self.log_tail()}")
+            r, _, _ = select.select([self.answers], [], [], min(left, 1.0))
+            if r:
+                chunk = os.read(self.answers.fileno(), 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()})\n{self.log_tail()}")
+                self._buf += chunk
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode})\n{self.log_tail()}")
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        if not self.ready:
+            msg = self._read(timeout)
+            assert msg.get("ready"), msg
+            self.ready, self.start_seconds = True, msg["start_seconds"]
+
+    def call(self, cmd: dict[str, Any], timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
+        self.wait_ready()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None) -> dict[str, Any]:
+        return self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens, "params": params})
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_lines(self, needle: str) -> list[str]:
+        return [ln for ln in self.log_path.read_text(errors="replace").splitlines() if needle in ln]
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group (the engine core and workers with it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b'{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        self.answers.close()
+
+
+def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, blhnc: bool = False, num_blocks: int = 256) -> Engine:
+    """Start one instance in the background; :meth:`Engine.wait_ready` waits for it."""
+    r, w = os.pipe()
+    cfg = {"model": str(model), "fd": w, "kv_transfer_config": kv_transfer_config, "num_blocks": num_blocks}
+    e = dict(os.environ)
+    e.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "INFO"})
+    if blhnc:
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "blhnc_site"), e.get("PYTHONPATH")]))
+        e["VLLM_KV_CACHE_LAYOUT"] = "BLHNC"
+    e.update(env or {})
+    log_path = logdir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(HERE / "engine_proc.py"), json.dumps(cfg)],
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(w,),
+                                env=e, cwd=str(ROOT), start_new_session=True)
+    os.close(w)
+    return Engine(name, proc, os.fdopen(r, "rb", buffering=0), log_path)
