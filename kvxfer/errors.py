@@ -19,6 +19,7 @@ __all__ = [
     "BlockIdOutOfRangeError",
     "BlockCountMismatchError",
     "MetadataError",
+    "MetadataCrashError",
     "UnknownPeerError",
     "StalePeerError",
     "PeerDisconnectedError",
@@ -90,6 +91,14 @@ class MetadataError(KvxferError, ValueError):
     """Peer metadata is malformed, too large, of an unknown version, or out of bounds.
 
     Metadata arrives from the network, so this is raised instead of trusting it.
+    """
+
+
+class MetadataCrashError(MetadataError):
+    """Peer metadata crashed, or hung, the process that tried it first (:mod:`kvxfer.prove`).
+
+    The bytes never reached native code in this process. The peer's metadata is corrupt or
+    hostile; a genuine peer's fresh metadata loads.
     """
 
 

@@ -27,7 +27,7 @@ from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegist
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
-from . import _blob
+from . import _blob, _probe
 from ._device import DeviceCopies
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
@@ -70,6 +70,11 @@ class NixlBackend(Notifications, Backend):
     ``request_descriptors`` (default :data:`DEFAULT_REQUEST_DESCRIPTORS`)
         the most descriptors one NIXL request carries; larger posts go out piece by piece
         from ``poll`` (see :mod:`kvxfer_nixl._xfer`).
+    ``prove_metadata`` (default True), ``prove_timeout`` (default 30 s)
+        load each new peer blob in a helper process first (:mod:`kvxfer_nixl._probe`): a blob
+        that crashes or hangs NIXL there is refused with
+        :class:`~kvxfer.errors.MetadataCrashError` and never loaded here. Turn it off only
+        for metadata from authenticated, trusted peers (README: Untrusted metadata).
     """
 
     name = "nixl"
@@ -77,12 +82,16 @@ class NixlBackend(Notifications, Backend):
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
                  device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
-                 request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS) -> None:
+                 request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool = True,
+                 prove_timeout: float = 30.0) -> None:
         super().__init__(agent_name)
         # The core device path (its state; DeviceCopies below is its entry in the table of paths).
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
+        self._prover = _probe.prover(self._backends, num_threads, prove_timeout) if prove_metadata else None
+        if self._prover is not None:
+            self._prover.start_soon()  # most of its cost (importing NIXL) is paid before the first add_remote
         self._notify_thread = bool(notify_thread)
         self.capabilities = Capabilities(
             memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
@@ -189,7 +198,8 @@ class NixlBackend(Notifications, Backend):
 
         Only :class:`~kvxfer.errors.KvxferError` leaves this method, and a failure leaves the
         peer as it was. The blob is validated completely before NIXL sees it
-        (:mod:`kvxfer_nixl._blob`), and each load gets a fresh NIXL name: NIXL keeps the
+        (:mod:`kvxfer_nixl._blob`), then (``prove_metadata``) loaded in a helper process
+        first (:mod:`kvxfer_nixl._probe`), and each load gets a fresh NIXL name: NIXL keeps the
         connection of a blob it refused halfway under the name it was loaded with, which
         would otherwise block that peer for good.
         """
@@ -197,6 +207,8 @@ class NixlBackend(Notifications, Backend):
         try:
             parsed = _blob.parse(blob, peer_name, self._backends)
             memory = SpanIndex(parsed.allocations())  # spans already checked by parse()
+            if self._prover is not None:  # MetadataError (or MetadataCrashError) unless NIXL survives it
+                self._prover.prove(parsed.nixl_metadata(peer_name), f"NIXL metadata of {peer_name!r}")
             self._loads += 1
             alias = f"{peer_name}#{self._loads}"
             with self._lock:
