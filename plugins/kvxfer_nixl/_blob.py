@@ -58,6 +58,7 @@ _CODES = {k: c for c, k in _KINDS.items()}
 _BACKEND = re.compile(rb"[A-Za-z0-9_]{1,32}")
 _UCX_ADDRESS_VERSIONS = (0, 1)  # low nibble of a UCX worker address's first byte
 _U64 = (1 << 64) - 1
+_UCX_HOST, _UCX_MEMORY_TYPES = 0, 16  # ucs_memory_type_t: HOST first, a handful of device types
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,34 @@ def _section(r: "_Reader", conn_backends: set[str], seen: list[Section]) -> Sect
         if (addr, nbytes, device) in spans:
             raise MetadataError(f"NIXL metadata of {r.peer!r}: span {addr:#x}+{nbytes} listed twice")
         spans.add((addr, nbytes, device))
-        descs.append((addr, nbytes, device, raw[_DESC.size:]))
+        key = raw[_DESC.size:]
+        if backend == "UCX" and not _ucx_key_ok(key, kind):
+            raise MetadataError(f"NIXL metadata of {r.peer!r}: a {kind.value} remote key is not a UCX key for "
+                                f"{kind.value} memory (corrupt)")
+        descs.append((addr, nbytes, device, key))
     return Section(backend, kind, tuple(descs))
+
+
+def _ucx_key_ok(key: bytes, kind: MemoryKind) -> bool:
+    """The frame of a key UCX packed (``ucp_rkey_pack``): MD map, memory type, one sized key per MD.
+
+    ``ucp_ep_rkey_unpack`` takes no length and indexes tables with these fields, and whether a
+    corrupt one crashes depends on what lies past those tables in the process, which a
+    helper process cannot reproduce. So the frame is checked here; what is inside each MD's
+    key is left to the prover (:mod:`kvxfer_nixl._probe`).
+    """
+    if len(key) < 10:
+        return False
+    md_map, mem_type = int.from_bytes(key[:8], "little"), key[8]
+    if md_map == 0 or (mem_type == _UCX_HOST) != (kind is MemoryKind.DRAM) \
+            or mem_type >= _UCX_MEMORY_TYPES:
+        return False
+    pos = 9
+    for _ in range(bin(md_map).count("1")):
+        if pos >= len(key):
+            return False
+        pos += 1 + key[pos]
+    return pos <= len(key)
 
 
 class _Reader:

@@ -2,63 +2,72 @@
 
 NIXL hands a peer's worker address and remote keys to UCX as they are, and a corrupt one can
 crash the process inside ``add_remote_agent``. With ``prove_metadata=True`` (the default)
-the backend asks a :class:`kvxfer.prove.Prover` to load the rebuilt metadata in a helper
-process with a NIXL agent of the same configuration, and loads it here only if the helper
-survived. One helper serves every backend of a process with the same configuration.
+the backend asks a :class:`kvxfer.prove.Prover` to add the peer in a helper process first,
+and adds it here only if the helper survived.
 
-:func:`make_probe` runs in the helper. Each load there gets a name of its own, because a
-load NIXL refuses half-way keeps its name taken (``plugins/kvxfer_nixl/README.md``).
+Whether UCX crashes on a corrupt key depends on more than the bytes: on which libraries the
+process has loaded (CUDA's among them) and on how its NIXL agent is configured. So the helper
+is as much like the backend as it can be: it runs a :class:`~kvxfer_nixl.backend.NixlBackend`
+built with the same options, with memory registered, and proves a blob by calling that
+backend's ``add_remote`` then ``remove_remote``, the same code this process runs. One helper
+serves every backend of a process with the same options.
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import os
 import struct
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable
+
+import numpy as np
 
 from kvxfer.deadlines import check_timeout
 from kvxfer.prove import Prover
 
-__all__ = ["make_probe", "prover"]
+__all__ = ["make_probe", "prover", "request"]
 
 _TARGET = "kvxfer_nixl._probe:make_probe"
-_HEAD = b"nixlSerDes|Agent"
-_LEN = struct.Struct("<Q")
-_provers: dict[tuple[tuple[str, ...], int, float], Prover] = {}
+_NAME = struct.Struct("<H")
+_provers: dict[tuple[str, float], Prover] = {}
 _lock = threading.Lock()
 
 
-def prover(backends: Sequence[str], num_threads: int, timeout: float) -> Prover:
-    """The process's prover for NIXL agents of this configuration (started on first use)."""
-    key = (tuple(backends), int(num_threads), check_timeout(timeout, "prove_timeout"))
+def prover(options: dict[str, Any], timeout: float) -> Prover:
+    """The process's prover for backends built with ``options`` (JSON; started on first use)."""
+    key = (json.dumps(options, sort_keys=True), check_timeout(timeout, "prove_timeout"))
     with _lock:
         p = _provers.get(key)
         if p is None:
-            p = _provers[key] = Prover(_TARGET, {"backends": list(key[0]), "num_threads": key[1]}, timeout=key[2],
+            p = _provers[key] = Prover(_TARGET, options, timeout=key[1],
                                        log=os.environ.get("KVXFER_PROVE_LOG") or None)
         return p
 
 
-def make_probe(backends: Sequence[str], num_threads: int = 0) -> Callable[[bytes], None]:
-    """In the helper: a NIXL agent like the backend's, and the call that loads then unloads."""
-    from ._nixl import nx
+def request(peer_name: str, blob: bytes) -> bytes:
+    """What the helper is sent: the peer's name and its blob (both already validated here)."""
+    name = peer_name.encode("utf-8")
+    return _NAME.pack(len(name)) + name + bytes(blob)
 
-    cfg = nx.nixl_agent_config(enable_prog_thread=False, backends=list(backends), num_threads=int(num_threads))
-    agent = nx.nixl_agent(f"kvxfer-probe-{os.getpid()}", cfg)
-    names = itertools.count(1)
 
-    def probe(md: bytes) -> None:
-        if not md.startswith(_HEAD) or len(md) < len(_HEAD) + _LEN.size:
-            raise ValueError("not NIXL metadata")
-        (n,) = _LEN.unpack_from(md, len(_HEAD))
-        rest = md[len(_HEAD) + _LEN.size + n + 1:]
-        name = f"probe#{next(names)}".encode()
-        loaded = agent.add_remote_agent(_HEAD + _LEN.pack(len(name)) + name + b"|" + rest)
+def make_probe(**options: Any) -> Callable[[bytes], None]:
+    """In the helper: a backend like the one it protects, and the call that adds then removes."""
+    from kvxfer import Allocation
+
+    from .backend import NixlBackend
+
+    backend = NixlBackend(f"kvxfer-probe-{os.getpid()}", prove_metadata=False, **options)
+    memory = np.zeros(1 << 16, np.uint8)  # the backend it protects has registered memory too
+    backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
+
+    def probe(data: bytes) -> None:
+        (n,) = _NAME.unpack_from(data)
+        name = data[_NAME.size:_NAME.size + n].decode("utf-8")
         try:
-            agent.remove_remote_agent(loaded.decode() if isinstance(loaded, bytes) else loaded)
-        except Exception:
-            pass  # loaded, which is what was to be proven
+            backend.add_remote(name, data[_NAME.size + n:])
+        finally:
+            backend.remove_remote(name)
 
+    probe.memory = memory  # type: ignore[attr-defined]  # kept registered for the helper's life
     return probe

@@ -89,7 +89,11 @@ class NixlBackend(Notifications, Backend):
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
-        self._prover = _probe.prover(self._backends, num_threads, prove_timeout) if prove_metadata else None
+        self._prover = _probe.prover(dict(
+            progress_thread=self._progress_thread, backends=list(self._backends), num_threads=int(num_threads),
+            device_copy=bool(device_copy), device_engine=device_engine, device_copy_on=device_copy_on,
+            notify_thread=bool(notify_thread)),
+            prove_timeout) if prove_metadata else None
         if self._prover is not None:
             self._prover.start_soon()  # most of its cost (importing NIXL) is paid before the first add_remote
         self._notify_thread = bool(notify_thread)
@@ -207,8 +211,8 @@ class NixlBackend(Notifications, Backend):
         try:
             parsed = _blob.parse(blob, peer_name, self._backends)
             memory = SpanIndex(parsed.allocations())  # spans already checked by parse()
-            if self._prover is not None:  # MetadataError (or MetadataCrashError) unless NIXL survives it
-                self._prover.prove(parsed.nixl_metadata(peer_name), f"NIXL metadata of {peer_name!r}")
+            if self._prover is not None:  # MetadataError (or MetadataCrashError) unless the helper survives it
+                self._prover.prove(_probe.request(peer_name, blob), f"NIXL metadata of {peer_name!r}")
             self._loads += 1
             alias = f"{peer_name}#{self._loads}"
             with self._lock:

@@ -169,13 +169,11 @@ def test_peer_names_that_are_not_unicode_strings_are_metadata_errors(pair: Any, 
     assert not b._remotes
 
 
-@pytest.mark.skipif(not os.environ.get("KVXFER_NATIVE_CRASH_TESTS"),
-                    reason="feeds corrupt remote keys to NIXL in this process, which can SIGSEGV inside NIXL "
-                           "(seen in CI); the fuzz campaign counts such crashes in subprocesses. "
-                           "Set KVXFER_NATIVE_CRASH_TESTS=1 to run it")
 def test_a_blob_nixl_refuses_halfway_does_not_block_the_genuine_peer(pair: Any) -> None:
-    """NIXL loads the connection, then fails on a remote key it cannot unpack. NIXL keeps that
-    connection under the name it was given and would refuse the name from then on."""
+    """NIXL loads the connection, then fails on a remote key it cannot unpack (or crashes on
+    it). Such keys are tried in the prover's helper process first, so this process's NIXL
+    never sees them; in the helper each load has a name of its own, so the half-load left
+    there does not block the genuine peer's proof either."""
     a, b, src, dst = pair
     genuine = a.local_metadata()
     parsed = _blob.parse(genuine, "safe-a", ("UCX",))
@@ -185,13 +183,16 @@ def test_a_blob_nixl_refuses_halfway_does_not_block_the_genuine_peer(pair: Any) 
     for bad_key in (bytes(len(key)), b"\xff" * len(key), key[:1]):
         bad = _split(genuine)[0] + dataclasses.replace(parsed, sections=(dataclasses.replace(
             sec, descs=((addr, n, dev, bad_key),)),)).nixl_metadata("safe-a")
+        loads = b._loads
         try:
             b.add_remote("safe-a", bad)
         except MetadataError:
             refused += 1
+            assert b._loads == loads, "a refused blob reached this process's NIXL"
         assert b.add_remote("safe-a", genuine) == "safe-a"  # loads whatever happened before
         _read_and_check(b, "safe-a", src, dst, [1, 2], [15, 0])
     assert refused, "no key corruption was refused by NIXL: the halfway case was not exercised"
+    assert b._prover.stats["refused"] + b._prover.stats["crashed"] >= refused
 
 
 def test_replacing_a_peer_keeps_the_old_one_until_the_new_one_loaded(pair: Any) -> None:
@@ -214,10 +215,9 @@ def test_fuzzed_blobs_never_raise_untyped_errors_nor_block_the_peer() -> None:
     # the victim refused the genuine peer itself and nothing below was exercised.
     assert res["results"].get("accepted", 0) > 0, res["results"]
     assert not res["findings"], res["findings"][:5]  # untyped errors, or the genuine blob refused after
-    # Crashes are counted, not hidden: the only bytes that may still crash are UCX's own
-    # payloads (worker address, remote keys), which kvxfer cannot parse (RELIABILITY.md).
-    crashed = {c["region"] for c in res["crashes"]}
-    assert crashed <= {"conninfo", "rkey"}, res["crashes"]
+    # UCX's own payloads (worker address, remote keys), which kvxfer cannot parse, crash the
+    # prover's helper process at worst, never the victim (RELIABILITY.md).
+    assert not res["crashes"], res["crashes"]
 
 
 # --------------------------------------------------------------------------------------------
