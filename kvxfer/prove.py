@@ -184,7 +184,7 @@ class Prover:
                 err.close()  # type: ignore[union-attr]
         got = _ask(proc, b"I", self.options, self.start_timeout)
         if not (isinstance(got, tuple) and got[0] == b"K"):
-            why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else f"it {got}ed"
+            why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else {"crash": "it died", "hang": "no answer"}[got]
             _end(proc)
             raise BackendError(f"the helper process that proves peer metadata ({self.target}) did not start: {why}")
         self._proc, self._probes = proc, 0
