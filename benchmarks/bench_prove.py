@@ -6,8 +6,8 @@ Backend-level ``add_remote`` + ``remove_remote`` of a peer in another NIXL backe
 process, median and slowest of ``--repeat`` runs each:
 
 * ``off``: ``prove_metadata=False`` (the blob goes to this process's NIXL only);
-* ``first``: proving on, a blob the helper has not seen (the peer registered one more
-  buffer before each run, so its metadata is new each time); helper already running;
+* ``first``: proving on, a blob the helper has not seen (the peer registers a new buffer in
+  place of its last before each run, so its metadata is new each time); helper running;
 * ``cached``: proving on, the same blob again (a digest look-up, no helper round trip);
 * ``helper start``: a fresh helper process (Python, NIXL import, agent), once per process
   and after each crash; paid ahead of the first ``add_peer`` by ``start_soon``.
@@ -34,6 +34,7 @@ def main() -> None:
     from kvxfer_nixl.backend import NixlBackend
 
     keep: list[np.ndarray] = []
+    handle = None
     peer = NixlBackend("bench-peer", prove_metadata=False)
     rows = []
     for case in ("off", "first", "cached"):
@@ -42,10 +43,12 @@ def main() -> None:
             me._prover.start()  # measured separately below
         times = []
         for _ in range(args.repeat):
-            if case != "cached" or not keep:
+            if case != "cached" or handle is None:  # one registration, a new one each time
+                if handle is not None:
+                    peer.deregister(handle)
                 buf = np.zeros(4096, np.uint8)
                 keep.append(buf)
-                peer.register([Allocation(buf.ctypes.data, buf.nbytes)])
+                handle = peer.register([Allocation(buf.ctypes.data, buf.nbytes)])
             blob = peer.local_metadata()
             t = time.perf_counter()
             me.add_remote("bench-peer", blob)
