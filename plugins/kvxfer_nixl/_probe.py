@@ -10,7 +10,8 @@ process has loaded (CUDA's among them) and on how its NIXL agent is configured. 
 is as much like the backend as it can be: it runs a :class:`~kvxfer_nixl.backend.NixlBackend`
 built with the same options, with memory registered, and proves a blob by calling that
 backend's ``add_remote`` then ``remove_remote``, the same code this process runs. One helper
-serves every backend of a process with the same options.
+serves every backend of a process with the same options. What runs in the helper is
+:mod:`kvxfer_nixl._helper`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ import json
 import os
 import struct
 import threading
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 from kvxfer.deadlines import check_timeout
 from kvxfer.prove import Prover
 
-__all__ = ["make_probe", "prover", "request"]
+__all__ = ["prover", "request"]
 
-_TARGET = "kvxfer_nixl._probe:make_probe"
+_TARGET = "kvxfer_nixl._helper:make_probe"
 _NAME = struct.Struct("<H")
 _provers: dict[tuple[str, float], Prover] = {}
 _lock = threading.Lock()
@@ -49,25 +48,3 @@ def request(peer_name: str, blob: bytes) -> bytes:
     """What the helper is sent: the peer's name and its blob (both already validated here)."""
     name = peer_name.encode("utf-8")
     return _NAME.pack(len(name)) + name + bytes(blob)
-
-
-def make_probe(**options: Any) -> Callable[[bytes], None]:
-    """In the helper: a backend like the one it protects, and the call that adds then removes."""
-    from kvxfer import Allocation
-
-    from .backend import NixlBackend
-
-    backend = NixlBackend(f"kvxfer-probe-{os.getpid()}", prove_metadata=False, **options)
-    memory = np.zeros(1 << 16, np.uint8)  # the backend it protects has registered memory too
-    backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
-
-    def probe(data: bytes) -> None:
-        (n,) = _NAME.unpack_from(data)
-        name = data[_NAME.size:_NAME.size + n].decode("utf-8")
-        try:
-            backend.add_remote(name, data[_NAME.size + n:])
-        finally:
-            backend.remove_remote(name)
-
-    probe.memory = memory  # type: ignore[attr-defined]  # kept registered for the helper's life
-    return probe
