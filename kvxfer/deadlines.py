@@ -9,10 +9,11 @@ message are the same everywhere.
 from __future__ import annotations
 
 import math
+import select
 
 from .errors import InvalidTimeoutError
 
-__all__ = ["check_timeout"]
+__all__ = ["check_timeout", "readable"]
 
 
 def check_timeout(timeout: object, what: str = "timeout") -> float:
@@ -26,3 +27,11 @@ def check_timeout(timeout: object, what: str = "timeout") -> float:
     if not math.isfinite(t) or t <= 0:
         raise InvalidTimeoutError(f"{what} must be finite and positive (seconds), got {timeout!r}")
     return t
+
+
+def readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` has data (or EOF) within ``timeout`` s. ``poll``, not ``select``: an
+    engine process can hold more than 1,024 descriptors, where ``select`` raises."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(max(0, int(timeout * 1000))))

@@ -31,7 +31,6 @@ import hashlib
 import importlib
 import json
 import os
-import select
 import signal
 import struct
 import subprocess
@@ -42,7 +41,7 @@ import weakref
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping
 
-from .deadlines import check_timeout
+from .deadlines import check_timeout, readable
 from .errors import BackendError, MetadataCrashError, MetadataError
 
 __all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "main"]
@@ -182,7 +181,11 @@ class Prover:
         finally:
             if self.log:
                 err.close()  # type: ignore[union-attr]
-        got = _ask(proc, b"I", self.options, self.start_timeout)
+        try:
+            got = _ask(proc, b"I", self.options, self.start_timeout)
+        except BaseException:
+            _end(proc)  # never leave a helper behind that nothing refers to
+            raise
         if not (isinstance(got, tuple) and got[0] == b"K"):
             why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else {"crash": "it died", "hang": "no answer"}[got]
             _end(proc)
@@ -232,7 +235,7 @@ def _ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: floa
     buf, need, kind = b"", _FRAME.size, b""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not readable(fd, left):
             return "hang"
         chunk = os.read(fd, need - len(buf))
         if not chunk:
@@ -271,7 +274,11 @@ def _read(f: Any, n: int) -> bytes | None:
 
 
 def _serve(target: str) -> int:
-    """Answer probe requests until stdin closes; native output goes to stderr, never the pipe."""
+    """Answer probe requests until stdin closes; native output goes to stderr, never the pipe.
+
+    Stdin closes when the parent ends it or dies; the caller then leaves with ``os._exit``,
+    since native teardown of what a probe loaded can hang and would leave the helper behind.
+    """
     proto = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     inbox = os.fdopen(os.dup(0), "rb", buffering=0)
@@ -314,4 +321,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # see _serve: no native teardown

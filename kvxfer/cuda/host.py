@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 from dataclasses import dataclass
+
+from ..deadlines import readable
 
 __all__ = ["Identity", "PeerProcess", "boot_id", "here", "pidfd_getfd", "start_time"]
 
@@ -79,8 +80,7 @@ class PeerProcess:
     def alive(self) -> bool:
         if self.fd < 0:
             return False
-        r, _, _ = select.select([self.fd], [], [], 0)
-        return not r
+        return not readable(self.fd, 0)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -192,10 +192,11 @@ def _ucx_key_ok(key: bytes, kind: MemoryKind) -> bool:
     helper process cannot reproduce. So the frame is checked here; what is inside each MD's
     key is left to the prover (:mod:`kvxfer_nixl._probe`).
     """
-    if len(key) < 10:
+    if len(key) < 9:
         return False
     md_map, mem_type = int.from_bytes(key[:8], "little"), key[8]
-    if md_map == 0 or (mem_type == _UCX_HOST) != (kind is MemoryKind.DRAM) \
+    # An empty MD map is genuine: with TCP alone (``UCX_TLS=tcp``) no MD packs a key.
+    if (md_map == 0 and len(key) != 9) or (mem_type == _UCX_HOST) != (kind is MemoryKind.DRAM) \
             or mem_type >= _UCX_MEMORY_TYPES:
         return False
     pos = 9
