@@ -15,12 +15,11 @@ others are done: NIXL sends it after that piece's data, so it follows all of the
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer import MemoryKind, Op
+from kvxfer import Op
 from kvxfer.errors import BackendError, TransferCancelledError, UnsupportedError
 
 from ._nixl import map_error
@@ -28,7 +27,6 @@ from ._nixl import map_error
 __all__ = ["NixlPath", "NixlXfer", "as_int32"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-QUIESCE_S = 5.0  # longest a cancel waits for posted pieces to end (see NixlPath.cancel)
 
 
 def as_int32(idx: np.ndarray) -> np.ndarray:
@@ -48,7 +46,7 @@ class _Listed(Protocol):
 class NixlXfer:
     """One post on the NIXL path: pieces not yet posted, and NIXL handles in flight."""
 
-    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released", "settle")
+    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released")
 
     def __init__(self, op: Op, lp: _Listed, li: np.ndarray, rp: _Listed, ri: np.ndarray, notification: bytes,
                  peer: str) -> None:
@@ -58,8 +56,6 @@ class NixlXfer:
         self.next = 0  # first descriptor not yet posted
         self.live: list[Any] = []  # NIXL handles posted and not yet DONE
         self.released = False
-        # Device memory: a released request's copies may already sit on a GPU's queues.
-        self.settle = any(getattr(getattr(p, "descs", None), "kind", None) is MemoryKind.VRAM for p in (lp, rp))
 
 
 class NixlPath:
@@ -104,26 +100,12 @@ class NixlPath:
             return x.next >= n and not x.live
 
     def cancel(self, x: NixlXfer) -> None:
-        """Let the pieces in flight settle, then release every handle; never raises.
-
-        Releasing a pending NIXL request does not stop copies the transport already handed
-        to a GPU (with ``cuda_ipc`` the destination kept changing after release), so a
-        cancelled transfer that touches device memory first waits, at most ``QUIESCE_S``,
-        for its posted pieces to end. Nothing further is posted, so that wait is bounded by
-        one piece. Host memory needs no wait: NIXL's abort stops those copies.
-        """
+        """Release every handle (NIXL aborts what is pending); never raises."""
         with self._lock:
             if x.released:
                 return
             x.released = True
-            end = time.monotonic() + (QUIESCE_S if x.settle else 0.0)
             for h in x.live:
-                while time.monotonic() < end:
-                    try:
-                        if self._agent.check_xfer_state(h) != "PROC":
-                            break
-                    except Exception:
-                        break  # failed: nothing of it is still moving
                 self._release(h)
             x.live.clear()
 

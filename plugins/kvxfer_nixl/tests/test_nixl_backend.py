@@ -112,6 +112,12 @@ class TestNixlConformanceVRAMViaUCX(BackendConformance):
     memory = "VRAM"
     options: dict[str, Any] = {"device_copy": False}
 
+    @pytest.mark.xfail(reason="NIXL over UCX keeps copying device memory after the request is released "
+                              "(seen on 2xH200, also when cancel first waits for the request); the default "
+                              "device path stops (see the plugin README)", strict=False)
+    def test_cancel_stops_the_copy(self, agents: Any) -> None:
+        super().test_cancel_stops_the_copy(agents)
+
 
 class TestNixlTwoProcessVRAM(TwoProcessConformance):
     backend = "nixl"
