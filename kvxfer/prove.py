@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 from .deadlines import check_timeout, readable
 from .errors import BackendError, MetadataCrashError, MetadataError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "main"]
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "main", "read_exact"]
 
 #: Seconds one probe may take before the bytes count as hanging native code.
 DEFAULT_TIMEOUT = 30.0
@@ -263,7 +263,8 @@ def _stop_all() -> None:
 
 
 # -- the helper (runs in the child) ---------------------------------------------------------------
-def _read(f: Any, n: int) -> bytes | None:
+def read_exact(f: Any, n: int) -> bytes | None:
+    """``n`` bytes from a pipe, or None at EOF (the other side ended or died)."""
     buf = b""
     while len(buf) < n:
         chunk = f.read(n - len(buf))
@@ -289,13 +290,13 @@ def _serve(target: str) -> int:
 
     probe: Callable[[bytes], object] | None = None
     while True:
-        head = _read(inbox, _FRAME.size)
+        head = read_exact(inbox, _FRAME.size)
         if head is None:
             return 0
         op, n = _FRAME.unpack(head)
         if n > MAX_INPUT:
             return 2
-        data = _read(inbox, n)
+        data = read_exact(inbox, n)
         if data is None:
             return 0
         try:

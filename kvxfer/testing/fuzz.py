@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import random
-import select
 import signal
 import struct
 import subprocess
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..deadlines import readable
+from ..prove import read_exact
 from .mutate import mutate
 
 __all__ = ["Result", "run_backend", "run_campaign", "available", "main"]
@@ -93,11 +94,11 @@ def _worker(backend: str) -> int:
         proto.write(_FRAME.pack(kind, len(payload)) + payload)
 
     while True:
-        head = _read_exact(inbox, _FRAME.size)
+        head = read_exact(inbox, _FRAME.size)
         if head is None:
             return 0
         op, n = _FRAME.unpack(head)
-        data = _read_exact(inbox, n) or b""
+        data = read_exact(inbox, n) or b""
         if op == b"S":
             send(b"S", seed.metadata())
             continue
@@ -113,16 +114,6 @@ def _worker(backend: str) -> int:
             send(b"T", type(exc).__name__.encode())
         except BaseException as exc:  # noqa: BLE001 - the point is to report it
             send(b"U", f"{type(exc).__name__}: {exc}"[:500].encode("utf-8", "replace"))
-
-
-def _read_exact(f: Any, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = f.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 # -- the parent ----------------------------------------------------------------------------------
@@ -147,7 +138,7 @@ class _Worker:
         need = _FRAME.size
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not readable(fd, left):
                 return "hang"
             chunk = os.read(fd, need - len(buf))
             if not chunk:
