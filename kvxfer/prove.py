@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 from .deadlines import check_timeout, readable
 from .errors import BackendError, MetadataCrashError, MetadataError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "main", "read_exact"]
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "main", "read_exact"]
 
 #: Seconds one probe may take before the bytes count as hanging native code.
 DEFAULT_TIMEOUT = 30.0
@@ -106,7 +106,7 @@ class Prover:
             self._ensure()
             assert self._proc is not None
             self._probes += 1
-            got = _ask(self._proc, b"P", bytes(data), self.timeout)
+            got = ask(self._proc, b"P", bytes(data), self.timeout)
             if isinstance(got, tuple) and got[0] == b"K":
                 self.stats["proven"] += 1
                 self._remember(digest, None)
@@ -182,7 +182,7 @@ class Prover:
             if self.log:
                 err.close()  # type: ignore[union-attr]
         try:
-            got = _ask(proc, b"I", self.options, self.start_timeout)
+            got = ask(proc, b"I", self.options, self.start_timeout)
         except BaseException:
             _end(proc)  # never leave a helper behind that nothing refers to
             raise
@@ -222,8 +222,13 @@ def _end(proc: subprocess.Popen[bytes]) -> str:
     return f"exit status {rc}"
 
 
-def _ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: float) -> tuple[bytes, bytes] | str:
-    """One request; ``(kind, payload)``, or ``"crash"`` / ``"hang"``."""
+def ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: float, *,
+        kinds: tuple[bytes, ...] = (b"K", b"R"), max_reply: int = _MAX_REPLY) -> tuple[bytes, bytes] | str:
+    """One framed request to a child process; ``(kind, payload)``, or ``"crash"`` / ``"hang"``.
+
+    An answer of another kind, or longer than ``max_reply``, counts as a crash: a child that
+    says something else is broken, whatever it runs.
+    """
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(_FRAME.pack(op, len(payload)) + payload)
@@ -246,8 +251,8 @@ def _ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: floa
         if kind:
             return kind, buf
         kind, n = _FRAME.unpack(buf)
-        if kind not in (b"K", b"R") or n > _MAX_REPLY:
-            return "crash"  # not our helper speaking: treat it as broken
+        if kind not in kinds or n > max_reply:
+            return "crash"
         if n == 0:
             return kind, b""
         buf, need = b"", n

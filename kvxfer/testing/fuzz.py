@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..deadlines import readable
-from ..prove import read_exact
+from ..prove import ask, read_exact
 from .mutate import mutate
 
 __all__ = ["Result", "run_backend", "run_campaign", "available", "main"]
@@ -126,32 +125,7 @@ class _Worker:
 
     def ask(self, op: bytes, payload: bytes, timeout: float) -> tuple[bytes, bytes] | str:
         """Send one request; ``(kind, payload)``, or ``"crash"``/``"hang"``."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(_FRAME.pack(op, len(payload)) + payload)
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            return "crash"
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        buf = b""
-        need = _FRAME.size
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not readable(fd, left):
-                return "hang"
-            chunk = os.read(fd, need - len(buf))
-            if not chunk:
-                return "crash"
-            buf += chunk
-            if len(buf) == need:
-                if need == _FRAME.size:
-                    kind, n = _FRAME.unpack(buf)
-                    if n == 0:
-                        return kind, b""
-                    need, head, buf = n, kind, b""
-                else:
-                    return head, buf
+        return ask(self.proc, op, payload, timeout, kinds=(b"S", b"A", b"T", b"U"), max_reply=1 << 24)
 
     def stop(self) -> str:
         """End the worker; returns how it ended (for crash reports)."""
