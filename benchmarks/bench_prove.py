@@ -6,7 +6,9 @@ Backend-level ``add_remote`` + ``remove_remote`` of a peer in another NIXL backe
 process, median and slowest of ``--repeat`` runs each:
 
 * ``off``: ``prove_metadata=False`` (the blob goes to this process's NIXL only);
-* ``first``: proving on, a blob the helper has not seen (the peer registers a new buffer in
+* ``signed``: the default ``prove_metadata="auto"`` on a backend whose agent verifies a
+  token (``peers_authenticated``): signed metadata is not proven;
+* ``first``: proving on (``True``, or ``"auto"`` without a token), a blob the helper has not seen (the peer registers a new buffer in
   place of its last before each run, so its metadata is new each time); helper running;
 * ``cached``: proving on, the same blob again (a digest look-up, no helper round trip);
 * ``helper start``: a fresh helper process (Python, NIXL import, agent), once per process
@@ -37,9 +39,10 @@ def main() -> None:
     handle = None
     peer = NixlBackend("bench-peer", prove_metadata=False)
     rows = []
-    for case in ("off", "first", "cached"):
-        me = NixlBackend(f"bench-{case}", prove_metadata=case != "off")
-        if me._prover is not None:
+    for case in ("off", "signed", "first", "cached"):
+        me = NixlBackend(f"bench-{case}", prove_metadata={"off": False, "signed": "auto"}.get(case, True))
+        me.peers_authenticated = case == "signed"  # what an Agent with a token sets
+        if me._proving():
             me._prover.start()  # measured separately below
         times = []
         for _ in range(args.repeat):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .deadlines import check_timeout
+from .deadlines import check_timeout, deadline_scope
 from .errors import (
     AgentClosedError,
     BackendError,
@@ -91,6 +91,7 @@ class Agent:
         self.backend_name = backend
         cls = get_backend_class(backend)
         self.backend: Backend = cls(name, **options)
+        self.backend.peers_authenticated = self._key is not None  # add_peer checks every tag first
         caps = self.backend.capabilities
         self._coalesce = (not caps.merges_runs and caps.cheap_prepare) if coalesce is None else bool(coalesce)
         self.spec: KVCacheSpec | None = None
@@ -177,8 +178,11 @@ class Agent:
                             self.spec).encode()
         return seal(raw, self._key) if self._key is not None else raw
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> str:
         """Add (or refresh) a peer from its metadata; returns its name.
+
+        ``timeout`` (default: the agent's) bounds the call, proving untrusted metadata in a
+        helper process included (:mod:`kvxfer.prove`).
 
         A newer generation of a known peer means it restarted: the old connection and
         every list prepared for it are dropped first. An older generation is refused. When
@@ -189,7 +193,8 @@ class Agent:
         """
         self._check_open()
         try:
-            return self._add_peer(metadata)
+            with deadline_scope(self.timeout if timeout is None else timeout):
+                return self._add_peer(metadata)
         except KvxferError:
             raise
         except Exception as exc:  # a transport's parser leaking its own exception on hostile bytes

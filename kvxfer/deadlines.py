@@ -8,12 +8,18 @@ message are the same everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import select
+import time
+from typing import Iterator
 
 from .errors import InvalidTimeoutError
 
-__all__ = ["check_timeout", "readable"]
+__all__ = ["check_timeout", "current_deadline", "deadline_scope", "readable"]
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvxfer_deadline", default=None)
 
 
 def check_timeout(timeout: object, what: str = "timeout") -> float:
@@ -35,3 +41,25 @@ def readable(fd: int, timeout: float) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     return bool(p.poll(max(0, int(timeout * 1000))))
+
+
+@contextlib.contextmanager
+def deadline_scope(seconds: float) -> Iterator[float]:
+    """Bound everything called inside to ``seconds`` from now (or an earlier enclosing bound).
+
+    How a caller's deadline reaches code behind a seam that takes none, such as a backend's
+    ``add_remote`` proving metadata (:mod:`kvxfer.prove`): the core sets it, whoever waits
+    reads :func:`current_deadline`. Yields the monotonic deadline in force.
+    """
+    mine = time.monotonic() + check_timeout(seconds, "deadline")
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(mine if outer is None else min(outer, mine))
+    try:
+        yield _DEADLINE.get()  # type: ignore[misc]
+    finally:
+        _DEADLINE.reset(token)
+
+
+def current_deadline() -> float | None:
+    """The monotonic time by which the current call must return (None: no caller set one)."""
+    return _DEADLINE.get()

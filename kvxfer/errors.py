@@ -20,6 +20,7 @@ __all__ = [
     "BlockCountMismatchError",
     "MetadataError",
     "MetadataCrashError",
+    "ProverUnavailableError",
     "UnknownPeerError",
     "StalePeerError",
     "PeerDisconnectedError",
@@ -100,6 +101,24 @@ class MetadataCrashError(MetadataError):
     The bytes never reached native code in this process. The peer's metadata is corrupt or
     hostile; a genuine peer's fresh metadata loads.
     """
+
+
+class ProverUnavailableError(KvxferError):
+    """Peer metadata could not be proven now, through no fault of its bytes; it was not loaded.
+
+    ``reason`` says which: ``"starved"`` or ``"stopped"`` (the helper was not given the CPU
+    time to answer before the caller's deadline), ``"ended"`` (killed from outside, twice),
+    ``"start_failed"`` (the helper does not start; it is retried with backoff), ``"busy"``
+    (every helper is proving other bytes) or ``"deadline"``. Nothing is remembered against
+    the bytes: the same metadata may be tried again.
+    """
+
+    def __init__(self, message: str, reason: str = "deadline") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.reason))
 
 
 class UnknownPeerError(KvxferError, KeyError):

@@ -2,38 +2,42 @@
 
 A backend hands some of a peer's bytes to native code that trusts them (a transport's
 connection info, remote keys). No Python parser can check the inside of those payloads, and
-a corrupt one can crash the process that loads it. A :class:`Prover` keeps a helper process
-that runs the same native call first; only bytes the helper survived are loaded here:
+a corrupt one can crash the process that loads it. A :class:`Prover` keeps helper processes
+that run the same native call first; only bytes a helper survived are loaded here:
 
-* the helper dies (a signal, an abort) or does not answer within ``timeout``:
-  :class:`~kvxfer.errors.MetadataCrashError`, and the bytes never reach native code here;
-* the native call refuses the bytes with an exception: :class:`~kvxfer.errors.MetadataError`
-  (loading them here would only fail, possibly half-way);
+* a helper dies of a native fault (SIGSEGV, SIGABRT, ...) while loading the bytes:
+  :class:`~kvxfer.errors.MetadataCrashError`, and the verdict is remembered;
+* it was *given* ``timeout`` seconds of CPU time and did not answer: the bytes hang native
+  code, :class:`~kvxfer.errors.MetadataCrashError` (not remembered);
+* native code refuses the bytes with an exception: :class:`~kvxfer.errors.MetadataError`;
 * it returns: the bytes are proven, and identical bytes are not proven again.
 
-The helper is started on first use or ahead of it (:meth:`Prover.start_soon`), restarted in
-the background after it dies (``python -m kvxfer.prove``, a fresh interpreter, never a
-fork of this process), and recycled every ``recycle_after`` probes so
-that whatever refused loads leave behind in it stays bounded. What it runs is named by an
-import path, ``"package.module:factory"``: ``factory(**options)`` returns a callable taking
-the bytes; options are JSON. Requests and answers are length-prefixed bytes on pipes, no
-pickle, each bounded. Verdicts are cached by SHA-256 digest (crashes too, so that a peer
-repeating a crashing blob does not cost a helper restart each time; timeouts are not cached).
+Anything that is not the bytes' doing is :class:`~kvxfer.errors.ProverUnavailableError` and
+blames nobody: a helper starved of CPU or stopped past the caller's deadline (its answer is
+still awaited in the background and remembered), a helper killed from outside (the probe is
+retried once in another helper), a helper that does not start (retried with backoff,
+counted in :func:`health`). How the helper's time and end are read is in
+:mod:`kvxfer._childproc`.
 
-The cost and the numbers behind the defaults are in BENCHMARKS.md; why a helper process and
-not only authentication is in docs/design.md (section 8, Trust).
+Probes of different bytes run in different helpers (``helpers`` at most, started on
+demand); callers proving the same bytes share one probe. Every wait is bounded by the
+caller's deadline (``deadline=``, else :func:`kvxfer.deadlines.current_deadline`, else
+``start_timeout + 2 * timeout``). Helpers are recycled every ``recycle_after`` probes or
+past ``max_descriptors`` open descriptors, so what refused loads leave behind stays bounded.
+
+What runs is named by an import path, ``"package.module:factory"``: ``factory(**options)``
+returns a callable taking the bytes; options are JSON. Which metadata needs proving at all
+(only unauthenticated metadata, by default) and the costs are in docs/design.md, section 8.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import hashlib
 import importlib
 import json
 import os
-import signal
-import struct
-import subprocess
 import sys
 import threading
 import time
@@ -41,28 +45,36 @@ import weakref
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping
 
-from .deadlines import check_timeout, readable
-from .errors import BackendError, MetadataCrashError, MetadataError
+from ._childproc import FRAME, MAX_REPLY, Child, Clock, ask, read_exact, unpin_self
+from .deadlines import check_timeout, current_deadline
+from .errors import MetadataCrashError, MetadataError, ProverUnavailableError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "main", "read_exact"]
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "health", "main", "read_exact"]
 
-#: Seconds one probe may take before the bytes count as hanging native code.
+#: Seconds of CPU time a probe may be given before the bytes count as hanging native code.
 DEFAULT_TIMEOUT = 30.0
-#: Seconds the helper may take to start (import, create its native agent).
+#: Seconds of CPU time the helper may be given to start (import, create its native agent).
 DEFAULT_START_TIMEOUT = 120.0
 #: The largest input a prover accepts (larger metadata is refused before it is sent).
 MAX_INPUT = 16 << 20
-_MAX_REPLY = 1 << 16
-_FRAME = struct.Struct("!cI")
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
 
 
+class _Pending:
+    """One probe in flight; callers proving the same bytes wait for its outcome."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None  # a verdict others may share (refusal, hang)
+        self.handed_off = False  # a background finisher awaits the answer and settles it
+
+
 class Prover:
-    """One helper process running ``target``'s probe; thread-safe, one probe at a time."""
+    """Helper processes running ``target``'s probe; thread-safe, different bytes in parallel."""
 
     def __init__(self, target: str, options: Mapping[str, Any] | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  start_timeout: float = DEFAULT_START_TIMEOUT, max_input: int = MAX_INPUT, cache_size: int = 4096,
-                 recycle_after: int = 1000, log: str | None = None) -> None:
+                 recycle_after: int = 1000, max_descriptors: int = 512, helpers: int = 2,
+                 start_backoff: tuple[float, float] = (1.0, 60.0), log: str | None = None) -> None:
         if ":" not in target:
             raise ValueError(f"target must be 'module:factory', got {target!r}")
         self.target = target
@@ -72,190 +84,315 @@ class Prover:
         self.max_input = int(max_input)
         self.cache_size = int(cache_size)
         self.recycle_after = max(1, int(recycle_after))
+        self.max_descriptors = max(16, int(max_descriptors))
+        self.helpers = max(1, int(helpers))
+        self.start_backoff = (check_timeout(start_backoff[0], "start backoff"),
+                              check_timeout(start_backoff[1], "start backoff"))
         self.log = log
-        #: started, proven, cached, refused, crashed, timed_out, died_idle
+        #: started, start_failures, proven, cached, refused, crashed, timed_out, late,
+        #: ended_outside, died_idle, recycled, unavailable
         self.stats: Counter[str] = Counter()
+        #: Why the last start failed (None once a helper started again).
+        self.last_start_error: str | None = None
+        self._cond = threading.Condition()
         self._cache: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> None (proven) or crash
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._probes = 0
+        self._inflight: dict[bytes, _Pending] = {}
+        self._idle: list[Child] = []
+        self._busy: set[Child] = set()
+        self._starting = 0
+        self._waiting = 0  # callers in _checkout
+        self._started: set[Child] = set()  # helpers still starting (close() ends them too)
+        self._epoch = 0  # close() ends every helper of earlier epochs as it comes back
+        self._backoff = 0.0
+        self._retry_at = 0.0
         _live.add(self)
 
     def __repr__(self) -> str:
-        return f"<Prover {self.target} pid={self._proc.pid if self._proc else None} {dict(self.stats)}>"
+        return f"<Prover {self.target} helpers={self.pids} {dict(self.stats)}>"
 
     # -- the one call ------------------------------------------------------------------
-    def prove(self, data: bytes, what: str = "peer metadata", key: bytes | None = None) -> None:
-        """Return once native code survived ``data`` in the helper; raise otherwise.
+    def prove(self, data: bytes, what: str = "peer metadata", key: bytes | None = None, *,
+              deadline: float | None = None) -> None:
+        """Return once native code survived ``data`` in a helper; raise otherwise.
 
         ``key``: what the cache remembers instead of ``data`` (for bytes that differ only in
         a part that cannot matter, such as a local name). ``what`` names the bytes in errors.
+        ``deadline``: a :func:`time.monotonic` time by which this call returns.
         """
         if not isinstance(data, (bytes, bytearray)) or len(data) > self.max_input:
             raise MetadataError(f"{what}: {len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__}"
                                 f" bytes cannot be proven (at most {self.max_input})")
         digest = hashlib.sha256(bytes(data if key is None else key)).digest()
-        with self._lock:
+        if deadline is None:
+            deadline = current_deadline()
+        if deadline is None:
+            deadline = time.monotonic() + self.start_timeout + 2 * self.timeout
+        with self._cond:
+            pending = self._await_same(digest, what, deadline)
+            if pending is None:
+                return
+        try:
+            self._probe(bytes(data), digest, what, deadline, pending)
+        except MetadataError as exc:
+            pending.error = exc
+            raise
+        finally:
+            if not pending.handed_off:
+                self._settle(digest, pending)
+
+    def _await_same(self, digest: bytes, what: str, deadline: float) -> _Pending | None:
+        """Under the lock: None if the verdict is known (raising it if bad), else our pending entry."""
+        while True:
             if digest in self._cache:
                 self._cache.move_to_end(digest)
                 self.stats["cached"] += 1
                 crash = self._cache[digest]
                 if crash is None:
-                    return
+                    return None
                 raise MetadataCrashError(f"{what} {crash} (seen before; not loaded)")
-            self._ensure()
-            assert self._proc is not None
-            self._probes += 1
-            got = ask(self._proc, b"P", bytes(data), self.timeout)
-            if isinstance(got, tuple) and got[0] == b"K":
-                self.stats["proven"] += 1
-                self._remember(digest, None)
-                if self._probes >= self.recycle_after:
-                    self._stop()
-                    self.start_soon()
-                return
-            if isinstance(got, tuple) and got[0] == b"R":
-                self.stats["refused"] += 1
-                raise MetadataError(f"{what} refused by native code (tried in a helper process, not loaded "
-                                    f"here): {got[1].decode('utf-8', 'replace')}")
-            ended = self._stop()
-            if got == "hang":
-                self.stats["timed_out"] += 1
-                self.start_soon()
-                raise MetadataCrashError(f"{what} hung the native code that loads it for {self.timeout:g} s in "
-                                         f"a helper process (pid {ended[0]}); not loaded here")
-            self.stats["crashed"] += 1
-            crash = f"crashed the native code that loads it, in a helper process (pid {ended[0]}, {ended[1]})"
-            self._remember(digest, crash)
-            self.start_soon()
-            raise MetadataCrashError(f"{what} {crash}; not loaded here")
+            other = self._inflight.get(digest)
+            if other is None:
+                mine = self._inflight[digest] = _Pending()
+                return mine
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stats["unavailable"] += 1
+                raise ProverUnavailableError(f"{what}: the same bytes are still being proven for another caller; "
+                                             "not loaded yet", "busy")
+            self._cond.wait(left)
+            if other.error is not None and self._inflight.get(digest) is not other:
+                raise copy.copy(other.error)
 
-    def start(self) -> None:
-        """Start the helper now rather than at the first :meth:`prove`."""
-        with self._lock:
-            self._ensure()
+    def _settle(self, digest: bytes, pending: _Pending) -> None:
+        with self._cond:
+            if self._inflight.get(digest) is pending:
+                del self._inflight[digest]
+            self._cond.notify_all()
+
+    def _probe(self, data: bytes, digest: bytes, what: str, deadline: float, pending: _Pending) -> None:
+        """Prove ``data`` (a late probe is handed to a background finisher, then raises)."""
+        for attempt in (1, 2):
+            child = self._checkout(what, deadline)
+            clock = Clock(child.pid)
+            got = child.reply(self.timeout, deadline, clock=clock) if child.send(b"P", data) else "crash"
+            if got == "late":
+                self.stats["late"] += 1
+                self.stats["unavailable"] += 1
+                pending.handed_off = True
+                threading.Thread(target=self._finish, args=(child, clock, digest, what, pending),
+                                 name="kvxfer-prover-finish", daemon=True).start()
+                reason = "stopped" if clock.stopped >= clock.starved else "starved"
+                raise ProverUnavailableError(
+                    f"{what}: the helper process proving it (pid {child.pid}) was {clock.why_late()} and given only "
+                    f"{clock.given:.1f} of {self.timeout:g} s before the caller's deadline; not loaded yet (its "
+                    "answer is still awaited and remembered)", reason)
+            if self._judge(child, clock, got, digest, what) != "ended":
+                return
+            if attempt == 2 or deadline - time.monotonic() <= 0:
+                self.stats["unavailable"] += 1
+                raise ProverUnavailableError(f"{what}: the helper process proving it was ended from outside "
+                                             f"({child.ended}), twice; not loaded", "ended")
+
+    def _judge(self, child: Child, clock: Clock, got: tuple[bytes, bytes] | str, digest: bytes, what: str) -> str:
+        """Act on one answer: record it, return the helper, raise for bad bytes; ``"ended"`` to retry."""
+        if isinstance(got, tuple) and got[0] == b"K":
+            self.stats["proven"] += 1
+            with self._cond:
+                self._remember(digest, None)
+            self._checkin(child)
+            return "proven"
+        if isinstance(got, tuple):
+            self.stats["refused"] += 1
+            self._checkin(child)
+            raise MetadataError(f"{what} refused by native code (tried in a helper process, not loaded "
+                                f"here): {got[1].decode('utf-8', 'replace')}")
+        how = child.end()
+        self._retire(child)
+        if got == "hang":
+            self.stats["timed_out"] += 1
+            raise MetadataCrashError(f"{what} hung the native code that loads it: a helper process (pid {child.pid}) "
+                                     f"was given {clock.given:.1f} s of CPU time and did not answer; not loaded here")
+        if child.faulted():
+            self.stats["crashed"] += 1
+            crash = f"crashed the native code that loads it, in a helper process (pid {child.pid}, {how})"
+            with self._cond:
+                self._remember(digest, crash)
+            raise MetadataCrashError(f"{what} {crash}; not loaded here")
+        self.stats["ended_outside"] += 1  # SIGKILL, SIGTERM, an exit: not the bytes' doing
+        return "ended"
+
+    def _finish(self, child: Child, clock: Clock, digest: bytes, what: str, pending: _Pending) -> None:
+        """Wait on for a late probe's answer, so that its verdict is remembered for the next caller."""
+        try:
+            got = child.reply(self.timeout, time.monotonic() + 4 * self.timeout, clock=clock)
+            if got == "late":
+                child.end()
+                self._retire(child)
+            elif self._judge(child, clock, got, digest, what) == "ended":
+                pass
+        except MetadataError as exc:
+            pending.error = exc
+        except Exception:  # pragma: no cover - a finisher must never raise into nothing
+            pass
+        finally:
+            self._settle(digest, pending)
+
+    def start(self, deadline: float | None = None) -> None:
+        """Have a helper ready now rather than at the first :meth:`prove`."""
+        d = deadline if deadline is not None else time.monotonic() + 2 * self.start_timeout
+        self._checkin(self._checkout("peer metadata", d), used=False)
 
     def start_soon(self) -> None:
-        """Start the helper from a background thread, so that the next probe finds it ready.
-
-        A failure to start is not lost: the next :meth:`prove` tries again and raises it.
-        """
-        def run() -> None:
-            try:
-                self.start()
-            except Exception:
-                pass
-
-        threading.Thread(target=run, name="kvxfer-prover-start", daemon=True).start()
+        """Start a helper in the background, so that the next probe finds it ready."""
+        with self._cond:
+            if not self._idle and not self._starting and len(self._busy) < self.helpers \
+                    and time.monotonic() >= self._retry_at:
+                self._spawn()
 
     def close(self) -> None:
-        """Stop the helper; a later :meth:`prove` starts a new one."""
-        with self._lock:
-            self._stop()
+        """Stop the helpers; a later :meth:`prove` starts new ones."""
+        with self._cond:
+            self._epoch += 1
+            idle, self._idle = [*self._idle, *self._started], []
+        for c in idle:
+            c.end()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running helpers, idle and busy."""
+        with self._cond:
+            return [c.pid for c in [*self._idle, *self._busy] if c.alive()]
 
     @property
     def pid(self) -> int | None:
-        """The helper's process id, while it runs."""
-        p = self._proc
-        return p.pid if p is not None and p.poll() is None else None
+        """A running helper's process id (the first), or None."""
+        pids = self.pids
+        return pids[0] if pids else None
 
-    # -- the helper's lifetime -----------------------------------------------------------
+    # -- the helpers' lifetime ---------------------------------------------------------
     def _remember(self, digest: bytes, verdict: str | None) -> None:
         self._cache[digest] = verdict
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
-    def _ensure(self) -> None:
-        if self._proc is not None and self._proc.poll() is not None:
-            self.stats["died_idle"] += 1  # not blamed on anyone: it died between probes
-            self._stop()
-        if self._proc is not None:
-            return
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
-        err = open(self.log, "ab") if self.log else subprocess.DEVNULL
+    def _checkout(self, what: str, deadline: float) -> Child:
+        with self._cond:
+            self._waiting += 1
+            try:
+                return self._checkout_locked(what, deadline)
+            finally:
+                self._waiting -= 1
+
+    def _checkout_locked(self, what: str, deadline: float) -> Child:
+        """A free helper; a new one only if fewer are starting than callers wait."""
+        while True:
+            while self._idle:
+                c = self._idle.pop()
+                if c.alive():
+                    self._busy.add(c)
+                    return c
+                self.stats["died_idle"] += 1  # not blamed on anyone: it died between probes
+                c.end()
+            now = time.monotonic()
+            if len(self._busy) + self._starting < self.helpers:
+                if now >= self._retry_at:
+                    if self._starting < self._waiting:
+                        self._spawn()
+                elif not self._starting and not self._busy:
+                    self.stats["unavailable"] += 1
+                    raise ProverUnavailableError(
+                        f"{what}: the helper process that proves it ({self.target}) did not start "
+                        f"({self.last_start_error}); tried again in {self._retry_at - now:.1f} s; not loaded",
+                        "start_failed")
+            left = deadline - now
+            if left <= 0:
+                self.stats["unavailable"] += 1
+                why = "still starting" if self._starting else f"all {self.helpers} busy proving other bytes"
+                raise ProverUnavailableError(f"{what}: no helper process free before the caller's deadline "
+                                             f"(helpers {why}); not loaded", "busy" if self._busy else "deadline")
+            self._cond.wait(min(left, max(0.01, self._retry_at - now)) if now < self._retry_at else left)
+
+    def _checkin(self, child: Child, used: bool = True) -> None:
+        """A helper that answered goes back to the pool, or is recycled."""
+        child.uses += int(used)
+        with self._cond:
+            self._busy.discard(child)
+            keep = (child.epoch == self._epoch and child.uses < self.recycle_after
+                    and child.descriptors() < self.max_descriptors)
+            if keep:
+                self._idle.append(child)
+            self._cond.notify_all()
+        if not keep:
+            self.stats["recycled"] += 1
+            child.end()
+            self.start_soon()
+
+    def _retire(self, child: Child) -> None:
+        with self._cond:
+            self._busy.discard(child)
+            self._cond.notify_all()
+        self.start_soon()
+
+    def _spawn(self) -> None:
+        """Under the lock: start one helper from a background thread (its start outlives callers)."""
+        self._starting += 1
+        threading.Thread(target=self._start_one, args=(self._epoch,), name="kvxfer-prover-start", daemon=True).start()
+
+    def _start_one(self, epoch: int) -> None:
+        child: Child | None = None
+        why = ""
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "kvxfer.prove", self.target], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=err, env=env)
-        except OSError as exc:
-            raise BackendError(f"could not start the helper process that proves peer metadata: {exc}") from exc
-        finally:
-            if self.log:
-                err.close()  # type: ignore[union-attr]
-        try:
-            got = ask(proc, b"I", self.options, self.start_timeout)
-        except BaseException:
-            _end(proc)  # never leave a helper behind that nothing refers to
-            raise
-        if not (isinstance(got, tuple) and got[0] == b"K"):
-            why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else {"crash": "it died", "hang": "no answer"}[got]
-            _end(proc)
-            raise BackendError(f"the helper process that proves peer metadata ({self.target}) did not start: {why}")
-        self._proc, self._probes = proc, 0
-        self.stats["started"] += 1
-
-    def _stop(self) -> tuple[int | None, str]:
-        proc, self._proc = self._proc, None
-        return (proc.pid, _end(proc)) if proc is not None else (None, "not running")
-
-
-def _end(proc: subprocess.Popen[bytes]) -> str:
-    """Stop ``proc`` (EOF first, then a kill) and say how it ended."""
-    if proc.poll() is None:
-        try:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=2.0)
-        except Exception:
-            proc.kill()
-    rc = proc.wait()
-    for f in (proc.stdin, proc.stdout):
-        try:
-            if f:
-                f.close()
-        except OSError:
-            pass
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"exit status {rc}"
+            child = Child("kvxfer.prove", [self.target], log=self.log)
+            child.epoch = epoch
+            with self._cond:
+                self._started.add(child)
+            got = child.reply(self.start_timeout, time.monotonic() + 4 * self.start_timeout) \
+                if child.send(b"I", self.options) else "crash"
+            if isinstance(got, tuple) and got[0] == b"K":
+                with self._cond:
+                    self._started.discard(child)
+                    self._starting -= 1
+                    current = child.epoch == self._epoch
+                    if current:
+                        self._idle.append(child)
+                        self.stats["started"] += 1
+                        self._backoff, self.last_start_error = 0.0, None
+                    self._cond.notify_all()
+                if not current:  # close() was called while it started
+                    child.end()
+                return
+            why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else \
+                {"crash": "it died", "hang": f"no answer after {self.start_timeout:g} s of CPU time",
+                 "late": "no answer (starved or stopped)"}[got]
+        except Exception as exc:  # OSError from Popen, or anything else: counted, never lost
+            why = f"{type(exc).__name__}: {exc}"
+        if child is not None:
+            why = f"{why} ({child.end()})"
+        with self._cond:
+            if child is not None:
+                self._started.discard(child)
+            self._starting -= 1
+            self.stats["start_failures"] += 1
+            self.last_start_error = why
+            self._backoff = min(max(self.start_backoff[0], 2 * self._backoff), self.start_backoff[1])
+            self._retry_at = time.monotonic() + self._backoff
+            self._cond.notify_all()
 
 
-def ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: float, *,
-        kinds: tuple[bytes, ...] = (b"K", b"R"), max_reply: int = _MAX_REPLY) -> tuple[bytes, bytes] | str:
-    """One framed request to a child process; ``(kind, payload)``, or ``"crash"`` / ``"hang"``.
+def health() -> dict[str, Any]:
+    """Counters of every live prover in this process, summed, and the helpers running.
 
-    An answer of another kind, or longer than ``max_reply``, counts as a crash: a child that
-    says something else is broken, whatever it runs.
+    What an operator watches (``kvxfer doctor``, the vLLM connector's metrics): a non-zero
+    ``start_failures`` or ``unavailable`` means peers were refused for want of a helper.
     """
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        proc.stdin.write(_FRAME.pack(op, len(payload)) + payload)
-        proc.stdin.flush()
-    except (BrokenPipeError, OSError):
-        return "crash"
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    buf, need, kind = b"", _FRAME.size, b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not readable(fd, left):
-            return "hang"
-        chunk = os.read(fd, need - len(buf))
-        if not chunk:
-            return "crash"
-        buf += chunk
-        if len(buf) < need:
-            continue
-        if kind:
-            return kind, buf
-        kind, n = _FRAME.unpack(buf)
-        if kind not in kinds or n > max_reply:
-            return "crash"
-        if n == 0:
-            return kind, b""
-        buf, need = b"", n
+    total: Counter[str] = Counter()
+    out: dict[str, Any] = {"helpers": 0, "last_start_error": None}
+    for p in list(_live):
+        total.update(p.stats)
+        out["helpers"] += len(p.pids)
+        out["last_start_error"] = out["last_start_error"] or p.last_start_error
+    out.update(total)
+    return out
 
 
 @atexit.register
@@ -268,37 +405,27 @@ def _stop_all() -> None:
 
 
 # -- the helper (runs in the child) ---------------------------------------------------------------
-def read_exact(f: Any, n: int) -> bytes | None:
-    """``n`` bytes from a pipe, or None at EOF (the other side ended or died)."""
-    buf = b""
-    while len(buf) < n:
-        chunk = f.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
-
-
 def _serve(target: str) -> int:
     """Answer probe requests until stdin closes; native output goes to stderr, never the pipe.
 
     Stdin closes when the parent ends it or dies; the caller then leaves with ``os._exit``,
     since native teardown of what a probe loaded can hang and would leave the helper behind.
     """
+    unpin_self()  # before any native thread exists: they inherit this thread's affinity
     proto = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     inbox = os.fdopen(os.dup(0), "rb", buffering=0)
 
     def send(kind: bytes, text: str = "") -> None:
-        raw = text.encode("utf-8", "replace")[:_MAX_REPLY]
-        proto.write(_FRAME.pack(kind, len(raw)) + raw)
+        raw = text.encode("utf-8", "replace")[:MAX_REPLY]
+        proto.write(FRAME.pack(kind, len(raw)) + raw)
 
     probe: Callable[[bytes], object] | None = None
     while True:
-        head = read_exact(inbox, _FRAME.size)
+        head = read_exact(inbox, FRAME.size)
         if head is None:
             return 0
-        op, n = _FRAME.unpack(head)
+        op, n = FRAME.unpack(head)
         if n > MAX_INPUT:
             return 2
         data = read_exact(inbox, n)

@@ -295,11 +295,23 @@ def test_doctor_json_and_a_failing_peer() -> None:
     for name in ("nixl", "ucx", "cuda", "cuda_ipc", "cpus", "progress thread", "side channel", "peer"):
         assert name in checks, sorted(checks)
     assert checks["side channel"]["status"] == "ok"
+    if "metadata prover" in checks:  # NIXL is installed: its helper starts on this machine
+        assert checks["metadata prover"]["status"] == "ok", checks["metadata prover"]
     assert checks["peer"]["status"] == "fail" and "MetadataServer" in checks["peer"]["fix"]
     for c in checks.values():
         assert c["status"] in ("ok", "warn", "fail", "info")
         if c["status"] in ("warn", "fail"):
             assert c["fix"], c
+
+
+def test_doctor_names_a_prover_that_does_not_start() -> None:
+    """The check above reads ok; here the helper's target is missing, and doctor says so with a fix."""
+    from kvxfer.cli.doctor import check_prover
+
+    (c,) = check_prover("kvxfer.testing.no_such_module:factory", {})
+    assert c.status == "fail" and "no_such_module" in c.detail and "KVXFER_PROVE_LOG" in (c.fix or "")
+    (ok,) = check_prover("kvxfer.testing.probes:make_probe", {"log": os.devnull})
+    assert ok.status == "ok", ok
 
 
 def test_doctor_table() -> None:

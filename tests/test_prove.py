@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from kvxfer.errors import BackendError, InvalidTimeoutError, MetadataCrashError, MetadataError
+from kvxfer.errors import InvalidTimeoutError, MetadataCrashError, MetadataError, ProverUnavailableError
 from kvxfer.prove import Prover
 
 pytestmark = pytest.mark.multiprocess
@@ -112,8 +112,9 @@ def test_oversized_and_non_bytes_inputs_never_reach_the_helper(tmp_path: Path) -
 
 def test_a_helper_that_cannot_start_is_a_typed_error(tmp_path: Path) -> None:
     p = Prover("kvxfer.testing.no_such_module:factory", start_timeout=120.0)
-    with pytest.raises(BackendError, match="did not start.*no_such_module"):
+    with pytest.raises(ProverUnavailableError, match="did not start.*no_such_module") as info:
         p.prove(b"genuine")
+    assert info.value.reason == "start_failed" and p.stats["start_failures"] == 1
     for bad in (float("nan"), 0, -1.0):
         with pytest.raises(InvalidTimeoutError):
             Prover(TARGET, timeout=bad)

@@ -114,6 +114,42 @@ def check_nixl() -> list[Check]:
                                 f"plugins {', '.join(data['plugins'])}")]
 
 
+_PROVER_PROBE = """
+import json, time
+from kvxfer import prove
+p = prove.Prover({target!r}, {options!r}, start_backoff=(0.01, 0.01))
+t, err = time.monotonic(), None
+try:
+    p.start(deadline=time.monotonic() + {seconds!r})
+except Exception as exc:
+    err = f"{{type(exc).__name__}}: {{exc}}"
+print({mark!r} + json.dumps({{"seconds": time.monotonic() - t, "error": err, "health": prove.health()}}))
+"""
+
+
+def check_prover(target: str = "kvxfer_nixl._helper:make_probe", options: dict[str, Any] | None = None) -> list[Check]:
+    """Whether the helper that proves unauthenticated NIXL metadata starts here, and how fast.
+
+    A helper that cannot start refuses every ``NO_AUTH`` peer (signed peers are not proven);
+    engines count it as ``vllm:kvxfer_prover_start_failures`` (docs/design.md, section 8).
+    """
+    import importlib.util
+
+    if target.startswith("kvxfer_nixl") and importlib.util.find_spec("nixl") is None:
+        return []
+    code = _PROVER_PROBE.format(target=target, options=options or {"backends": ["UCX"]}, seconds=PROBE_TIMEOUT - 10,
+                                mark=MARK)
+    data, err = _probe(code, {"NIXL_LOG_LEVEL": "ERROR"})
+    err = err if data is None else data["error"]
+    if err:
+        return [Check("metadata prover", "fail", f"its helper process does not start: {err}; unauthenticated "
+                      "(token=NO_AUTH) peers are refused until it does",
+                      "set KVXFER_PROVE_LOG=/tmp/kvxfer-prove.log and read the helper's errors there")]
+    assert data is not None
+    return [Check("metadata prover", "ok", f"a helper starts in {data['seconds']:.1f} s (used for unauthenticated "
+                                          "metadata only; signed peers are not proven)")]
+
+
 def _ucx_info() -> tuple[str | None, dict[str, str]]:
     """The ``ucx_info`` matching the libucp kvxfer would load, and the environment it needs."""
     try:
@@ -307,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import __version__
 
     checks = [Check("kvxfer", "info", f"kvxfer {__version__}, Python {sys.version.split()[0]} at {sys.executable}")]
-    checks += check_plugins() + check_nixl()
+    checks += check_plugins() + check_nixl() + check_prover()
     cuda, gpus = check_cuda()
     checks += check_ucx(gpus) + cuda + check_cpus() + check_ptrace() + check_sidechannel(listen, peer, args.token)
     failed = any(c.status == "fail" for c in checks)

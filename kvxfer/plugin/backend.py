@@ -48,6 +48,12 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
     capabilities: Capabilities = Capabilities()
+    #: Set by the core before the first :meth:`add_remote`: True when every blob this
+    #: backend is given has passed the agent token's HMAC check, so it comes from a token
+    #: holder; False for metadata nobody authenticated (``token=NO_AUTH``, or a backend
+    #: used without an agent). A backend may spend less care on authenticated blobs (NIXL
+    #: proves only unauthenticated ones); it must never spend more trust on unauthenticated.
+    peers_authenticated: bool = False
 
     def __init__(self, agent_name: str, /, **options: Any) -> None:
         """Subclasses take their options keyword-only: ``def __init__(self, agent_name, *, opt=...)``."""

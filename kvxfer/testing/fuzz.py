@@ -70,6 +70,7 @@ class Result:
 
 
 # -- the worker (runs in the subprocess) ----------------------------------------------------------
+_ADD_TIMEOUT = 90.0  # seconds for one add_peer, below the campaign's 120 s per input in CI
 def _worker(backend: str) -> int:
     """Answer seed and mutant requests on the original stdout; native chatter goes to stderr."""
     import faulthandler
@@ -87,7 +88,9 @@ def _worker(backend: str) -> int:
     seed = Agent("seed", backend=backend, timeout=5)
     victim.register({"kv": caches[0]}, replicated=True)
     seed.register({"kv": caches[1]}, replicated=True)
-    victim.remove_peer(victim.add_peer(seed.metadata()))  # the unmutated seed must be accepted
+    # The unmutated seed must be accepted. add_peer gets more time than the agents' transfers:
+    # on a loaded machine, a prover's helper (re)start alone can take tens of seconds.
+    victim.remove_peer(victim.add_peer(seed.metadata(), timeout=_ADD_TIMEOUT))
 
     def send(kind: bytes, payload: bytes) -> None:
         proto.write(_FRAME.pack(kind, len(payload)) + payload)
@@ -102,7 +105,7 @@ def _worker(backend: str) -> int:
             send(b"S", seed.metadata())
             continue
         try:
-            name = victim.add_peer(data)
+            name = victim.add_peer(data, timeout=_ADD_TIMEOUT)
             try:
                 victim.plan(name, [0, 7], [7, 0])  # the core must cope with what it accepted
             except KvxferError:

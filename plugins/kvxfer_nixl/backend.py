@@ -70,11 +70,13 @@ class NixlBackend(Notifications, Backend):
     ``request_descriptors`` (default :data:`DEFAULT_REQUEST_DESCRIPTORS`)
         the most descriptors one NIXL request carries; larger posts go out piece by piece
         from ``poll`` (see :mod:`kvxfer_nixl._xfer`).
-    ``prove_metadata`` (default True), ``prove_timeout`` (default 30 s)
-        load each new peer blob in a helper process first (:mod:`kvxfer_nixl._probe`): a blob
+    ``prove_metadata`` (default ``"auto"``), ``prove_timeout`` (default 30 s of CPU time)
+        load a new peer blob in a helper process first (:mod:`kvxfer_nixl._probe`): a blob
         that crashes or hangs NIXL there is refused with
-        :class:`~kvxfer.errors.MetadataCrashError` and never loaded here. Turn it off only
-        for metadata from authenticated, trusted peers (README: Untrusted metadata).
+        :class:`~kvxfer.errors.MetadataCrashError` and never loaded here. ``"auto"`` proves
+        only unauthenticated metadata (an agent with ``token=NO_AUTH``): a signed blob comes
+        from a token holder, who could send bad KV anyway (docs/design.md, section 8).
+        ``True`` proves every blob, ``False`` none.
     """
 
     name = "nixl"
@@ -82,19 +84,22 @@ class NixlBackend(Notifications, Backend):
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
                  device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
-                 request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool = True,
+                 request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
                  prove_timeout: float = 30.0) -> None:
         super().__init__(agent_name)
         # The core device path (its state; DeviceCopies below is its entry in the table of paths).
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
+        if prove_metadata not in (True, False, "auto"):
+            raise BackendError(f"prove_metadata must be True, False or 'auto', got {prove_metadata!r}")
+        self._prove_all = prove_metadata is True
         self._prover = _probe.prover(dict(
             progress_thread=self._progress_thread, backends=list(self._backends), num_threads=int(num_threads),
             device_copy=bool(device_copy), device_engine=device_engine, device_copy_on=device_copy_on,
             notify_thread=bool(notify_thread)),
             prove_timeout) if prove_metadata else None
-        if self._prover is not None:
+        if self._prove_all:
             self._prover.start_soon()  # most of its cost (importing NIXL) is paid before the first add_remote
         self._notify_thread = bool(notify_thread)
         self.capabilities = Capabilities(
@@ -146,6 +151,10 @@ class NixlBackend(Notifications, Backend):
         return (f"<NixlBackend {self.agent_name!r} progress_thread={self._progress_thread} "
                 f"peers={sorted(self._remotes)}>")
 
+    def _proving(self) -> bool:
+        """Whether a new blob is loaded in a helper first (``prove_metadata``, and who signed it)."""
+        return self._prover is not None and (self._prove_all or not self.peers_authenticated)
+
     # -- memory -------------------------------------------------------------------------
     def register(self, allocations: Sequence[Allocation]) -> Registration:
         """Register every allocation once (one NIXL call per memory kind), then with the device path."""
@@ -163,6 +172,8 @@ class NixlBackend(Notifications, Backend):
         handle = Registration(lists, allocs, token)
         self._registrations.append(handle)
         self._registered_changed()
+        if self._proving():
+            self._prover.start_soon()  # peers come after registration: have a helper ready for them
         return handle
 
     def deregister(self, handle: Any) -> None:
@@ -211,7 +222,7 @@ class NixlBackend(Notifications, Backend):
         try:
             parsed = _blob.parse(blob, peer_name, self._backends)
             memory = SpanIndex(parsed.allocations())  # spans already checked by parse()
-            if self._prover is not None:  # MetadataError (or MetadataCrashError) unless the helper survives it
+            if self._proving():  # MetadataError (or MetadataCrashError) unless the helper survives it
                 self._prover.prove(_probe.request(peer_name, blob), f"NIXL metadata of {peer_name!r}")
             self._loads += 1
             alias = f"{peer_name}#{self._loads}"

@@ -15,12 +15,16 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["KvxferConnectorStats", "KvxferPromMetrics", "PER_TRANSFER", "COUNTS"]
+__all__ = ["KvxferConnectorStats", "KvxferPromMetrics", "PER_TRANSFER", "COUNTS", "PROVER_COUNTS"]
 
 #: One entry per completed load.
 PER_TRANSFER = ("transfer_seconds", "plan_seconds", "bytes", "descriptors", "runs", "posts", "tokens")
 #: One entry (a count) per event.
-COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends")
+#: What the metadata prover counts (:func:`kvxfer.prove.health`) that an operator must see:
+#: helpers that would not start, and peers refused for want of one.
+PROVER_COUNTS = ("start_failures", "unavailable")
+COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends",
+          *(f"prover_{k}" for k in PROVER_COUNTS))
 
 
 @dataclass
@@ -111,6 +115,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             "handshake_failures": counter("vllm:kvxfer_handshake_failures", "Side-channel fetches that failed"),
             "sends_done": counter("vllm:kvxfer_sends_done", "Prefill requests whose blocks decode released"),
             "expired_sends": counter("vllm:kvxfer_expired_sends", "Prefill requests freed after the lease expired"),
+            "prover_start_failures": counter("vllm:kvxfer_prover_start_failures",
+                                             "Metadata-prover helper processes that failed to start (retried)"),
+            "prover_unavailable": counter("vllm:kvxfer_prover_unavailable",
+                                          "Peer metadata not loaded because no prover helper could answer in time"),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import kvxfer
+from kvxfer import prove
 from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
 from kvxfer.progress import Pump
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
@@ -34,7 +35,7 @@ from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
 from .registration import describe_spec, discovered_spec, spec_from_vllm
-from .stats import KvxferConnectorStats
+from .stats import PROVER_COUNTS, KvxferConnectorStats
 
 __all__ = ["WorkerSide", "agent_name"]
 
@@ -97,6 +98,7 @@ class WorkerSide:
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pump: Pump[str] | None = None
+        self._prover_seen: dict[str, int] = {}
         # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
         self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
 
@@ -183,7 +185,7 @@ class WorkerSide:
         except KvxferError:
             self.stats.count("handshake_failures")
             raise
-        name = self.agent.add_peer(md)
+        name = self.agent.add_peer(md, timeout=self.cfg.handshake_timeout)
         if name != agent_name(r.engine_id, self.rank):
             raise MetadataError(f"{r.host}:{r.port + self.rank} serves agent {name!r}, not prefill engine "
                                 f"{r.engine_id!r} rank {self.rank}")
@@ -277,7 +279,17 @@ class WorkerSide:
         return out
 
     def take_stats(self) -> KvxferConnectorStats | None:
+        self._count_prover()
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def _count_prover(self) -> None:
+        """What the metadata prover saw since the last look, as counters (kvxfer.prove.health)."""
+        now = prove.health()
+        for key in PROVER_COUNTS:
+            grown = int(now.get(key, 0)) - self._prover_seen.get(key, 0)
+            if grown > 0:
+                self.stats.count(f"prover_{key}", grown)
+            self._prover_seen[key] = int(now.get(key, 0))
 
     def close(self) -> None:
         if self._pump is not None:
