@@ -181,8 +181,8 @@ class Agent:
     def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> str:
         """Add (or refresh) a peer from its metadata; returns its name.
 
-        ``timeout`` (default: the agent's) bounds the call, proving untrusted metadata in a
-        helper process included (:mod:`kvxfer.prove`).
+        ``timeout`` bounds the call, proving untrusted metadata in a helper process included
+        (:mod:`kvxfer.prove`); without one, the prover's own bound applies.
 
         A newer generation of a known peer means it restarted: the old connection and
         every list prepared for it are dropped first. An older generation is refused. When
@@ -193,7 +193,9 @@ class Agent:
         """
         self._check_open()
         try:
-            with deadline_scope(self.timeout if timeout is None else timeout):
+            if timeout is None:
+                return self._add_peer(metadata)
+            with deadline_scope(timeout):
                 return self._add_peer(metadata)
         except KvxferError:
             raise
