@@ -44,7 +44,11 @@ _TICK = 0.05
 
 
 def _run_delay(pid: int) -> float | None:
-    """Seconds ``pid``'s threads have spent runnable but not running, summed; None if unknown."""
+    """Seconds the most-delayed of ``pid``'s threads has spent runnable but not running.
+
+    The most-delayed thread, not the sum: a probe waits on whichever thread does its work,
+    and a sum over several runnable threads would outgrow the wall clock. None if unknown.
+    """
     total, seen = 0, False
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -53,7 +57,7 @@ def _run_delay(pid: int) -> float | None:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total += int(f.read().split()[1])
+                total = max(total, int(f.read().split()[1]))
                 seen = True
         except (OSError, IndexError, ValueError):
             continue
