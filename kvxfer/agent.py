@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .deadlines import check_timeout, deadline_scope
+from .fdlimit import limit_error, raise_soft_limit
 from .errors import (
     AgentClosedError,
     BackendError,
@@ -90,6 +91,7 @@ class Agent:
         self.generation = _new_generation()
         self.backend_name = backend
         cls = get_backend_class(backend)
+        raise_soft_limit()  # transports hold descriptors per peer; once per process
         self.backend: Backend = cls(name, **options)
         self.backend.peers_authenticated = self._key is not None  # add_peer checks every tag first
         caps = self.backend.capabilities
@@ -223,8 +225,11 @@ class Agent:
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
         try:
             key = self.backend.add_remote(md.name, md.blob)
-        except BaseException:
+        except BaseException as exc:
             self._forget_remote(md.name)  # whatever the backend half-built under that name
+            ran_out = limit_error(f"adding peer {md.name!r}") if isinstance(exc, Exception) else None
+            if ran_out is not None:  # the transport's own error would blame the peer
+                raise ran_out from exc
             raise
         if not isinstance(key, str) or not key:
             self._forget_remote(key if isinstance(key, str) and key else md.name)

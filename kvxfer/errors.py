@@ -28,6 +28,7 @@ __all__ = [
     "TransferCancelledError",
     "BackendError",
     "OutOfRegistrationError",
+    "DescriptorLimitError",
     "BackendUnavailableError",
     "UnknownBackendError",
     "UnsupportedError",
@@ -150,6 +151,17 @@ class BackendError(KvxferError):
 
 class OutOfRegistrationError(BackendError):
     """A descriptor leaves the memory registered for it (a corrupt plan, or a hostile peer)."""
+
+
+class DescriptorLimitError(BackendError):
+    """The process ran out of file descriptors (``open`` of ``limit``), not the peer's fault."""
+
+    def __init__(self, message: str, open_: int = 0, limit: int = 0) -> None:
+        super().__init__(message)
+        self.open, self.limit = open_, limit
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.open, self.limit))
 
 
 class BackendUnavailableError(KvxferError, ImportError):
