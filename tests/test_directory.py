@@ -398,6 +398,34 @@ def test_tracker_follows_restart_and_departure_with_real_bytes(stores: Stores) -
         dec.close()
 
 
+def test_a_forged_generation_does_not_lock_a_worker_out(stores: Stores) -> None:
+    """One unauthenticated write with generation 2**63-1 once refused every later genuine
+    record as older (``StalePeerError``); the directory's current view now wins."""
+    (p, pc), (dec, dc) = loopback_agent("p0", seed=31), loopback_agent("d0", seed=None)
+    try:
+        pub = stores.directory()
+        (entry,) = [pub.publish(p, "prefill")]
+        tracker = PeerTracker(dec, stores.directory(), role="prefill")
+        assert tracker.sync().added == ["p0"]
+        genuine = p.metadata()
+        forged = genuine.replace(f'"generation":{p.generation},'.encode(), f'"generation":{2**63 - 1},'.encode())
+        assert forged != genuine
+        stores.write_raw(entry.key, encode_value(entry.key, forged, None))
+        wait_until(lambda: tracker.wait_changed(0.05) and
+                   tracker.directory.snapshot(role="prefill")[0].generation == 2**63 - 1, what="forgery seen")
+        tracker.sync()
+        assert dec.peers["p0"].generation == 2**63 - 1  # unauthenticated: the forgery is believed, for now
+        pub.publish(p, "prefill")  # the genuine worker publishes again
+        wait_until(lambda: tracker.wait_changed(0.05) and
+                   tracker.directory.snapshot(role="prefill")[0].generation == p.generation, what="republish seen")
+        r = tracker.sync()
+        assert r.refreshed == ["p0"] and not r.failed and dec.peers["p0"].generation == p.generation
+        check_read(dec, dc, "p0", pc, [0, 3], [6, 1])
+    finally:
+        p.close()
+        dec.close()
+
+
 def test_tracker_isolates_a_peer_that_cannot_be_added(stores: Stores) -> None:
     (p, _), (dec, _) = loopback_agent("p0", seed=1), loopback_agent("d0", seed=None)
     other = Agent("p1", backend="loopback")  # a different spec is fine; a different backend is not

@@ -94,6 +94,15 @@ class PeerTracker:
                 continue  # added by someone else: not ours to replace
             if self._failed.get(name) == e.generation:
                 continue  # this generation was refused already; a restart gets a new chance
+            if peer is not None and e.generation < peer.generation:
+                # The directory lists an *older* generation than the agent holds: what the agent
+                # holds was overwritten (a forged record with a huge generation, say, before the
+                # genuine worker published again). The directory's current view wins; otherwise
+                # one write would lock the worker out for good (StalePeerError on each record).
+                try:
+                    self.agent.remove_peer(name)
+                except KvxferError as exc:
+                    log.warning("dropping peer %s before re-adding an older generation: %s", name, exc)
             try:
                 self.agent.add_peer(e.metadata)
             except KvxferError as exc:  # one bad record must not keep the others out
