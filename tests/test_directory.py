@@ -72,6 +72,12 @@ class Stores:
             host, port = (self.url or "").split("://")[1].rsplit(":", 1)
             Etcd3Client(host=host, port=int(port), api_path="/v3/", timeout=5).put(key, value)
 
+    def write_leased(self, key: str, value: bytes, ttl: int = 30) -> None:
+        """Store any bytes under a live lease of their own: what a writer with store access can do."""
+        d = self.directory()
+        deadline = time.monotonic() + 10
+        d.store.put(key, value, d.store.grant(ttl, deadline), deadline)
+
     def close(self) -> None:
         for d in self.made:
             d.close()
@@ -334,12 +340,12 @@ def test_invalid_records_are_skipped_and_overwrites_count_as_departure(stores: S
         d.publish(p, "prefill")
         d.publish(q, "prefill", tp_rank=1)
         wait_until(lambda: len(events) == 2, what="two added")
-        c = stores.cluster
-        stores.write_raw(f"kvxfer/v1/{c}/prefill/tp0-pp0/ghost", b"not metadata")
-        stores.write_raw(f"kvxfer/v1/{c}/prefill/tp0-pp0/ghost2",  # p0's metadata under another name
+        c = stores.cluster  # written under live leases: a leaseless record is not even read
+        stores.write_leased(f"kvxfer/v1/{c}/prefill/tp0-pp0/ghost", b"not metadata")
+        stores.write_leased(f"kvxfer/v1/{c}/prefill/tp0-pp0/ghost2",  # p0's metadata under another name
                          encode_value(f"kvxfer/v1/{c}/prefill/tp0-pp0/ghost2", p.metadata(), None))
-        stores.write_raw(f"kvxfer/v1/{c}/prefill/tp0/bad-shape", encode_value("x", p.metadata(), None))
-        stores.write_raw(f"kvxfer/v1/{c}/prefill/tp1-pp0/p1", b"\x00" * 64)  # q's record overwritten with junk
+        stores.write_leased(f"kvxfer/v1/{c}/prefill/tp0/bad-shape", encode_value("x", p.metadata(), None))
+        stores.write_leased(f"kvxfer/v1/{c}/prefill/tp1-pp0/p1", b"\x00" * 64)  # q's record overwritten with junk
         wait_until(lambda: len(events) == 3, what="removed after overwrite")
         assert (events[2].kind, events[2].entry.name) == ("removed", "p1")
         assert [e.name for e in stores.directory().entries()] == ["p0"]
@@ -410,7 +416,7 @@ def test_a_forged_generation_does_not_lock_a_worker_out(stores: Stores) -> None:
         genuine = p.metadata()
         forged = genuine.replace(f'"generation":{p.generation},'.encode(), f'"generation":{2**63 - 1},'.encode())
         assert forged != genuine
-        stores.write_raw(entry.key, encode_value(entry.key, forged, None))
+        stores.write_leased(entry.key, encode_value(entry.key, forged, None))
         wait_until(lambda: tracker.wait_changed(0.05) and
                    tracker.directory.snapshot(role="prefill")[0].generation == 2**63 - 1, what="forgery seen")
         tracker.sync()
@@ -424,6 +430,28 @@ def test_a_forged_generation_does_not_lock_a_worker_out(stores: Stores) -> None:
     finally:
         p.close()
         dec.close()
+
+
+def test_a_record_without_a_lease_is_never_read(stores: Stores) -> None:
+    """A replayed or forged record written without a lease would outlive every worker."""
+    (p, _) = loopback_agent("p0", seed=41)
+    try:
+        pub = stores.directory()
+        entry = pub.publish(p, "prefill")
+        reader = stores.directory()
+        assert [e.name for e in reader.snapshot(role="prefill")] == ["p0"]
+        pub.unpublish("p0")
+        wait_until(lambda: not reader.snapshot(role="prefill"), what="departure seen")
+        stores.write_raw(entry.key, encode_value(entry.key, p.metadata(), None))  # the same bytes, replayed
+        other = stores.directory()
+        assert other.entries(role="prefill") == []  # a listing leaves it out
+        time.sleep(0.5)
+        assert reader.snapshot(role="prefill") == []  # and so does the watch
+        # Control: the same bytes under a live lease are read, so the refusal is the lease's.
+        stores.write_leased(entry.key, encode_value(entry.key, p.metadata(), None))
+        assert [e.name for e in stores.directory().entries(role="prefill")] == ["p0"]
+    finally:
+        p.close()
 
 
 def test_tracker_isolates_a_peer_that_cannot_be_added(stores: Stores) -> None:

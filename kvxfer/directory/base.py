@@ -73,7 +73,12 @@ class Store(ABC):
 
     @abstractmethod
     def range(self, prefix: str, deadline: float) -> tuple[list[StoredItem], int]:
-        """Everything under ``prefix`` and the store's revision at that moment."""
+        """Everything under ``prefix`` held by a lease, and the store's revision at that moment.
+
+        A record written without a lease would never expire (a replayed or forged record
+        outliving every worker), so stores leave it out here and report a put of one to
+        :meth:`watch` as a delete.
+        """
 
     @abstractmethod
     def watch(self, prefix: str, start_revision: int, on_change: OnChange, stop: threading.Event,

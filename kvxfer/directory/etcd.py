@@ -45,6 +45,14 @@ def _unb64(data: Any) -> bytes:
     return base64.b64decode(data, validate=True)
 
 
+
+def _leased(kv: dict[str, Any]) -> bool:
+    """Whether etcd holds the record under a lease (it omits the field for lease 0)."""
+    try:
+        return int(kv.get("lease", 0) or 0) != 0
+    except (TypeError, ValueError):
+        return False
+
 class EtcdStore(Store):
     """One etcd endpoint (``http://host:port``; ``https://`` with the TLS options)."""
 
@@ -128,7 +136,7 @@ class EtcdStore(Store):
         def run(c: Any) -> tuple[list[StoredItem], int]:
             res = c.post(c.get_url("/kv/range"), json=body)
             items: list[StoredItem] = [(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
-                                       for kv in res.get("kvs", [])]
+                                       for kv in res.get("kvs", []) if _leased(kv)]
             return items, int(res["header"]["revision"])
 
         return self._call("range", deadline, run)
@@ -185,7 +193,7 @@ class EtcdStore(Store):
             changes = []
             for ev in res.get("events", []):
                 kv = ev["kv"]
-                kind = "delete" if ev.get("type") == "DELETE" else "put"
+                kind = "delete" if ev.get("type") == "DELETE" or not _leased(kv) else "put"
                 value = _unb64(kv.get("value", "")) if kind == "put" else None
                 changes.append((kind, _unb64(kv["key"]), value, int(kv["mod_revision"])))
         except (ValueError, KeyError, TypeError) as exc:

@@ -85,7 +85,7 @@ class MemoryStore(Store):
             self._kv[key] = (value, lease, self._rev)
         else:
             self._kv.pop(key, None)
-        self._log.append((self._rev, kind, key, value))
+        self._log.append((self._rev, kind, key, value, lease))
         if len(self._log) > self._history:
             drop = len(self._log) - self._history
             self._compacted = self._log[drop - 1][0]
@@ -137,7 +137,8 @@ class MemoryStore(Store):
     def range(self, prefix: str, deadline: float) -> tuple[list[StoredItem], int]:
         with self._cond:
             self._check()
-            items: list[StoredItem] = [(k, v, rev) for k, (v, _, rev) in sorted(self._kv.items()) if k.startswith(prefix)]
+            items: list[StoredItem] = [(k, v, rev) for k, (v, ls, rev) in sorted(self._kv.items())
+                                       if k.startswith(prefix) and ls]  # a leaseless record never expires: unread
             return items, self._rev
 
     def watch(self, prefix: str, start_revision: int, on_change: OnChange, stop: threading.Event,
@@ -162,7 +163,9 @@ class MemoryStore(Store):
                         return rev
                     self._cond.wait(min(_TICK, left))
                     continue
-            for r, kind, key, value in changes:
+            for r, kind, key, value, lease in changes:
+                if kind == "put" and not lease:  # see Store.range: such a record reads as gone
+                    kind, value = "delete", None
                 on_change(kind, key, value, r)
             rev = next_rev
             quiet_until = time.monotonic() + idle
