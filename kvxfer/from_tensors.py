@@ -351,11 +351,30 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
     elif layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     if block_tokens is None:
-        block_tokens = next((p.page.extent("N") for p in pieces if p.page.extent("N")), 1)
+        block_tokens = _block_tokens(pieces)
     spec = KVCacheSpec(tuple(allocs), tuple(regions), layout=layout, block_tokens=block_tokens,
                        tp_rank=tp_rank, tp_size=tp_size)
     object.__setattr__(spec, "_keepalive", tuple(keep))
     return spec
+
+
+def _block_tokens(pieces: Sequence[_Piece]) -> int:
+    """Tokens per block, when every page with a token axis agrees on it.
+
+    Taking the first entry's extent would make pairing depend on the order a dict lists
+    its entries; when pages disagree, only the caller knows what a block covers.
+    """
+    extents: dict[int, list[str]] = {}
+    for p in pieces:
+        n = p.page.extent("N")
+        if n:
+            extents.setdefault(n, []).append(p.name)
+    if len(extents) > 1:
+        said = "; ".join(f"{n} tokens: {', '.join(names[:3])}" + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+                         for n, names in sorted(extents.items()))
+        raise SpecError(f"pages hold different token extents ({said}); pass block_tokens= to say how many "
+                        "tokens one block covers, so both sides agree whatever order their entries are listed in")
+    return next(iter(extents), 1)
 
 
 def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpec:
