@@ -311,6 +311,13 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
 
     def member(p: _Piece, offset: int) -> Member:
         rep = is_rep(p.name)
+        h = p.page.extent("H")
+        if rep and kv_heads is not None and h is not None and h < kv_heads and p.role != "state":
+            # The engine says the model has more KV heads than this page: it holds this rank's
+            # share, so "identical on every rank" is false and would pair ranks' heads wrongly.
+            raise SpecError(f"{p.name}: replicated=True, but its page holds {h} of the model's kv_heads={kv_heads} "
+                            "KV heads, so other TP ranks hold other heads; register GQA/MHA pages with tp_rank= "
+                            "and tp_size= (replicated=True is for pages identical on every rank: MLA, indexer)")
         shard = None if rep else _shard(p, tp_rank, tp_size, kv_heads)
         return Member(p.name, p.page_bytes, offset, rep, p.page, p.role, shard, p.layer)
 

@@ -374,8 +374,9 @@ def _assign(name: str, need: tuple[Any, ...], cands: list[tuple[str, KVCacheSpec
         if not ok:
             c = cands[0]
             raise HeadSliceMismatchError(
-                "the two sides hold different KV heads; a copy would deliver another rank's heads (pages that "
-                "are identical on every rank, such as an MLA latent cache, are registered with replicated=True)",
+                "the two sides hold different KV heads; a copy would deliver another rank's heads. GQA/MHA "
+                "pages are registered with tp_rank=, tp_size= and kv_heads=; replicated=True is only for pages "
+                "byte-identical on every TP rank, such as an MLA latent or indexer cache",
                 [(f"members[{name}].heads", _say(need), _say(_held(c[3], c[1])))])
         return [(_choose(ok, rank), None)]
     first, stop, total = need[1], need[2], need[3]
