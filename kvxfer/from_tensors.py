@@ -83,7 +83,13 @@ class _Piece:
 
 
 def _describe(name: str, x: Any) -> _Tensor:
-    """Read pointer, storage, strides and dtype from a torch tensor or a numpy array."""
+    """Read pointer, storage, strides and dtype from a torch tensor or a numpy array.
+
+    An already described tensor (a spec file's planning view at a fake address) passes
+    through, so spec files are discovered by these same rules.
+    """
+    if isinstance(x, _Tensor):
+        return dataclasses.replace(x, name=name)
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise SpecError(f"{name}: arrays of Python objects hold pointers, not KV bytes")
