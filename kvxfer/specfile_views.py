@@ -60,7 +60,8 @@ def _view(m: "MemberKind", g: "Geometry", ptr: int, storage: tuple[int, int], bl
           num_blocks: int) -> tuple[_Tensor, str]:
     letters, shape = engine_dims(m, g.tp_size)
     shape = tuple(g.block_tokens if s == -1 else s for s in shape)
-    item = _itemsize(m.dtype)
+    size = m.page_bytes(g.block_tokens, g.tp_size)
+    item = size // max(1, _prod(shape))  # the dtype's size, without importing kvxfer.specfile
     # Memory order inside a page: the layout's inner letters say whether heads or tokens lead.
     order = list(range(len(letters)))
     if "N" in letters and "H" in letters and g.layout[2:].startswith("H"):
@@ -71,17 +72,18 @@ def _view(m: "MemberKind", g: "Geometry", ptr: int, storage: tuple[int, int], bl
     for i in reversed(order):
         strides[i] = step
         step *= shape[i]
-    if step != m.page_bytes(g.block_tokens, g.tp_size):
-        raise SpecError(f"member {m.name}: page of {step} bytes, expected {m.page_bytes(g.block_tokens, g.tp_size)}")
+    if step != size:
+        raise SpecError(f"member {m.name}: page of {step} bytes, expected {size}")
     t = _Tensor("", ptr, storage[0], storage[1], (num_blocks, *shape), (block_stride, *strides), item,
                 CANONICAL_DTYPES.get(m.dtype, m.dtype), MemoryKind.DRAM, 0)
     return t, "B" + letters
 
 
-def _itemsize(dtype: str) -> int:
-    from .specfile import DTYPES
-
-    return DTYPES[dtype]
+def _prod(xs: tuple[int, ...]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def geometry_spec(g: "Geometry", num_blocks: int, base: int) -> KVCacheSpec:
