@@ -347,12 +347,13 @@ class Agent:
         return self._post(op, peer, p, notify, t0, deadline)
 
     def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
-              deadline: float) -> Transfer:
+              deadline: float, planned: float = 0.0) -> Transfer:
+        """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``."""
         chunks: list[Chunk] = []
         posts: list[_Post] = []
         try:
             plan_chunks(self.backend, p, peer.key, self._local_prepared, peer.prepared, chunks)
-            stats = TransferStats(p.descriptors, p.nbytes, len(chunks), time.perf_counter() - t0,
+            stats = TransferStats(p.descriptors, p.nbytes, len(chunks), planned + time.perf_counter() - t0,
                                   backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
             single = len(chunks) == 1
             started = time.perf_counter()
@@ -433,10 +434,15 @@ class Agent:
             plans = {only: self._plan(peers[only], local_blocks, remote_blocks[only], op)}
         else:
             plans = plan_gather(g, self.spec, specs, local_blocks, remote_blocks, op)
+        # Planning the gather is one step for all parts: each part is charged its share (by
+        # descriptors) plus its own list preparation, never the posting of the parts before it.
+        shared = time.perf_counter() - t0
+        total = sum(p.descriptors for p in plans.values())
         parts: dict[str, Transfer] = {}
         try:
             for n, p in plans.items():
-                parts[n] = self._post(op, peers[n], p, notify, t0, deadline)
+                share = shared * (p.descriptors / total if total else 1 / len(plans))
+                parts[n] = self._post(op, peers[n], p, notify, time.perf_counter(), deadline, share)
         except BaseException:
             for t in parts.values():
                 t.cancel()
@@ -445,7 +451,7 @@ class Agent:
         if notify is not None:
             for n in unread:
                 self.backend.notify(peers[n].key, bytes(notify))
-        return TransferGroup(parts, unread, self.timeout)
+        return TransferGroup(parts, unread, self.timeout, started=t0)
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:

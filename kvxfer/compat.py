@@ -28,8 +28,10 @@ _HEADLINE = {
     DtypeMismatchError: "the two sides' pages hold different element types; a byte copy would reinterpret them",
     PageFormatMismatchError: "the two sides lay out their pages differently; a byte copy would scramble tokens "
                              "and heads",
-    HeadSliceMismatchError: "the two sides hold different KV heads (pages identical on every TP rank, "
-                            "such as MLA's, are registered with replicated=True)",
+    HeadSliceMismatchError: "the two sides hold different KV heads: GQA/MHA pages pair only with the rank "
+                            "holding the same heads (register them with tp_rank=, tp_size= and kv_heads=, and "
+                            "gather other TP sizes with add_source and read_many); replicated=True is only for "
+                            "pages byte-identical on every TP rank, such as an MLA latent or indexer cache",
 }
 _GROUP_LIMIT = 4
 

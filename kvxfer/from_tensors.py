@@ -83,7 +83,13 @@ class _Piece:
 
 
 def _describe(name: str, x: Any) -> _Tensor:
-    """Read pointer, storage, strides and dtype from a torch tensor or a numpy array."""
+    """Read pointer, storage, strides and dtype from a torch tensor or a numpy array.
+
+    An already described tensor (a spec file's planning view at a fake address) passes
+    through, so spec files are discovered by these same rules.
+    """
+    if isinstance(x, _Tensor):
+        return dataclasses.replace(x, name=name)
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise SpecError(f"{name}: arrays of Python objects hold pointers, not KV bytes")
@@ -311,6 +317,13 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
 
     def member(p: _Piece, offset: int) -> Member:
         rep = is_rep(p.name)
+        h = p.page.extent("H")
+        if rep and kv_heads is not None and h is not None and h < kv_heads and p.role != "state":
+            # The engine says the model has more KV heads than this page: it holds this rank's
+            # share, so "identical on every rank" is false and would pair ranks' heads wrongly.
+            raise SpecError(f"{p.name}: replicated=True, but its page holds {h} of the model's kv_heads={kv_heads} "
+                            "KV heads, so other TP ranks hold other heads; register GQA/MHA pages with tp_rank= "
+                            "and tp_size= (replicated=True is for pages identical on every rank: MLA, indexer)")
         shard = None if rep else _shard(p, tp_rank, tp_size, kv_heads)
         return Member(p.name, p.page_bytes, offset, rep, p.page, p.role, shard, p.layer)
 
@@ -351,11 +364,30 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
     elif layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     if block_tokens is None:
-        block_tokens = next((p.page.extent("N") for p in pieces if p.page.extent("N")), 1)
+        block_tokens = _block_tokens(pieces)
     spec = KVCacheSpec(tuple(allocs), tuple(regions), layout=layout, block_tokens=block_tokens,
                        tp_rank=tp_rank, tp_size=tp_size)
     object.__setattr__(spec, "_keepalive", tuple(keep))
     return spec
+
+
+def _block_tokens(pieces: Sequence[_Piece]) -> int:
+    """Tokens per block, when every page with a token axis agrees on it.
+
+    Taking the first entry's extent would make pairing depend on the order a dict lists
+    its entries; when pages disagree, only the caller knows what a block covers.
+    """
+    extents: dict[int, list[str]] = {}
+    for p in pieces:
+        n = p.page.extent("N")
+        if n:
+            extents.setdefault(n, []).append(p.name)
+    if len(extents) > 1:
+        said = "; ".join(f"{n} tokens: {', '.join(names[:3])}" + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+                         for n, names in sorted(extents.items()))
+        raise SpecError(f"pages hold different token extents ({said}); pass block_tokens= to say how many "
+                        "tokens one block covers, so both sides agree whatever order their entries are listed in")
+    return next(iter(extents), 1)
 
 
 def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpec:

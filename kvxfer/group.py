@@ -24,10 +24,13 @@ class TransferGroup:
     once when a notification was asked for, so they can free their blocks).
     """
 
-    def __init__(self, parts: Mapping[str, Transfer], unread: list[str], default_timeout: float):
+    def __init__(self, parts: Mapping[str, Transfer], unread: list[str], default_timeout: float, *,
+                 started: float | None = None):
         self.parts = dict(parts)
         self.unread = unread
         self._default_timeout = default_timeout
+        self._started = time.perf_counter() if started is None else started
+        self._wall: float | None = 0.0 if not self.parts else None
         self._error: BaseException | None = None
         self.status = Status.DONE if not self.parts else Status.PENDING
 
@@ -36,13 +39,22 @@ class TransferGroup:
 
     @property
     def stats(self) -> TransferStats:
-        """The parts' stats summed; seconds is the slowest part's."""
+        """The request's cost, with its three times kept apart so none hides in another.
+
+        ``plan_seconds``: planning and list preparation, summed over parts (each part counts
+        only its own); ``post_seconds``: handing posts to the backend, summed; ``seconds``:
+        the slowest part's, first post to DONE; ``wall_seconds``: from the call to DONE
+        observed (None while pending). Field names are those of a single transfer's stats,
+        so the Prometheus histograms and the vLLM stats read a group like a transfer.
+        """
         ts = [t.stats for t in self.parts.values()]
         secs = [s.seconds for s in ts]
         return TransferStats(sum(s.descriptors for s in ts), sum(s.nbytes for s in ts), sum(s.posts for s in ts),
                              sum(s.plan_seconds for s in ts),
                              max(secs) if ts and all(s is not None for s in secs) else None,  # type: ignore[type-var]
-                             ts[0].path if ts else None)
+                             ts[0].path if ts else None, post_seconds=sum(s.post_seconds for s in ts),
+                             backend=ts[0].backend if ts else "", op=ts[0].op if ts else "",
+                             mode=ts[0].mode if len(ts) == 1 else "gather", wall_seconds=self._wall)
 
     def done(self) -> bool:
         """Poll every pending part once; raises the first part's error (the others are cancelled)."""
@@ -58,6 +70,7 @@ class TransferGroup:
                 self._abort(exc, Status.CANCELLED if t.status is Status.CANCELLED else Status.FAILED)
         if not pending:
             self.status = Status.DONE
+            self._wall = time.perf_counter() - self._started
         return not pending
 
     def wait(self, timeout: float | None = None) -> "TransferGroup":

@@ -8,7 +8,10 @@ gets only the spans of the transfer at hand (:meth:`~kvxfer.memory.DescriptorLis
 a peer advertising 2^26 blocks costs what the request costs, not gigabytes.
 
 Lists prepared for one transfer only carry their release in the chunk's cleanup, so the
-caller can undo everything built so far if a later step fails.
+caller can undo everything built so far if a later step fails. The local side of a gather's
+sliced lists is cached with the peer's lists (``remote_cache``), not agent-wide: those lists
+exist only for that peer, so they must go when it does (a restarted prefill rank would
+otherwise leave one set per generation behind).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def plan_chunks(backend: Backend, p: TransferPlan, peer_key: str, local_cache: C
         elif leg.lists is not None:  # a gather's sliced pages: lists of its own, prepared once
             assert leg.remote_idx is not None
             strided = backend.capabilities.strided_lists
-            lp = _cached(local_cache, (leg.lists, "local"), lambda: backend.prepare(None, leg.lists.local(strided)))
+            # Both sides of a gather's lists belong to the peer: dropping it releases them.
+            lp = _cached(remote_cache, (leg.lists, "local"), lambda: backend.prepare(None, leg.lists.local(strided)))
             rp = _cached(remote_cache, (leg.lists, "remote"),
                          lambda: backend.prepare(peer_key, leg.lists.remote(strided)))
             li, ri = leg.local_idx, leg.remote_idx

@@ -106,6 +106,25 @@ def _full(h: tuple[Any, ...]) -> bool:
 
 
 # -- pieces of one page ---------------------------------------------------------------------
+def _member_pieces(lm: Member, rm: Member, lheads: tuple[int, int] | None, rheads: tuple[int, int] | None,
+                   k: int, peer: str) -> tuple[list[tuple[int, int, int]], int]:
+    """:func:`_pieces`, failing closed: an untyped error is a refusal naming the member.
+
+    A peer's spec is validated but its page geometry can still be one this module never
+    met; whatever goes wrong deciding the byte ranges, the pair is refused, not crashed.
+    """
+    try:
+        return _pieces(lm.name, lm, rm, lheads, rheads, k)
+    except LayoutMismatchError:
+        raise
+    except Exception as exc:
+        assert lm.page is not None and rm.page is not None
+        raise PageFormatMismatchError(
+            f"member {lm.name}: kvxfer cannot work out how to copy peer {peer or 'remote'!s}'s page into ours "
+            f"({type(exc).__name__}: {exc}); refused rather than guessed",
+            [(f"members[{lm.name}].page", lm.page.describe(), rm.page.describe())]) from exc
+
+
 def _pieces(name: str, lm: Member, rm: Member, lheads: tuple[int, int] | None, rheads: tuple[int, int] | None,
             k: int) -> tuple[list[tuple[int, int, int]], int]:
     """Byte ranges ``(local offset, remote offset, length)`` copying one remote page into a local one.
@@ -130,6 +149,11 @@ def _pieces(name: str, lm: Member, rm: Member, lheads: tuple[int, int] | None, r
             f"member {name}: its pages are described only by their size, so kvxfer cannot address heads or "
             "tokens inside them; register the cache from tensors (or give Member.page) to read a slice",
             [(f"members[{name}].page", lp.describe(), rp.describe())])
+    if k > 1 and "N" not in lp.axes:
+        raise BlockTokensMismatchError(
+            f"member {name}: its {lp.describe()} page has no token axis (a {lm.role or 'per-block'} page, such as "
+            f"Mamba state), so one local block cannot be assembled from {k} remote blocks; pair it with peers of "
+            "the same block size", [(f"members[{name}].page", lp.describe(), rp.describe())])
     if lp.axes != rp.axes:
         lp, rp = _align(lp, rp)
     if lp.axes != rp.axes:
@@ -321,7 +345,7 @@ def gather(local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec]) -> Gather:
                     rh = (heads[0] - have[1], heads[1] - have[1]) if have[0] == "heads" else heads
                     if lh == (0, _h(lm)) and rh == (0, _h(rm)):
                         lh = rh = None
-                pieces, lsub = _pieces(lm.name, lm, rm, lh, rh, k)
+                pieces, lsub = _member_pieces(lm, rm, lh, rh, k, n)
                 tab = rows.setdefault(n, {}).setdefault((la.kind, ra.kind), [])
                 lbase = la.address + lr.offset + lm.offset
                 rbase = ra.address + rr.offset + rm.offset
@@ -350,8 +374,9 @@ def _assign(name: str, need: tuple[Any, ...], cands: list[tuple[str, KVCacheSpec
         if not ok:
             c = cands[0]
             raise HeadSliceMismatchError(
-                "the two sides hold different KV heads; a copy would deliver another rank's heads (pages that "
-                "are identical on every rank, such as an MLA latent cache, are registered with replicated=True)",
+                "the two sides hold different KV heads; a copy would deliver another rank's heads. GQA/MHA "
+                "pages are registered with tp_rank=, tp_size= and kv_heads=; replicated=True is only for pages "
+                "byte-identical on every TP rank, such as an MLA latent or indexer cache",
                 [(f"members[{name}].heads", _say(need), _say(_held(c[3], c[1])))])
         return [(_choose(ok, rank), None)]
     first, stop, total = need[1], need[2], need[3]

@@ -3,9 +3,10 @@
 A spec file describes a model's cache as an engine allocates it (layers, the pages each
 layer keeps per block, their dtypes and heads, block size, page order) and where this
 worker sits in tensor and pipeline parallelism. :class:`Geometry` turns that into a
-:class:`~kvxfer.KVCacheSpec` through the public constructors
-(:func:`~kvxfer.spec_from_pointers` for planning, :func:`~kvxfer.spec_from_arrays` for real
-buffers), so a file can never describe something the library would not accept from tensors.
+:class:`~kvxfer.KVCacheSpec` through discovery (:mod:`kvxfer.specfile_views` describes the
+tensors an engine would register, at a fake address, for planning;
+:func:`~kvxfer.spec_from_arrays` for real byte buffers), so a file can never describe
+something the library would not accept from tensors, and pairs exactly as they would.
 Every mistake is a :class:`~kvxfer.errors.SpecFileError` naming the file and the key.
 
 The format, with the defaults shown (``docs/spec-files.md`` has complete MLA, GQA and hybrid
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .errors import SpecError, SpecFileError
-from .from_tensors import spec_from_arrays, spec_from_pointers
+from .from_tensors import spec_from_arrays
 from .layout import KNOWN_LAYOUTS, KVCacheSpec
 
 __all__ = ["DTYPES", "FAKE_BASE", "MemberKind", "LayerGroup", "Geometry", "load", "loads"]
@@ -207,11 +208,15 @@ class Geometry:
 
     # -- specs and buffers ------------------------------------------------------------------
     def spec(self, num_blocks: int, *, packed: bool | None = None, base: int = FAKE_BASE) -> KVCacheSpec:
-        """A planning spec at a fake address (``packed`` overrides the file's layout)."""
-        g = self.with_layout(packed)
-        return spec_from_pointers((base, num_blocks * g.row, 0), num_blocks=num_blocks, members=g.member_names(),
-                                  layout=g.layout, replicated=g.replicated(), block_tokens=g.block_tokens,
-                                  tp_rank=g.tp_rank, tp_size=g.tp_size)
+        """A planning spec at a fake address (``packed`` overrides the file's layout).
+
+        Built by the discovery that registers an engine's tensors (:mod:`kvxfer.specfile_views`),
+        so its pages carry dtype, axes and heads exactly as a registered cache of this
+        geometry would: ``kvxfer plan`` and ``Agent.add_peer`` then reach one verdict.
+        """
+        from .specfile_views import geometry_spec
+
+        return geometry_spec(self.with_layout(packed), num_blocks, base)
 
     def spec_for(self, views: Mapping[str, Any], *, packed: bool | None = None) -> KVCacheSpec:
         """The spec of real host buffers laid out by this geometry (see ``kvxfer.testing.buffers``)."""

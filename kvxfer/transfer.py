@@ -56,6 +56,7 @@ class TransferStats:
     peer: str = ""
     mode: str = ""
     telemetry: list[dict[str, Any]] | None = None
+    wall_seconds: float | None = None  # a group's: from the call until DONE was observed
 
     @property
     def gbps(self) -> float | None:

@@ -120,8 +120,9 @@ def test_plan_tp_options() -> None:
     rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "1/8",
                               "--tokens", "160", "--json"))
     assert rows[0]["mode"] == "refused" and rows[0]["descriptors"] is None
-    assert "different KV heads" in rows[0]["why"] and "TP rank 0 of 8 (heads not described) vs TP rank 1" in \
+    assert "different KV heads" in rows[0]["why"] and "heads [0, 1) of 8 (TP rank 0 of 8) vs heads [1, 2) of 8" in \
         rows[0]["why"]
+    assert rows[0]["error"] == "HeadSliceMismatchError"
     # The same rank moves whole rows.
     rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "1/8", "--remote-tp", "1/8",
                               "--tokens", "160", "--json"))
@@ -131,11 +132,11 @@ def test_plan_tp_options() -> None:
     rows = as_json(kvxfer_cmd("plan", "--local", "glm5-mla", "--local-tp", "0/8", "--remote-tp", "5/8",
                               "--tokens", "640", "--json"))
     assert rows[0]["mode"] == "whole-row" and rows[0]["descriptors"] == 10
-    # Different TP sizes hold different page sizes: refused, with what differs.
+    # Different TP sizes hold different heads: refused, with which heads each side holds.
     rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "0/4",
                               "--tokens", "160", "--json"))
     assert rows[0]["mode"] == "refused" and rows[0]["descriptors"] is None
-    assert "].size: 4096 vs 8192" in rows[0]["why"] and "TP rank 0 of 4" in rows[0]["why"]
+    assert "heads [0, 1) of 8 (TP rank 0 of 8) vs heads [0, 2) of 8 (TP rank 0 of 4)" in rows[0]["why"]
 
 
 def test_plan_list() -> None:

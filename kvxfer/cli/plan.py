@@ -109,6 +109,7 @@ def _sides(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[dict[str, Any]]:
     """One row per (local, remote) geometry pair; a refused pairing is a row that says why."""
     from ..errors import LayoutMismatchError
+    from ..pairing import pair
     from ..planner import plan
 
     rng = np.random.default_rng(seed)
@@ -120,12 +121,12 @@ def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[
         row: dict[str, Any] = {"local": _label(lg), "remote": _label(rg), "tokens": tokens, "blocks": n}
         local, remote = lg.spec(pool), rg.spec(pool)
         t0 = time.perf_counter()
-        try:
-            p = plan(local, remote, lb, rb)
+        try:  # the verdict Agent.add_peer reaches: the same pair() on the same discovered specs
+            p = plan(local, remote, lb, rb, pairing=pair(local, remote))
         except LayoutMismatchError as exc:
             diff = ", ".join(f"{f}: {a} vs {b}" for f, a, b in exc.diff[:3])
             row.update(descriptors=None, bytes=None, mode="refused", why=f"{str(exc).splitlines()[0]} ({diff})",
-                       plan_seconds=None)
+                       plan_seconds=None, error=type(exc).__name__)
         else:
             row.update(descriptors=p.descriptors, bytes=p.nbytes, mode=p.mode, why=explain(p),
                        plan_seconds=time.perf_counter() - t0)
