@@ -20,6 +20,8 @@ then answers one JSON command per line:
 ``{"cmd": "logical"}`` -> ``{"logical": b64, "shape": [...], "dtype": name}`` (``--engine`` cache)
 ``{"cmd": "write", "peer": name, "local": [...], "remote": [...]}`` -> ``{"done": true}``
 ``{"cmd": "notifications", "timeout": s, "count": n}`` -> ``{"notifications": {peer: [b64]}}``
+``{"cmd": "die_mid_transfer", "timeout": s}`` -> SIGKILLs itself once some but not all pages were
+written, or ``{"complete": bool}`` when every page was reached (or ``timeout`` passed) first
 ``{"cmd": "exit"}``
 
 A failing command answers ``{"error": type, "message": text}``. Between commands it keeps
@@ -201,6 +203,19 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
         got = {k: [_b64(m) for m in v] for k, v in notes.items()}
         notes.clear()
         return {"notifications": got}
+    if c == "die_mid_transfer":  # the conformance kit's peer killed while a WRITE lands here
+        import signal
+
+        deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
+        total = cache.num_layers * cache.num_blocks
+        while time.monotonic() < deadline:
+            agent.progress()
+            reached = cache.pages_reached()
+            if 0 < reached < total:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if reached == total:
+                return {"complete": True}
+        return {"complete": False}
     if c == "exit":
         return {"exit": True}
     raise ValueError(f"unknown command {c!r}")
