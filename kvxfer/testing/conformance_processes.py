@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import select
+import signal
+import tempfile
+import threading
 import time
 from typing import Any
 
@@ -72,10 +76,16 @@ class TwoProcessConformance(_Base):
                 before, src_before = peer.pages(), src.layer_pages()  # expectations from before the transfer
                 want = expected_after(before, src_before, DST_BLOCKS, SRC_BLOCKS)
                 t = agent.write(name, SRC_BLOCKS, DST_BLOCKS, notify=b"pushed")
-                deadline = time.monotonic() + self.timeout  # the data first, then the notification soon after
-                while not np.array_equal(peer.pages(), want) and time.monotonic() < deadline:
+                notes: dict[str, list[str]] = {}
+                deadline = time.monotonic() + self.timeout  # the data or the notification, whichever is first;
+                while not notes and time.monotonic() < deadline:  # then the other soon after
+                    notes = peer.call({"cmd": "notifications", "timeout": 0, "count": 1})["notifications"]
+                    if notes or np.array_equal(peer.pages(), want):
+                        break
                     time.sleep(0.01)
-                notes = peer.call({"cmd": "notifications", "timeout": self.notify_timeout, "count": 1})["notifications"]
+                if not notes:
+                    notes = peer.call({"cmd": "notifications", "timeout": self.notify_timeout,
+                                       "count": 1})["notifications"]
                 assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"pushed"]}
                 after = peer.pages()  # read only after the notification: data must be visible
                 np.testing.assert_array_equal(after, want)
@@ -142,13 +152,39 @@ class TwoProcessConformance(_Base):
             total = dst.num_layers * dst.num_blocks
             with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
                 agent.register(dst.views, replicated=True)
-                t = agent.read(agent.add_peer(peer.metadata), ours, theirs)
-                mid = False
-                while not t.done():  # an error before the kill fails the test
-                    if 0 < dst.pages_reached() < total:
-                        peer.kill()
-                        mid = True
-                        break
+                name = agent.add_peer(peer.metadata)
+                mid, stop = threading.Event(), threading.Event()
+
+                def watch() -> None:  # a thread: some transports land every byte inside post()
+                    while not stop.is_set():
+                        reached = dst.pages_reached()
+                        if 0 < reached < total:
+                            os.kill(peer.pid, signal.SIGKILL)
+                            mid.set()
+                            return
+                        if reached == total:
+                            return
+
+                watcher = threading.Thread(target=watch, daemon=True)
+                watcher.start()
+                try:
+                    t = agent.read(name, ours, theirs)
+                except KvxferError as exc:  # the kill can land inside post(): a typed error is right
+                    stop.set()
+                    watcher.join()
+                    if not mid.is_set():
+                        raise
+                    assert not isinstance(exc, TransferTimeoutError)
+                    return
+                try:
+                    while watcher.is_alive() and not t.done():
+                        time.sleep(1e-4)  # let the watcher in
+                except KvxferError:
+                    if not mid.is_set():
+                        raise  # failed before the kill: a bug of its own
+                stop.set()
+                watcher.join()
+                peer.kill()
                 if self._after_kill(t, "READ"):
                     got = dst.layer_pages()
                     missing = int((got != want).any(axis=2).sum())
@@ -166,10 +202,22 @@ class TwoProcessConformance(_Base):
         try:
             with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
                 agent.register(src.views, replicated=True)
-                t = agent.write(agent.add_peer(peer.metadata), ours, theirs)
+                name = agent.add_peer(peer.metadata)
                 assert peer.proc.stdin is not None and peer.proc.stdout is not None
-                peer.proc.stdin.write(json.dumps({"cmd": "die_mid_transfer", "timeout": self.timeout}) + "\n")
-                peer.proc.stdin.flush()
+                with tempfile.TemporaryDirectory() as tmp:  # the peer watches before we post
+                    ready = os.path.join(tmp, "watching")
+                    peer.proc.stdin.write(json.dumps({"cmd": "die_mid_transfer", "timeout": self.timeout,
+                                                      "ready_file": ready}) + "\n")
+                    peer.proc.stdin.flush()
+                    deadline = time.monotonic() + self.peer_timeout
+                    while not os.path.exists(ready) and peer.proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                try:
+                    t = agent.write(name, ours, theirs)
+                except KvxferError:  # the peer may die inside post(): then a typed error is right
+                    if peer.proc.stdout.readline():
+                        raise  # it is alive and answered: the error is a bug of its own
+                    return
                 done_first, failed = False, None
                 while True:  # poll the write until the peer answers or dies (EOF)
                     if not done_first and failed is None:
