@@ -27,6 +27,8 @@ Rules it checks beyond moving bytes:
   are block ids, not ``0..n``);
 * a corrupt connection blob is refused with a :class:`~kvxfer.KvxferError`, never a raw
   exception.
+* (two processes) a peer killed while a large READ or WRITE is in flight ends the transfer
+  with a typed error, or DONE with every byte verified; never DONE with bytes missing.
 
 Every test is bounded (``pytest-timeout``), so a hanging backend fails in minutes, not hours.
 """
