@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "KvxferError",
+    "BackendNameConflictError",
     "SpecError",
     "LayoutMismatchError",
     "DtypeMismatchError",
@@ -170,6 +171,10 @@ class BackendUnavailableError(KvxferError, ImportError):
 
 class UnknownBackendError(KvxferError, LookupError):
     """No installed plugin registers a backend of that name."""
+
+
+class BackendNameConflictError(UnknownBackendError):
+    """Two third-party plugins claim one backend name: neither is used, whatever the load order."""
 
 
 class UnsupportedError(KvxferError):

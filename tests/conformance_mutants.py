@@ -1,8 +1,12 @@
 """Deliberately broken backends: the conformance suite must catch each one.
 
-Each mutant is the loopback backend with one contract violation that a plugin author could
-plausibly write. ``tests/test_conformance_mutants.py`` runs the suite against every mutant
-in a subprocess and expects the named test to fail.
+The first four are the loopback backend with one contract violation each; the rest are the
+cross-process :mod:`reference_backend` with one of its injectable bugs (a peer must be able
+to die mid-transfer, which loopback's cannot). ``tests/test_conformance_mutants.py`` runs the
+suite against every mutant in a subprocess and expects the named test to fail.
+
+The subprocess (and the peer processes it starts) find the mutants through a ``kvxfer``
+entry point in a temporary ``dist-info`` (:func:`write_dist`): nothing is installed.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import numpy as np
 
 from kvxfer import Op, hookimpl
 from kvxfer.plugin.registry import plugin_manager, reset_plugins
-from kvxfer.testing import BackendConformance
+from pathlib import Path
+
+from kvxfer.plugin.backend import Backend
+from kvxfer.testing import BackendConformance, TwoProcessConformance
 from kvxfer_loopback.backend import LoopbackBackend, _host_copy, _Xfer
+from reference_backend import BUGS, ReferenceBackend
 
 
 class NotifyBeforeCopy(LoopbackBackend):
@@ -97,8 +105,14 @@ class IgnoresIndices(LoopbackBackend):
         return super().post(op, local, n, remote, n, notification)
 
 
-MUTANTS: dict[str, type[LoopbackBackend]] = {
-    m.name: m for m in (NotifyBeforeCopy, RawBlobError, ReleaseKeepsCopying, IgnoresIndices)
+def _reference_mutant(bug: str) -> type[ReferenceBackend]:
+    return type(f"Reference_{bug.replace('-', '_')}", (ReferenceBackend,),
+                {"name": f"mutant-{bug}", "bugs": frozenset({bug})})
+
+
+MUTANTS: dict[str, type[Backend]] = {
+    m.name: m for m in (NotifyBeforeCopy, RawBlobError, ReleaseKeepsCopying, IgnoresIndices, ReferenceBackend,
+                        *(_reference_mutant(b) for b in sorted(BUGS)))
 }
 
 
@@ -109,10 +123,29 @@ class _Plugin:
             register(name, cls, summary="a deliberately broken backend (tests only)")
 
 
+PLUGIN = _Plugin()
+
+
 def install() -> None:
+    """Register the mutants in this process (a no-op where the entry point already did)."""
     reset_plugins()
-    plugin_manager().register(_Plugin(), name="mutants")
+    if not plugin_manager().has_plugin("mutants"):
+        plugin_manager().register(PLUGIN, name="mutants")
+
+
+def write_dist(site: Path) -> Path:
+    """A ``dist-info`` in ``site`` whose ``kvxfer`` entry point is :data:`PLUGIN`; put ``site``
+    and this folder on ``PYTHONPATH`` and every process sees the mutants."""
+    info = site / "kvxfer_mutants-0.0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvxfer-mutants\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[kvxfer]\nmutants = conformance_mutants:PLUGIN\n")
+    return site
 
 
 def suite_for(backend: str) -> type[BackendConformance]:
     return type("TestMutant", (BackendConformance,), {"backend": backend})
+
+
+def two_process_suite_for(backend: str) -> type[TwoProcessConformance]:
+    return type("TestMutantProcesses", (TwoProcessConformance,), {"backend": backend})

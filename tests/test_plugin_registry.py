@@ -227,13 +227,14 @@ class _Duplicate:
         register("loopback", "kvxfer_loopback.backend:LoopbackBackend")
 
 
-def test_duplicate_backend_name_marks_only_the_second_plugin_broken() -> None:
+def test_a_plugin_claiming_a_builtin_name_is_refused_not_broken() -> None:
+    """Registered in-process (no distribution), it is a third party: loopback stays built-in."""
     plugins.reset_plugins()
     try:
-        with pytest.warns(plugins.PluginWarning, match="already registered"):
-            plugins.plugin_manager().register(_Duplicate(), name="dup")
-            broken = plugins.broken_plugins()
-        assert [(b.name, b.stage) for b in broken] == [("dup", "register")]
+        plugins.plugin_manager().register(_Duplicate(), name="dup")
+        assert plugins.broken_plugins() == []
+        [c] = plugins.backend_conflicts()
+        assert (c.name, c.plugins, c.reserved) == ("loopback", ("dup",), True)
         assert {s.name: s.plugin for s in kvxfer.available_backends()}["loopback"] == "loopback"
     finally:
         plugins.reset_plugins()

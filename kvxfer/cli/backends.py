@@ -46,7 +46,7 @@ def _short(caps: dict[str, Any] | None) -> str | None:
 
 def backend_rows() -> list[dict[str, Any]]:
     """One dict per backend, then one per broken plugin; backends that can run are loaded."""
-    from ..plugin.registry import available_backends, broken_plugins, registry
+    from ..plugin.registry import available_backends, backend_conflicts, broken_plugins, registry
 
     rows: list[dict[str, Any]] = []
     for s in available_backends():
@@ -64,17 +64,41 @@ def backend_rows() -> list[dict[str, Any]]:
         rows.append({"backend": None, "plugin": b.name, "distribution": b.distribution, "version": b.version,
                      "status": "broken", "capabilities": None, "summary": None,
                      "reason": f"failed to load ({b.stage}): {b.error}", "install": None})
+    for c in backend_conflicts():  # one row per refused name, naming every refused claimant
+        rows.append({"backend": c.name, "plugin": ", ".join(c.plugins),
+                     "distribution": ", ".join(d or "-" for d in c.distributions),
+                     "version": ", ".join(v or "-" for v in c.versions),
+                     "status": "refused" if c.reserved else "conflict", "capabilities": None, "summary": None,
+                     "reason": c.message, "short": c.short, "install": None})
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = backend_rows()
+    import logging
+    import warnings
+
+    from ..plugin.registry import PluginWarning
+
+    # The table lists broken plugins and conflicts itself: no warning text on top of it.
+    log = logging.getLogger("kvxfer.plugin")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PluginWarning)
+            rows = backend_rows()
+    finally:
+        log.setLevel(level)
     if args.json:
         emit_json(rows)
         return 0
     for r in rows:
-        r["detail"] = r["summary"] if r["status"] == "available" else (
-            f"{r['reason']}" + (f"; install: {r['install']}" if r["install"] else ""))
+        if "short" in r:  # a refused name: who was refused, on one line
+            r["detail"] = r["short"]
+        elif r["status"] == "available":
+            r["detail"] = r["summary"]
+        else:
+            r["detail"] = f"{r['reason']}" + (f"; install: {r['install']}" if r["install"] else "")
         r["caps"] = _short(r["capabilities"])
     print_table(rows, [Column("backend"), Column("plugin"), Column("version"), Column("status"),
                        Column("caps", "capabilities"), Column("detail")])

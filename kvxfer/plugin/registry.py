@@ -13,6 +13,13 @@ A plugin that fails to import, implements a hook that does not exist (a misspelt
 raises while registering is *broken*: it is skipped with a :class:`PluginWarning`, listed by
 :func:`broken_plugins` and ``kvxfer backends`` with its error, and never takes the other
 plugins (or an ``Agent`` on another backend) down with it.
+
+Backend names are claims, settled after every plugin has registered, so the outcome never
+depends on load order: the built-in names (``loopback``, ``nixl``, ``ucx``) belong to the
+kvxfer distribution and a third-party claim on one is refused; a name two third-party
+plugins claim is refused for both (:class:`~kvxfer.errors.BackendNameConflictError` names
+both distributions). Conflicts are listed by :func:`backend_conflicts` and ``kvxfer
+backends``, one line each, and logged, not warned: they are raised where the name is used.
 """
 
 from __future__ import annotations
@@ -32,17 +39,20 @@ import pluggy
 
 from . import hookspecs
 from .hookspecs import RegisterBackend
-from ..errors import BackendUnavailableError, KvxferError, UnknownBackendError
+from ..errors import BackendNameConflictError, BackendUnavailableError, KvxferError, UnknownBackendError
 
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["BackendInfo", "BackendStatus", "BrokenPlugin", "PluginWarning", "available_backends",
-           "broken_plugins", "get_backend_class", "plugin_manager", "reset_plugins"]
+__all__ = ["BUILTIN_NAMES", "BackendConflict", "BackendInfo", "BackendStatus", "BrokenPlugin", "PluginWarning",
+           "available_backends", "backend_conflicts", "broken_plugins", "get_backend_class", "plugin_manager", "reset_plugins"]
 
 BLOCK_ENV = "KVXFER_BLOCK_PLUGINS"
 TRACE_ENV = "KVXFER_TRACE_PLUGINS"
 GROUP = "kvxfer"
+#: Backend names only the kvxfer distribution's own plugins may register.
+BUILTIN_NAMES = frozenset({"loopback", "nixl", "ucx"})
+CORE_DISTRIBUTION = "kvxfer"
 
 _log = logging.getLogger("kvxfer.plugin")
 
@@ -60,6 +70,41 @@ class BrokenPlugin:
     error: str
     distribution: str | None = None
     version: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendConflict:
+    """A backend name refused to some plugins: a built-in name, or one two third parties claim."""
+
+    name: str
+    plugins: tuple[str, ...]  # the refused claimants, sorted by distribution then plugin
+    distributions: tuple[str | None, ...]
+    versions: tuple[str | None, ...]
+    reserved: bool  # a built-in name: the built-in keeps it
+
+    def claimants(self) -> str:
+        return " and ".join(f"plugin {p!r} ({_dist_label(d, v)})"
+                            for p, d, v in zip(self.plugins, self.distributions, self.versions))
+
+    @property
+    def short(self) -> str:
+        """One table cell: who was refused."""
+        who = " and ".join(_dist_label(d, v) for d, v in zip(self.distributions, self.versions))
+        return f"built-in name; refused {who}" if self.reserved else f"claimed by {who}: both refused"
+
+    @property
+    def message(self) -> str:
+        if self.reserved:
+            return (f"backend name {self.name!r} is reserved for kvxfer's built-in backend; refused the claim of "
+                    f"{self.claimants()}")
+        return (f"backend name {self.name!r} is claimed by {self.claimants()}; both are refused: uninstall one, "
+                f"or hide one with {BLOCK_ENV}=<plugin>")
+
+
+def _dist_label(dist: str | None, version: str | None) -> str:
+    if dist is None:
+        return "registered in-process, no distribution"
+    return f"{dist} {version}" if version else dist
 
 
 @dataclass(frozen=True)
@@ -129,6 +174,7 @@ _pm: pluggy.PluginManager | None = None
 _registry: dict[str, BackendInfo] | None = None
 _broken: list[BrokenPlugin] = []
 _dists: dict[str, tuple[str | None, str | None]] = {}  # plugin name -> (distribution, version)
+_conflicts: list[BackendConflict] = []
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -149,26 +195,40 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    """pluggy's loader stops at the first plugin that fails; this one skips it and goes on."""
-    for ep in entry_points(group=GROUP):
-        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
-            continue
+    """pluggy's loader stops at the first plugin that fails; this one skips it and goes on.
+
+    kvxfer's own entry points load first, under their own names; a third-party entry point
+    whose name is taken is registered as ``name@distribution`` rather than dropped, so its
+    backend claims are settled by :func:`_settle` like any other.
+    """
+    def dist_of(ep: Any) -> tuple[str | None, str | None]:
         dist = getattr(ep, "dist", None)
-        info = (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+        return (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+
+    eps = sorted(entry_points(group=GROUP), key=lambda ep: dist_of(ep)[0] != CORE_DISTRIBUTION)
+    for ep in eps:
+        info = dist_of(ep)
+        name = ep.name
+        if pm.is_blocked(name):
+            continue
+        if pm.has_plugin(name):
+            name = f"{ep.name}@{info[0]}"
+            if pm.has_plugin(name) or pm.is_blocked(name):
+                continue
         try:
             plugin = ep.load()
         except Exception as exc:  # any import failure, including errors raised by its code
-            _mark_broken(ep.name, "import", exc, info)
+            _mark_broken(name, "import", exc, info)
             continue
         try:
-            pm.register(plugin, name=ep.name)
+            pm.register(plugin, name=name)
             pm.check_pending()  # a hook implementation without a spec: a misspelt hook name
         except Exception as exc:
             if pm.is_registered(plugin):
                 pm.unregister(plugin)
-            _mark_broken(ep.name, "hooks", exc, info)
+            _mark_broken(name, "hooks", exc, info)
             continue
-        _dists[ep.name] = info
+        _dists[name] = info
 
 
 def _mark_broken(name: str, stage: str, exc: BaseException, info: tuple[str | None, str | None]) -> None:
@@ -183,17 +243,19 @@ def _split(value: str) -> Iterable[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _registrar(plugin: str, known: dict[str, BackendInfo], mine: dict[str, BackendInfo]) -> RegisterBackend:
-    """The ``register`` callback one plugin gets; what it registers lands in ``mine``."""
+def _registrar(plugin: str, mine: dict[str, BackendInfo]) -> RegisterBackend:
+    """The ``register`` callback one plugin gets; what it registers lands in ``mine``.
+
+    Only a plugin registering one name twice fails here; clashes between plugins are
+    settled once all have registered (:func:`_settle`), so load order cannot decide them.
+    """
 
     def register(name: str, factory: Any, *, requires: Iterable[str] = (), install: str | None = None,
                  summary: str = "", check: Callable[[], str | None] | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise KvxferError("registered a backend without a name")
-        if name in known or name in mine:
-            owner = known[name].plugin if name in known else plugin
-            raise KvxferError(f"backend {name!r} is already registered by {owner!r}; "
-                              f"block one of them with {BLOCK_ENV}")
+        if name in mine:
+            raise KvxferError(f"plugin {plugin!r} registers backend {name!r} twice")
         mine[name] = BackendInfo(name, factory, plugin, tuple(requires), install, summary, check)
 
     return register
@@ -206,18 +268,44 @@ def _build_registry() -> dict[str, BackendInfo]:
     # Call each plugin's hook on its own (still through pluggy, so tracing sees it): a failure
     # names the plugin that made it, and only that plugin's backends are dropped.
     plugins = [impl.plugin for impl in pm.hook.kvxfer_register_backends.get_hookimpls()]
-    for plugin in plugins:  # in registration order: on a clash the first one keeps the name
+    claims: dict[str, list[BackendInfo]] = {}
+    for plugin in plugins:
         name = pm.get_name(plugin) or repr(plugin)
         mine: dict[str, BackendInfo] = {}
         others = [p for p in plugins if p is not plugin]
         try:
             pm.subset_hook_caller("kvxfer_register_backends", remove_plugins=others)(
-                register=_registrar(name, registry, mine))
+                register=_registrar(name, mine))
         except Exception as exc:
             _mark_broken(name, "register", exc, _dists.get(name, (None, None)))
             continue
-        registry.update(mine)
+        for backend, info in mine.items():
+            claims.setdefault(backend, []).append(info)
+    for backend in sorted(claims):
+        winner = _settle(backend, claims[backend])
+        if winner is not None:
+            registry[backend] = winner
     return registry
+
+
+def _builtin(plugin: str) -> bool:
+    return _dists.get(plugin, (None, None))[0] == CORE_DISTRIBUTION
+
+
+def _settle(backend: str, infos: list[BackendInfo]) -> BackendInfo | None:
+    """Who gets ``backend``: a built-in, the only claimant, or (two third parties) nobody."""
+    builtins = [i for i in infos if _builtin(i.plugin)]
+    others = [i for i in infos if not _builtin(i.plugin)]
+    if len(infos) == 1 and not (others and backend in BUILTIN_NAMES):
+        return infos[0]
+    if others and (builtins or backend in BUILTIN_NAMES or len(others) > 1):
+        others.sort(key=lambda i: (_dists.get(i.plugin, (None, None))[0] or "", i.plugin))
+        meta = [_dists.get(i.plugin, (None, None)) for i in others]
+        conflict = BackendConflict(backend, tuple(i.plugin for i in others), tuple(d for d, _ in meta),
+                                   tuple(v for _, v in meta), reserved=bool(builtins) or backend in BUILTIN_NAMES)
+        _conflicts.append(conflict)
+        _log.info("kvxfer: %s", conflict.message)
+    return builtins[0] if builtins else None
 
 
 def registry() -> dict[str, BackendInfo]:
@@ -236,12 +324,19 @@ def reset_plugins() -> None:
         _registry = None
         _broken.clear()
         _dists.clear()
+        _conflicts.clear()
 
 
 def broken_plugins() -> list[BrokenPlugin]:
     """Plugins skipped because they failed to import, validate or register."""
     registry()
     return list(_broken)
+
+
+def backend_conflicts() -> list[BackendConflict]:
+    """Backend names refused to some plugins, one entry per name, sorted by name."""
+    registry()
+    return list(_conflicts)
 
 
 def available_backends() -> list[BackendStatus]:
@@ -257,6 +352,9 @@ def available_backends() -> list[BackendStatus]:
 
 def get_backend_class(name: str) -> type[Backend]:
     reg = registry()
+    conflict = next((c for c in _conflicts if c.name == name), None)
+    if name not in reg and conflict is not None:
+        raise BackendNameConflictError(conflict.message)
     if name not in reg:
         known = ", ".join(sorted(reg)) or "none"
         blocked = os.environ.get(BLOCK_ENV)

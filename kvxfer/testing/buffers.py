@@ -49,6 +49,18 @@ class Cache:
             return rows.reshape(self.num_blocks, self.num_layers, self.page).transpose(1, 0, 2).copy()
         return np.stack([_host(s) for s in self.storages])
 
+    def heads(self, n: int = 8) -> np.ndarray:
+        """The first ``n`` bytes of every page, ``(num_layers, num_blocks, n)``: a cheap probe of
+        which pages a transfer has reached, without copying the cache."""
+        if self.kind == "packed":
+            return np.stack([_host(self.storages[0][:, i * self.page:i * self.page + n])
+                             for i in range(self.num_layers)])
+        return np.stack([_host(s[:, :n]) for s in self.storages])
+
+    def pages_reached(self, fill: int = SENTINEL) -> int:
+        """How many pages no longer start with ``fill`` bytes (a transfer has written there)."""
+        return int((self.heads() != fill).any(axis=2).sum())
+
     def padding(self) -> np.ndarray:
         """Bytes that never belong to any page (row tails of a packed cache)."""
         if self.kind == "packed" and self.pad:

@@ -27,6 +27,8 @@ Rules it checks beyond moving bytes:
   are block ids, not ``0..n``);
 * a corrupt connection blob is refused with a :class:`~kvxfer.KvxferError`, never a raw
   exception.
+* (two processes) a peer killed while a large READ or WRITE is in flight ends the transfer
+  with a typed error, or DONE with every byte verified; never DONE with bytes missing.
 
 Every test is bounded (``pytest-timeout``), so a hanging backend fails in minutes, not hours.
 """
@@ -197,11 +199,12 @@ class BackendConformance(_Base):
         np.testing.assert_array_equal(dst.layer_pages(), before)
 
     # -- notifications -------------------------------------------------------------------
-    def _drain(self, agent: Agent, count: int = 1) -> dict[str, list[bytes]]:
+    def _drain(self, agent: Agent, count: int = 1, timeout: float | None = None) -> dict[str, list[bytes]]:
+        """Collect ``count`` notifications, waiting at most ``notify_timeout`` (or ``timeout``)."""
         import time
 
         got: dict[str, list[bytes]] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (self.notify_timeout if timeout is None else timeout)
         while sum(map(len, got.values())) < count and time.monotonic() < deadline:
             for k, v in agent.notifications().items():
                 got.setdefault(k, []).extend(v)
@@ -223,10 +226,33 @@ class BackendConformance(_Base):
         peer = a.add_peer(b.metadata())
         b.add_peer(a.metadata())
         t = a.write(peer, blocks, list(range(64)), notify=b"req-42 done")
-        got = self._drain(b)
+        got = self._drain_after_data(b, snap, list(range(64)), blocks)
         assert got == {"prefill": [b"req-42 done"]}
         snap.check(list(range(64)), blocks)
         t.wait(self.timeout)
+
+    def _drain_after_data(self, agent: Agent, snap: _Snapshot, dst_blocks: list[int],
+                          src_blocks: list[int]) -> dict[str, list[bytes]]:
+        """Wait (up to the transfer timeout) for the notification or for all of its data; once
+        the data is all there, the notification gets only ``notify_timeout``: fail fast."""
+        import time
+
+        got: dict[str, list[bytes]] = {}
+        deadline = time.monotonic() + self.timeout
+        while not got and time.monotonic() < deadline:
+            for k, v in agent.notifications().items():
+                got.setdefault(k, []).extend(v)
+            if snap.dst.pages_reached() < len(dst_blocks) * snap.dst.num_layers:  # cheap probe first
+                time.sleep(0.005)
+                continue
+            try:
+                snap.check(dst_blocks, src_blocks)
+                break
+            except AssertionError:
+                time.sleep(0.005)
+        if not got:
+            got = self._drain(agent)
+        return got
 
     def test_cancel_stops_the_copy(self, agents: tuple[Agent, Agent]) -> None:
         """After ``cancel()`` returns, the destination no longer changes."""

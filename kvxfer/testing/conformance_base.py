@@ -30,6 +30,9 @@ class _Base:
     options: dict[str, Any] = {}
     memory: str = "DRAM"
     timeout: float = 20.0
+    #: How long a notification may lag behind its data (or a standalone notify): a missing
+    #: one fails in this time instead of the transfer timeout. Not a speed claim.
+    notify_timeout: float = 5.0
     #: Every test of the suite ends within this many seconds, hung or not.
     pytestmark = pytest.mark.timeout(180)
 

@@ -8,6 +8,13 @@ one that does not. Import it from :mod:`kvxfer.testing`.
 from __future__ import annotations
 
 import base64
+import json
+import os
+import select
+import signal
+import tempfile
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -15,7 +22,7 @@ import pytest
 
 from .. import Agent
 from ..errors import KvxferError, PeerDisconnectedError, TransferTimeoutError
-from .buffers import SENTINEL, expected_after, make_cache
+from .buffers import SENTINEL, Cache, expected_after, make_cache
 from .conformance_base import DST_BLOCKS, GEOM, SRC_BLOCKS, _Base
 from .peer import PeerProcess, spawn_args
 
@@ -26,6 +33,11 @@ class TwoProcessConformance(_Base):
     peer_timeout: float = 60.0
     peer_args: tuple[str, ...] = ()  # extra ``kvxfer.testing.peer`` arguments, e.g. ("--cuda-device", "1")
     peer_env: dict[str, str] = {}
+    #: The peer-killed-mid-transfer cases: ``kill_blocks`` blocks of this geometry (128 MiB),
+    #: large enough that the kill lands while bytes flow on NIXL, UCX and sockets, small
+    #: enough for a 2-core machine. A backend this fast finishing first is skipped, not passed.
+    kill_blocks: int = 64
+    kill_geometry: dict[str, int] = {"num_layers": 4, "page": 512 << 10}
 
     def _spawn(self, cache: str, seed: int | None, name: str = "remote") -> "_PeerProcess":
         return _PeerProcess(self.backend, self.options, self.memory, cache, seed, name, self.peer_timeout,
@@ -61,12 +73,23 @@ class TwoProcessConformance(_Base):
                 agent.register(src.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
                 peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
-                before = peer.pages()
+                before, src_before = peer.pages(), src.layer_pages()  # expectations from before the transfer
+                want = expected_after(before, src_before, DST_BLOCKS, SRC_BLOCKS)
                 t = agent.write(name, SRC_BLOCKS, DST_BLOCKS, notify=b"pushed")
-                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
+                notes: dict[str, list[str]] = {}
+                deadline = time.monotonic() + self.timeout  # the data or the notification, whichever is first;
+                while not notes and time.monotonic() < deadline:  # then the other soon after
+                    notes = peer.call({"cmd": "notifications", "timeout": 0, "count": 1})["notifications"]
+                    if notes or np.array_equal(peer.pages(), want):
+                        break
+                    time.sleep(0.01)
+                if not notes:
+                    notes = peer.call({"cmd": "notifications", "timeout": self.notify_timeout,
+                                       "count": 1})["notifications"]
                 assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"pushed"]}
                 after = peer.pages()  # read only after the notification: data must be visible
-                np.testing.assert_array_equal(after, expected_after(before, src.layer_pages(), DST_BLOCKS, SRC_BLOCKS))
+                np.testing.assert_array_equal(after, want)
+                np.testing.assert_array_equal(src.layer_pages(), src_before, err_msg="WRITE changed its source")
                 assert (peer.padding() == SENTINEL).all()
                 t.wait(self.timeout)
         finally:
@@ -82,7 +105,7 @@ class TwoProcessConformance(_Base):
                 name = agent.add_peer(peer.metadata)
                 peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
                 agent.notify(name, b"ready")
-                notes = peer.call({"cmd": "notifications", "timeout": self.timeout, "count": 1})["notifications"]
+                notes = peer.call({"cmd": "notifications", "timeout": self.notify_timeout, "count": 1})["notifications"]
                 assert {k: [base64.b64decode(m) for m in v] for k, v in notes.items()} == {"local": [b"ready"]}
         finally:
             peer.close()
@@ -101,15 +124,139 @@ class TwoProcessConformance(_Base):
             assert not isinstance(info.value, TransferTimeoutError), "a dead peer must be detected, not timed out"
             assert isinstance(info.value, PeerDisconnectedError), f"expected PeerDisconnectedError, got {info.value!r}"
 
+    # -- a peer killed while bytes flow (design.md, promise 3) -----------------------------
+    def _kill_caches(self, seed: int | None, name: str) -> tuple[_PeerProcess, Cache, list[int], list[int]]:
+        n = self.kill_blocks
+        peer = _PeerProcess(self.backend, self.options, self.memory, "packed", seed, name, self.peer_timeout,
+                            self.peer_args, self.peer_env, blocks=n, geometry=self.kill_geometry)
+        local = make_cache("packed", num_blocks=n, memory=self.memory, seed=None if seed is not None else 4711,
+                           **self.kill_geometry)
+        return peer, local, list(range(n)), list(range(n - 1, -1, -1))
+
+    def _after_kill(self, t: Any, what: str) -> bool:
+        """Wait for the transfer after its peer died: True if DONE, False on a typed error."""
+        try:
+            t.wait(self.timeout)
+        except TransferTimeoutError:
+            pytest.fail(f"{what}: a peer killed mid-transfer was waited on until the timeout, not detected")
+        except KvxferError:
+            return False
+        return True
+
+    def test_peer_killed_mid_read(self) -> None:
+        """Killed while our READ streams its bytes: DONE only with every byte here, else a typed error."""
+        peer, dst, ours, theirs = self._kill_caches(seed=31, name="victim")
+        try:
+            ref = make_cache("packed", num_blocks=self.kill_blocks, seed=31, **self.kill_geometry).layer_pages()
+            want = expected_after(dst.layer_pages(), ref, ours, theirs)
+            total = dst.num_layers * dst.num_blocks
+            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+                agent.register(dst.views, replicated=True)
+                name = agent.add_peer(peer.metadata)
+                mid, stop = threading.Event(), threading.Event()
+
+                def watch() -> None:  # a thread: some transports land every byte inside post()
+                    while not stop.is_set():
+                        reached = dst.pages_reached()
+                        if 0 < reached < total:
+                            os.kill(peer.pid, signal.SIGKILL)
+                            mid.set()
+                            return
+                        if reached == total:
+                            return
+
+                watcher = threading.Thread(target=watch, daemon=True)
+                watcher.start()
+                try:
+                    t = agent.read(name, ours, theirs)
+                except KvxferError as exc:  # the kill can land inside post(): a typed error is right
+                    stop.set()
+                    watcher.join()
+                    if not mid.is_set():
+                        raise
+                    assert not isinstance(exc, TransferTimeoutError)
+                    return
+                try:
+                    while watcher.is_alive() and not t.done():
+                        time.sleep(1e-4)  # let the watcher in
+                except KvxferError:
+                    if not mid.is_set():
+                        raise  # failed before the kill: a bug of its own
+                stop.set()
+                watcher.join()
+                peer.kill()
+                if self._after_kill(t, "READ"):
+                    got = dst.layer_pages()
+                    missing = int((got != want).any(axis=2).sum())
+                    assert missing == 0, f"READ reported DONE with {missing} of {total} pages wrong after its peer died"
+                if not mid.is_set():
+                    pytest.skip("the READ finished before its peer could be killed mid-flight: raise kill_blocks")
+        finally:
+            peer.close()
+
+    def test_peer_killed_mid_write(self) -> None:
+        """The peer kills itself once our WRITE has reached some but not all of its pages: the
+        write must not then report DONE (its bytes can never all arrive)."""
+        self.require(op="WRITE")
+        peer, src, ours, theirs = self._kill_caches(seed=None, name="victim")
+        try:
+            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+                agent.register(src.views, replicated=True)
+                name = agent.add_peer(peer.metadata)
+                assert peer.proc.stdin is not None and peer.proc.stdout is not None
+                with tempfile.TemporaryDirectory() as tmp:  # the peer watches before we post
+                    ready = os.path.join(tmp, "watching")
+                    peer.proc.stdin.write(json.dumps({"cmd": "die_mid_transfer", "timeout": self.timeout,
+                                                      "ready_file": ready}) + "\n")
+                    peer.proc.stdin.flush()
+                    deadline = time.monotonic() + self.peer_timeout
+                    while not os.path.exists(ready) and peer.proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                try:
+                    t = agent.write(name, ours, theirs)
+                except KvxferError:  # the peer may die inside post(): then a typed error is right
+                    if peer.proc.stdout.readline():
+                        raise  # it is alive and answered: the error is a bug of its own
+                    return
+                done_first, failed = False, None
+                while True:  # poll the write until the peer answers or dies (EOF)
+                    if not done_first and failed is None:
+                        try:
+                            done_first = t.done()
+                        except KvxferError as exc:  # the peer may already be gone
+                            failed = exc
+                    if select.select([peer.proc.stdout], [], [], 0.01 if done_first or failed else 0)[0]:
+                        break
+                line = peer.proc.stdout.readline()
+                if not line:  # the peer killed itself with some pages written
+                    peer.proc.wait(10)
+                    assert not done_first, "WRITE reported DONE before every page reached its peer"
+                    if failed is None:
+                        assert not self._after_kill(t, "WRITE"), \
+                            "WRITE reported DONE although its peer died before every page arrived"
+                    assert not isinstance(failed, TransferTimeoutError), "a dead peer must be detected, not timed out"
+                    return
+                if failed is not None:
+                    raise failed
+                reply = json.loads(line)
+                assert reply.get("complete"), f"WRITE never reached every page of a live peer: {reply}"
+                t.wait(self.timeout)
+                pytest.skip("the WRITE finished before its peer could die mid-flight: raise kill_blocks")
+        finally:
+            peer.close()
+
 
 class _PeerProcess(PeerProcess):
     """The suite's peer: 12 blocks of the suite's geometry, rows padded with 32 spare bytes."""
 
     def __init__(self, backend: str, options: dict[str, Any], memory: str, cache: str, seed: int | None, name: str,
-                 timeout: float, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
-        super().__init__(spawn_args(backend, name=name, cache=cache, memory=memory, blocks=12,
-                                    layers=GEOM["num_layers"], page=GEOM["page"], pad=32, options=options,
-                                    replicated=True, seed=seed) + list(extra), timeout=timeout, env=env)
+                 timeout: float, extra: tuple[str, ...] = (), env: dict[str, str] | None = None, blocks: int = 12,
+                 geometry: dict[str, int] | None = None):
+        geom = geometry or GEOM
+        super().__init__(spawn_args(backend, name=name, cache=cache, memory=memory, blocks=blocks,
+                                    layers=geom["num_layers"], page=geom["page"], pad=32 if geometry is None else 0,
+                                    options=options, replicated=True, seed=seed) + list(extra), timeout=timeout,
+                         env=env)
 
     def pages(self) -> np.ndarray:
         raw = base64.b64decode(self.call({"cmd": "pages"})["pages"])

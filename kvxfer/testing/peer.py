@@ -20,6 +20,9 @@ then answers one JSON command per line:
 ``{"cmd": "logical"}`` -> ``{"logical": b64, "shape": [...], "dtype": name}`` (``--engine`` cache)
 ``{"cmd": "write", "peer": name, "local": [...], "remote": [...]}`` -> ``{"done": true}``
 ``{"cmd": "notifications", "timeout": s, "count": n}`` -> ``{"notifications": {peer: [b64]}}``
+``{"cmd": "die_mid_transfer", "timeout": s, "ready_file": path}`` -> creates ``ready_file`` once
+watching, SIGKILLs itself once some but not all pages were written, or answers
+``{"complete": bool}`` when every page was reached (or ``timeout`` passed) first
 ``{"cmd": "exit"}``
 
 A failing command answers ``{"error": type, "message": text}``. Between commands it keeps
@@ -201,6 +204,24 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
         got = {k: [_b64(m) for m in v] for k, v in notes.items()}
         notes.clear()
         return {"notifications": got}
+    if c == "die_mid_transfer":  # the conformance kit's peer killed while a WRITE lands here
+        import signal
+
+        deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
+        total = cache.num_layers * cache.num_blocks
+        last = 0.0
+        if cmd.get("ready_file"):  # tells the driver we watch, before it posts the transfer
+            open(cmd["ready_file"], "w").close()
+        while time.monotonic() < deadline:
+            if time.monotonic() - last > 1e-3:  # drive the transport, but probe between drives
+                agent.progress()
+                last = time.monotonic()
+            reached = cache.pages_reached()
+            if 0 < reached < total:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if reached == total:
+                return {"complete": True}
+        return {"complete": False}
     if c == "exit":
         return {"exit": True}
     raise ValueError(f"unknown command {c!r}")
