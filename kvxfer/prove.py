@@ -38,6 +38,7 @@ import hashlib
 import importlib
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -46,10 +47,12 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping
 
 from ._childproc import FRAME, MAX_REPLY, Child, Clock, ask, read_exact, unpin_self
+from . import errors
 from .deadlines import check_timeout, current_deadline
-from .errors import MetadataCrashError, MetadataError, ProverUnavailableError
+from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "health", "main", "read_exact"]
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "health", "main", "named", "read_exact",
+           "shared", "unnamed"]
 
 #: Seconds of CPU time a probe may be given before the bytes count as hanging native code.
 DEFAULT_TIMEOUT = 30.0
@@ -58,6 +61,9 @@ DEFAULT_START_TIMEOUT = 120.0
 #: The largest input a prover accepts (larger metadata is refused before it is sent).
 MAX_INPUT = 16 << 20
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
+_shared: dict[tuple[str, str, float], "Prover"] = {}
+_shared_lock = threading.Lock()
+_NAME = struct.Struct("<H")
 
 
 class _Pending:
@@ -204,8 +210,7 @@ class Prover:
         if isinstance(got, tuple):
             self.stats["refused"] += 1
             self._checkin(child)
-            raise MetadataError(f"{what} refused by native code (tried in a helper process, not loaded "
-                                f"here): {got[1].decode('utf-8', 'replace')}")
+            raise _refusal(what, got[1].decode("utf-8", "replace"))
         how = child.end()
         self._retire(child)
         if got == "hang":
@@ -377,6 +382,48 @@ class Prover:
             self._backoff = min(max(self.start_backoff[0], 2 * self._backoff), self.start_backoff[1])
             self._retry_at = time.monotonic() + self._backoff
             self._cond.notify_all()
+
+
+def _refusal(what: str, text: str) -> KvxferError:
+    """The helper's refusal as the error this process would have raised: the same kvxfer
+    error class where the helper named one (a typed refusal stays typed), else MetadataError."""
+    name, _, message = text.partition(": ")
+    cls = getattr(errors, name, None) if name in errors.__all__ else None
+    wording = f"{what} refused by native code (tried in a helper process, not loaded here): {text}"
+    if isinstance(cls, type) and issubclass(cls, KvxferError) and cls not in (MetadataCrashError,
+                                                                               ProverUnavailableError):
+        try:
+            return cls(wording)
+        except Exception:  # a class whose constructor wants more than a message
+            pass
+    return MetadataError(wording)
+
+
+def shared(target: str, options: Mapping[str, Any], timeout: float, **kw: Any) -> Prover:
+    """The process's prover for ``target`` built with ``options`` (JSON), created on first use.
+
+    Backends of one process with one configuration share helpers: a helper costs a process
+    and a native agent, and what it proves for one backend holds for the others.
+    """
+    key = (target, json.dumps(dict(options), sort_keys=True), check_timeout(timeout, "prove_timeout"))
+    with _shared_lock:
+        p = _shared.get(key)
+        if p is None:
+            p = _shared[key] = Prover(target, options, timeout=key[2], log=os.environ.get("KVXFER_PROVE_LOG") or None,
+                                      **kw)
+        return p
+
+
+def named(name: str, blob: bytes) -> bytes:
+    """A probe request for a backend's ``add_remote(name, blob)``: the name, then the blob."""
+    raw = name.encode("utf-8")
+    return _NAME.pack(len(raw)) + raw + bytes(blob)
+
+
+def unnamed(data: bytes) -> tuple[str, bytes]:
+    """The inverse of :func:`named`, in the helper."""
+    (n,) = _NAME.unpack_from(data)
+    return data[_NAME.size:_NAME.size + n].decode("utf-8"), data[_NAME.size + n:]
 
 
 def health() -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._probe import _NAME
+from kvxfer.prove import unnamed
 
 __all__ = ["make_probe"]
 
@@ -28,10 +28,9 @@ def make_probe(**options: Any) -> Callable[[bytes], None]:
     backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
 
     def probe(data: bytes) -> None:
-        (n,) = _NAME.unpack_from(data)
-        name = data[_NAME.size:_NAME.size + n].decode("utf-8")
+        name, blob = unnamed(data)
         try:
-            backend.add_remote(name, data[_NAME.size + n:])
+            backend.add_remote(name, blob)
         finally:
             backend.remove_remote(name)
 

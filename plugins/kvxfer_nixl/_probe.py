@@ -16,35 +16,20 @@ serves every backend of a process with the same options. What runs in the helper
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-import threading
 from typing import Any
 
-from kvxfer.deadlines import check_timeout
-from kvxfer.prove import Prover
+from kvxfer.prove import Prover, named, shared
 
 __all__ = ["prover", "request"]
 
 _TARGET = "kvxfer_nixl._helper:make_probe"
-_NAME = struct.Struct("<H")
-_provers: dict[tuple[str, float], Prover] = {}
-_lock = threading.Lock()
 
 
 def prover(options: dict[str, Any], timeout: float) -> Prover:
     """The process's prover for backends built with ``options`` (JSON; started on first use)."""
-    key = (json.dumps(options, sort_keys=True), check_timeout(timeout, "prove_timeout"))
-    with _lock:
-        p = _provers.get(key)
-        if p is None:
-            p = _provers[key] = Prover(_TARGET, options, timeout=key[1],
-                                       log=os.environ.get("KVXFER_PROVE_LOG") or None)
-        return p
+    return shared(_TARGET, options, timeout)
 
 
 def request(peer_name: str, blob: bytes) -> bytes:
     """What the helper is sent: the peer's name and its blob (both already validated here)."""
-    name = peer_name.encode("utf-8")
-    return _NAME.pack(len(name)) + name + bytes(blob)
+    return named(peer_name, blob)

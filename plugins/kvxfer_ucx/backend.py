@@ -33,12 +33,14 @@ from kvxfer.errors import (AgentClosedError, BackendError, KvxferError, Metadata
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
 from kvxfer.progress import Pump
+from kvxfer.prove import named, shared
 from kvxfer.spans import SpanIndex, merge_runs
 
 from . import _libucp as L
 from . import _samehost as SH
 from ._config import transport_config
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
+from ._helper import ROUTE_COPY, ROUTE_RMA, TARGET
 from ._hostpage import PeerPage, ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
 from ._memory import Registrations
@@ -102,6 +104,11 @@ class UcxBackend(Backend):
     ``cancel_timeout``
         longest :meth:`release` drives still-pending RMA before giving up on it (RMA cannot be
         recalled; a dead peer is never waited on).
+    ``prove_metadata`` (default ``"auto"``), ``prove_timeout`` (default 30 s of CPU time)
+        load an unauthenticated peer's blob (``token=NO_AUTH``) in a helper process first
+        (:mod:`kvxfer_ucx._helper`): a worker address that crashes UCX there never reaches
+        this process. ``True`` proves signed blobs too, ``False`` none (docs/design.md,
+        section 8).
     """
 
     name = "ucx"
@@ -111,8 +118,16 @@ class UcxBackend(Backend):
 
     def __init__(self, agent_name: str, *, same_host_copy: bool | None = None, trusted_network: bool = False,
                  tls: str | None = None, ucx_config: Mapping[str, Any] | None = None,
-                 copy_chunk: int = SH.DEFAULT_CHUNK, poll_budget: float = 0.005, cancel_timeout: float = 2.0) -> None:
+                 copy_chunk: int = SH.DEFAULT_CHUNK, poll_budget: float = 0.005, cancel_timeout: float = 2.0,
+                 prove_metadata: bool | str = "auto", prove_timeout: float = 30.0) -> None:
         super().__init__(agent_name)
+        if prove_metadata not in (True, False, "auto"):
+            raise BackendError(f"prove_metadata must be True, False or 'auto', got {prove_metadata!r}")
+        self._prove_all = prove_metadata is True
+        self._prover = shared(TARGET, dict(trusted_network=bool(trusted_network), tls=tls,
+                                           ucx_config=dict(ucx_config or {}), copy_chunk=int(copy_chunk),
+                                           poll_budget=float(poll_budget), cancel_timeout=float(cancel_timeout)),
+                              prove_timeout) if prove_metadata else None
         if same_host_copy not in (None, True, False):
             raise BackendError(f"ucx backend: same_host_copy must be None, True or False, got {same_host_copy!r}")
         if not isinstance(agent_name, str) or not 0 < len(agent_name.encode("utf-8", "replace")) <= MAX_NAME:
@@ -174,6 +189,10 @@ class UcxBackend(Backend):
         except Exception as exc:  # the seam's contract: only typed errors leave add_remote
             raise MetadataError(f"ucx metadata for peer rejected: {type(exc).__name__}") from None
 
+    def _proving(self) -> bool:
+        """Whether a new blob is loaded in a helper first (``prove_metadata``, and who signed it)."""
+        return self._prover is not None and (self._prove_all or not self.peers_authenticated)
+
     def _add_remote(self, peer_name: str, blob: bytes) -> str:
         b = parse_blob(blob)
         if b.agent != peer_name:
@@ -182,6 +201,11 @@ class UcxBackend(Backend):
         with self._lock:
             self._check_open()
             page, why = prove(self._libc, self._host, self._same_host_copy, peer_name, b)
+        if self._proving():  # every check of ours passed: now UCX sees the bytes, in a helper first
+            route = ROUTE_RMA if page is None else ROUTE_COPY  # the helper hands UCX what we will
+            self._prover.prove(named(peer_name, route + bytes(blob)), f"UCX metadata of {peer_name!r}")
+        with self._lock:
+            self._check_open()
             try:
                 ep = self._w.connect(b.worker)
             except PeerDisconnectedError as exc:
