@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,15 +61,37 @@ def main() -> None:
     side.close()
 
 
-def load_from_idle_prefill(port: int, backend_options: dict[str, Any] | None = None, timeout: float = 120.0,
-                           keep: list | None = None) -> float:
-    """Decode side: start an idle prefill on ``port``, READ blocks [5, 0, 6] into [1, 7, 2], check the bytes.
+def start_idle_prefill(options: dict[str, Any], attempts: int = 3) -> tuple[subprocess.Popen, int]:
+    """The prefill process, once it printed ``ready``, and its port.
+
+    The port is one that looked free a moment before; another process may take it first
+    (the machine is shared), so a start that failed to listen is tried again on another.
+    """
+    from harness import free_port
+
+    for attempt in range(attempts):
+        port = free_port()
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), json.dumps(options)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                    cwd=str(Path(__file__).resolve().parents[2]))
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() == b"ready":
+                return proc, port
+            proc.wait(timeout=60)
+            err.seek(0)
+            text = err.read().decode("utf-8", "replace")
+        if "Address already in use" not in text or attempt == attempts - 1:
+            raise AssertionError(f"the idle prefill did not start (rc={proc.returncode}):\n{text[-3000:]}")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def load_from_idle_prefill(backend_options: dict[str, Any] | None = None, timeout: float = 120.0) -> float:
+    """Decode side: start an idle prefill, READ blocks [5, 0, 6] into [1, 7, 2], check the bytes.
 
     ``insecure`` (no token): the agent metadata is unsigned, so with NIXL's ``prove_metadata``
     (its default) it is proven in a helper process before it is loaded. Returns the seconds
     from the load's start to its completion; raises AssertionError on any wrong byte.
-    ``keep``: where to put the decode's :class:`WorkerSide` after it is closed (to read its
-    stats), if given.
     """
     import torch
 
@@ -78,14 +101,18 @@ def load_from_idle_prefill(port: int, backend_options: dict[str, Any] | None = N
     from kvxfer.integrations.vllm.worker import WorkerSide
 
     options = dict(backend_options or {})
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), json.dumps(options)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[2]))
-    side = WorkerSide(ConnectorConfig.from_extra({"insecure": True, "port": port + 1, "transfer_timeout": 60,
-                                                  "handshake_timeout": 30, "lease_seconds": 600,
-                                                  "backend_options": options}, env={}),
-                      "decode", 0)
+    proc, port = start_idle_prefill(options)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        side = WorkerSide(ConnectorConfig.from_extra({"insecure": True, "port": port, "transfer_timeout": 60,
+                                                      "handshake_timeout": 30, "lease_seconds": 600,
+                                                      "backend_options": options}, env={}),
+                          "decode", 0)  # port: unused, decode serves no metadata
+    except BaseException:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=60)
+        raise
+    try:
         dst_store, dst = cache(0xAA)
         register(side, dst, serve=False)
         _, src = cache(None)  # the prefill's contents, made again from the same seed
@@ -113,8 +140,6 @@ def load_from_idle_prefill(port: int, backend_options: dict[str, Any] | None = N
         return seconds
     finally:
         side.close()
-        if keep is not None:
-            keep.append(side)
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(timeout=60)

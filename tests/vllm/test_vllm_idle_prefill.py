@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import free_port
 from idle_prefill import load_from_idle_prefill
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess, pytest.mark.nixl]
 
 
 def test_decode_loads_from_an_idle_prefill() -> None:
-    load_from_idle_prefill(free_port(2))
+    load_from_idle_prefill()
