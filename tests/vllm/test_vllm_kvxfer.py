@@ -1,9 +1,10 @@
 """Prefill and decode as real vLLM instances on CPU, talking through KvxferConnector.
 
-Two pairs, one after the other (the reference tokens come from a plain instance run once
-before them): one with a block-outermost cache (BLHNC, through the test-only override in
-``blhnc_site``), then one with vLLM CPU's own layer-outermost cache (LBHNC). For every prompt prefill computes the KV and
-returns transfer parameters; decode loads it and generates greedily. The tokens must equal
+Two pairs, one after the other, prefill and decode on a core each (the reference tokens
+come from a plain instance run once before them): one with a block-outermost cache (BLHNC,
+through the test-only override in ``blhnc_site``), then one with vLLM CPU's own
+layer-outermost cache (LBHNC). For every prompt prefill computes the KV and returns
+transfer parameters; decode loads it and generates greedily. The tokens must equal
 the plain instance's, and decode's metrics must show the KV was loaded (tokens, bytes and
 descriptors, computed here from the model's geometry) instead of recomputed.
 
