@@ -93,8 +93,6 @@ def load_from_idle_prefill(backend_options: dict[str, Any] | None = None, timeou
     (its default) it is proven in a helper process before it is loaded. Returns the seconds
     from the load's start to its completion; raises AssertionError on any wrong byte.
     """
-    import torch
-
     from kvxfer.integrations.vllm.config import ConnectorConfig
     from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadTask
     from kvxfer.integrations.vllm.params import RemoteKV

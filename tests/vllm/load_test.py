@@ -91,8 +91,9 @@ def vllm_phase(model: Path, logdir: Path, ps: list[list[int]], hogs: list[subpro
                     and not row["failed_loads"]):
                 problems.append(row)
             print(f"  vllm request {len(rows)}: {row}", flush=True)
-        return {"pair_start_s": round(started, 1), "requests": len(rows), "loaded": sum(r["loaded_tokens"] == r["tokens"]
-                for r in rows), "token_equal": sum(r["token_equal"] for r in rows), "problems": problems,
+        loaded = sum(r["loaded_tokens"] == r["tokens"] for r in rows)
+        return {"pair_start_s": round(started, 1), "requests": len(rows), "loaded": loaded,
+                "token_equal": sum(r["token_equal"] for r in rows), "problems": problems,
                 "busy_throughout": busy_at_start and alive(hogs), "seconds": round(time.monotonic() - t0, 1),
                 "decode_s_max": max((r["decode_s"] for r in rows), default=None)}
     finally:
@@ -159,7 +160,8 @@ def main() -> int:
                 h.terminate()
             h.wait(timeout=30)
     summary["total_s"] = round(time.monotonic() - t0, 1)
-    ok = summary["nixl"]["verified"] == args.nixl_rounds and summary["nixl"]["prover"].get("proven", 0) >= args.nixl_rounds
+    n = summary["nixl"]
+    ok = n["verified"] == args.nixl_rounds and n["prover"].get("proven", 0) >= args.nixl_rounds
     if "vllm" in summary:
         v = summary["vllm"]
         ok = ok and not v["problems"] and v["loaded"] == v["token_equal"] == args.requests
