@@ -44,6 +44,15 @@ def model_dir(workdir: Path) -> Path:
     return write_tiny_llama(workdir / "tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, workdir: Path) -> dict:
+    """Greedy tokens of one plain instance (no connector) for every prompt, once per session."""
+    from e2e import REFERENCE, ensure_reference
+
+    ensure_reference(model_dir, workdir)
+    return REFERENCE
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Write the connector comparison (descriptors and times per request) if any ran."""
     e2e = sys.modules.get("e2e")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import TOKEN_ENV, Engine, free_port, start_engine
+from harness import TOKEN_ENV, Engine, free_port, pair_cpus, start_engine
 
 #: Prompts as token ids, seeded: lengths chosen for 1, 2 (exactly full), 3 and 6 blocks of 128.
 PROMPT_LENGTHS = (97, 256, 300, 700)
@@ -76,45 +76,77 @@ def start_kvxfer_pair(model: Path, logdir: Path, layout: str) -> Pair:
     env = {TOKEN_ENV: TOKEN}
     port = free_port(2)
     tag, bl = layout.lower(), layout == "BLHNC"
+    p_cpus, d_cpus = pair_cpus()
     return Pair("kvxfer", layout,
-                start_engine(f"kvxfer-prefill-{tag}", model, logdir, env=env, blhnc=bl,
+                start_engine(f"kvxfer-prefill-{tag}", model, logdir, env=env, blhnc=bl, cpus=p_cpus,
                              kv_transfer_config=kvxfer_config("kv_producer", port)),
-                start_engine(f"kvxfer-decode-{tag}", model, logdir, env=env, blhnc=bl,
+                start_engine(f"kvxfer-decode-{tag}", model, logdir, env=env, blhnc=bl, cpus=d_cpus,
                              kv_transfer_config=kvxfer_config("kv_consumer", port + 1)))
 
 
 def start_nixl_pair(model: Path, logdir: Path, layout: str) -> Pair:
     tag, bl = layout.lower(), layout == "BLHNC"
     engines = []
-    for role in ("kv_producer", "kv_consumer"):
+    for role, cpus in zip(("kv_producer", "kv_consumer"), pair_cpus()):
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
         engines.append(start_engine(f"nixl-{role.split('_')[1]}-{tag}", model, logdir, env=env, blhnc=bl,
-                                    kv_transfer_config=nixl_config(role)))
+                                    cpus=cpus, kv_transfer_config=nixl_config(role)))
     return Pair("NixlConnector", layout, *engines)
 
 
-def start_fleet(model: Path, logdir: Path, pairs: dict[str, Any]) -> tuple[dict[str, Pair], list[Engine]]:
-    """Start the pairs (and a plain reference instance if tokens are missing) all at once.
+def ensure_reference(model: Path, logdir: Path) -> None:
+    """Fill :data:`REFERENCE` from a plain instance (no connector), started alone and stopped.
 
-    ``pairs`` maps a key to ``(start function, layout)``. Returns the ready pairs, each warmed
-    up, and every engine started (for the caller to stop).
+    Once per session: every test module compares against the same tokens.
     """
-    ref = start_engine("reference", model, logdir) if any(tuple(p) not in REFERENCE for p in all_prompts()) else None
-    started = {k: fn(model, logdir, layout) for k, (fn, layout) in pairs.items()}
-    engines = ([ref] if ref else []) + [e for p in started.values() for e in p.engines]
+    if all(tuple(p) in REFERENCE for p in all_prompts()):
+        return
+    ref = start_engine("reference", model, logdir)
     try:
-        if ref is not None:
-            ref.wait_ready()
-            fill_reference(ref)
-            ref.stop()
-        for e in engines:
-            e.wait_ready()
-        warm_up(started)
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
-    return started, engines
+        ref.wait_ready()
+        fill_reference(ref)
+    finally:
+        ref.stop()
+
+
+class Pairs:
+    """The pairs of one test module, started on first use and one at a time.
+
+    On two cores engines started together share them (see ``start_times.py``); asking for a
+    layout stops the pair that runs before starting the next. ``starts`` maps a layout to
+    its start function. A pair that failed to start is not started again: its later tests
+    get the same error.
+    """
+
+    def __init__(self, model: Path, logdir: Path, starts: dict[str, Any]) -> None:
+        self.model, self.logdir, self.starts = model, logdir, starts
+        self.current: Pair | None = None
+        self.failed: dict[str, BaseException] = {}
+
+    def __getitem__(self, layout: str) -> Pair:
+        if self.current is not None and self.current.layout == layout:
+            return self.current
+        if layout in self.failed:
+            raise RuntimeError(f"the {layout} pair did not start") from self.failed[layout]
+        self.stop()
+        pair = self.starts[layout](self.model, self.logdir, layout)
+        try:
+            for e in pair.engines:
+                e.wait_ready()
+            warm_up(pair)
+        except BaseException as exc:
+            for e in pair.engines:
+                e.stop()
+            self.failed[layout] = exc
+            raise
+        self.current = pair
+        return pair
+
+    def stop(self) -> None:
+        if self.current is not None:
+            for e in self.current.engines:
+                e.stop()
+            self.current = None
 
 
 def all_prompts() -> list[list[int]]:
@@ -155,23 +187,22 @@ def flushed_metric(engine: Engine, name: str, at_least: float, timeout: float = 
         time.sleep(0.5)
 
 
-def warm_up(pairs: dict[str, "Pair"], attempts: int = 2) -> None:
+def warm_up(pair: Pair, attempts: int = 2) -> None:
     """A first request per pair opens the transport's connection; it must answer correctly, loaded or not.
 
     Under load that first load can outlive its deadline (vLLM then recomputes); a second
     prompt is tried so that the measured requests start on an open connection.
     """
-    for i, pair in enumerate(pairs.values()):
-        key = "kvxfer" if pair.connector == "kvxfer" else "nixl"
-        for attempt in range(attempts):
-            prompt = WARMUP[(i + 2 * attempt) % len(WARMUP)]
-            out = decode(pair, prompt, prefill(pair, prompt))
-            assert out["tokens"][0] == REFERENCE[tuple(prompt)], f"{pair.connector} warm-up"
-            loaded = bool(out["delta"].get(f"vllm:{key}_num_descriptors:count"))
-            WARMUPS.append({"connector": pair.connector, "layout": pair.layout, "decode_call_ms": 1e3 * out["seconds"],
-                            "loaded": loaded})
-            if loaded:
-                break
+    key = "kvxfer" if pair.connector == "kvxfer" else "nixl"
+    for attempt in range(attempts):
+        prompt = WARMUP[(0 if pair.layout == "LBHNC" else 1) + 2 * attempt]
+        out = decode(pair, prompt, prefill(pair, prompt))
+        assert out["tokens"][0] == REFERENCE[tuple(prompt)], f"{pair.connector} warm-up"
+        loaded = bool(out["delta"].get(f"vllm:{key}_num_descriptors:count"))
+        WARMUPS.append({"connector": pair.connector, "layout": pair.layout, "decode_call_ms": 1e3 * out["seconds"],
+                        "loaded": loaded})
+        if loaded:
+            break
 
 
 def record(pair: Pair, prompt: list[int], out: dict[str, Any]) -> dict[str, Any]:

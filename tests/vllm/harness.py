@@ -65,6 +65,21 @@ def write_tiny_llama(folder: Path) -> Path:
     return folder
 
 
+def pair_cpus() -> tuple[str | None, str | None]:
+    """Cores for a prefill and its decode: the first and the last this process may use.
+
+    vLLM's automatic binding puts both instances of a pair on the same core on a 2-core
+    machine (``GOMP_CPU_AFFINITY=0`` in both workers), where a prefill that steps while its
+    blocks wait to be read takes that core from the decode reading them. Each still runs
+    pinned, as vLLM CPU always does. On one core: vLLM's own choice.
+    """
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None, None
+    return (str(cores[0]), str(cores[-1])) if len(cores) >= 2 else (None, None)
+
+
 @dataclass
 class Engine:
     name: str
@@ -139,8 +154,13 @@ class Engine:
 
 
 def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, blhnc: bool = False, num_blocks: int = 256) -> Engine:
-    """Start one instance in the background; :meth:`Engine.wait_ready` waits for it."""
+                 env: dict[str, str] | None = None, blhnc: bool = False, num_blocks: int = 256,
+                 cpus: str | None = None) -> Engine:
+    """Start one instance in the background; :meth:`Engine.wait_ready` waits for it.
+
+    ``cpus``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this instance (a pair's prefill and
+    decode get a core each, see :func:`pair_cpus`); None leaves vLLM's automatic binding.
+    """
     r, w = os.pipe()
     cfg = {"model": str(model), "fd": w, "kv_transfer_config": kv_transfer_config, "num_blocks": num_blocks}
     e = dict(os.environ)
@@ -148,6 +168,8 @@ def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: di
     if blhnc:
         e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "blhnc_site"), e.get("PYTHONPATH")]))
         e["VLLM_KV_CACHE_LAYOUT"] = "BLHNC"
+    if cpus is not None:
+        e["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     e.update(env or {})
     log_path = logdir / f"{name}.log"
     with open(log_path, "wb") as log:

@@ -1,9 +1,10 @@
 """Prefill and decode as real vLLM instances on CPU, talking through KvxferConnector.
 
-Two pairs start at once (with a plain instance for the reference tokens): one with vLLM
-CPU's own layer-outermost cache (LBHNC), one with a block-outermost cache (BLHNC, through
-the test-only override in ``blhnc_site``). For every prompt prefill computes the KV and
-returns transfer parameters; decode loads it and generates greedily. The tokens must equal
+Two pairs, one after the other, prefill and decode on a core each (the reference tokens
+come from a plain instance run once before them): one with a block-outermost cache (BLHNC,
+through the test-only override in ``blhnc_site``), then one with vLLM CPU's own
+layer-outermost cache (LBHNC). For every prompt prefill computes the KV and returns
+transfer parameters; decode loads it and generates greedily. The tokens must equal
 the plain instance's, and decode's metrics must show the KV was loaded (tokens, bytes and
 descriptors, computed here from the model's geometry) instead of recomputed.
 
@@ -19,24 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from e2e import (BLOCK, FAULT_PROMPTS, LAYERS, PAGE, PROMPTS, REFERENCE, TOKEN, blocks, decode, flushed_metric,
-                 prefill, record, start_fleet, start_kvxfer_pair)
+from e2e import (BLOCK, FAULT_PROMPTS, LAYERS, PAGE, PROMPTS, REFERENCE, TOKEN, Pairs, blocks, decode,
+                 flushed_metric, prefill, record, start_kvxfer_pair)
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
 
 
 @pytest.fixture(scope="module")
-def pairs(model_dir: Path, workdir: Path):
-    started, engines = start_fleet(model_dir, workdir, {"LBHNC": (start_kvxfer_pair, "LBHNC"),
-                                                        "BLHNC": (start_kvxfer_pair, "BLHNC")})
+def pairs(model_dir: Path, workdir: Path, reference):
+    pairs = Pairs(model_dir, workdir, {"LBHNC": start_kvxfer_pair, "BLHNC": start_kvxfer_pair})
     try:
-        yield started
+        yield pairs
     finally:
-        for e in engines:
-            e.stop()
+        pairs.stop()
 
 
-@pytest.mark.parametrize("layout,per_block", [("LBHNC", LAYERS), ("BLHNC", 1)])
+# BLHNC first: the LBHNC pair then stays up for the fault cases below.
+@pytest.mark.parametrize("layout,per_block", [("BLHNC", 1), ("LBHNC", LAYERS)])
 def test_decode_loads_the_prompt_and_matches_a_single_instance(pairs, layout, per_block):
     pair = pairs[layout]
     lines = pair.decode.log_lines("kvxfer registered")
@@ -104,7 +104,10 @@ def test_killed_prefill_recompute(pairs):
     prompt = FAULT_PROMPTS["killed"]
     params = prefill(pair, prompt)
     pair.prefill.kill()
-    out = decode(pair, prompt, params)
+    try:
+        out = decode(pair, prompt, params)
+    finally:
+        pairs.stop()  # a pair with a dead prefill is not handed to another test
     assert out["tokens"][0] == REFERENCE[tuple(prompt)]
     assert out["delta"].get("vllm:kvxfer_failed_loads") == 1
     assert out["delta"].get("vllm:kvxfer_handshake_failures") == 1
