@@ -21,20 +21,25 @@ Frames are ``kind (1 byte) | length (4 bytes, network order) | payload``; no pic
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import signal
 import struct
 import subprocess
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .deadlines import readable
 
-__all__ = ["Child", "Clock", "NATIVE_FAULTS", "PINNING_ENV", "ask", "end", "read_exact", "unpin_self"]
+__all__ = ["Child", "Clock", "MAX_INPUT", "NATIVE_FAULTS", "PINNING_ENV", "ask", "end", "read_exact", "serve",
+           "unpin_self"]
 
 FRAME = struct.Struct("!cI")
 MAX_REPLY = 1 << 16
+#: The largest request a helper reads (a prover refuses larger input before sending it).
+MAX_INPUT = 16 << 20
 #: Signals by which native code reports a fault of its own while loading its input.
 NATIVE_FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT,
                            signal.SIGSYS, signal.SIGTRAP})
@@ -268,3 +273,43 @@ def read_exact(f: Any, n: int) -> bytes | None:
             return None
         buf += chunk
     return buf
+
+
+def serve(target: str) -> int:
+    """Answer probe requests until stdin closes; native output goes to stderr, never the pipe.
+
+    Stdin closes when the parent ends it or dies; the caller then leaves with ``os._exit``,
+    since native teardown of what a probe loaded can hang and would leave the helper behind.
+    """
+    unpin_self()  # before any native thread exists: they inherit this thread's affinity
+    proto = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    inbox = os.fdopen(os.dup(0), "rb", buffering=0)
+
+    def send(kind: bytes, text: str = "") -> None:
+        raw = text.encode("utf-8", "replace")[:MAX_REPLY]
+        proto.write(FRAME.pack(kind, len(raw)) + raw)
+
+    probe: Callable[[bytes], object] | None = None
+    while True:
+        head = read_exact(inbox, FRAME.size)
+        if head is None:
+            return 0
+        op, n = FRAME.unpack(head)
+        if n > MAX_INPUT:
+            return 2
+        data = read_exact(inbox, n)
+        if data is None:
+            return 0
+        try:
+            if op == b"I":
+                module, _, name = target.partition(":")
+                probe = getattr(importlib.import_module(module), name)(**json.loads(data))
+            elif op == b"P" and probe is not None:
+                probe(data)
+            else:
+                send(b"R", f"unexpected request {op!r}")
+                continue
+            send(b"K")
+        except BaseException as exc:  # noqa: BLE001 - a refusal, reported to the parent
+            send(b"R", f"{type(exc).__name__}: {exc}")

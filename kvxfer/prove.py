@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import copy
 import hashlib
-import importlib
 import json
 import os
 import struct
@@ -44,9 +43,9 @@ import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from ._childproc import FRAME, MAX_REPLY, Child, Clock, ask, read_exact, unpin_self
+from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact, serve
 from . import errors
 from .deadlines import check_timeout, current_deadline
 from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
@@ -58,8 +57,6 @@ __all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "a
 DEFAULT_TIMEOUT = 30.0
 #: Seconds of CPU time the helper may be given to start (import, create its native agent).
 DEFAULT_START_TIMEOUT = 120.0
-#: The largest input a prover accepts (larger metadata is refused before it is sent).
-MAX_INPUT = 16 << 20
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
 _shared: dict[tuple[str, str, float], "Prover"] = {}
 _shared_lock = threading.Lock()
@@ -451,56 +448,15 @@ def _stop_all() -> None:
             pass
 
 
-# -- the helper (runs in the child) ---------------------------------------------------------------
-def _serve(target: str) -> int:
-    """Answer probe requests until stdin closes; native output goes to stderr, never the pipe.
-
-    Stdin closes when the parent ends it or dies; the caller then leaves with ``os._exit``,
-    since native teardown of what a probe loaded can hang and would leave the helper behind.
-    """
-    unpin_self()  # before any native thread exists: they inherit this thread's affinity
-    proto = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    inbox = os.fdopen(os.dup(0), "rb", buffering=0)
-
-    def send(kind: bytes, text: str = "") -> None:
-        raw = text.encode("utf-8", "replace")[:MAX_REPLY]
-        proto.write(FRAME.pack(kind, len(raw)) + raw)
-
-    probe: Callable[[bytes], object] | None = None
-    while True:
-        head = read_exact(inbox, FRAME.size)
-        if head is None:
-            return 0
-        op, n = FRAME.unpack(head)
-        if n > MAX_INPUT:
-            return 2
-        data = read_exact(inbox, n)
-        if data is None:
-            return 0
-        try:
-            if op == b"I":
-                module, _, name = target.partition(":")
-                probe = getattr(importlib.import_module(module), name)(**json.loads(data))
-            elif op == b"P" and probe is not None:
-                probe(data)
-            else:
-                send(b"R", f"unexpected request {op!r}")
-                continue
-            send(b"K")
-        except BaseException as exc:  # noqa: BLE001 - a refusal, reported to the parent
-            send(b"R", f"{type(exc).__name__}: {exc}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or ":" not in args[0]:
         print("usage: python -m kvxfer.prove MODULE:FACTORY (started by kvxfer.prove.Prover)", file=sys.stderr)
         return 2
-    return _serve(args[0])
+    return serve(args[0])
 
 
 if __name__ == "__main__":
     code = main()
     sys.stderr.flush()
-    os._exit(code)  # see _serve: no native teardown
+    os._exit(code)  # see kvxfer._childproc.serve: no native teardown

@@ -18,17 +18,14 @@ import numpy as np
 
 from kvxfer.prove import unnamed
 
-__all__ = ["ROUTE_COPY", "ROUTE_RMA", "TARGET", "make_probe"]
-
-TARGET = "kvxfer_ucx._helper:make_probe"
-ROUTE_RMA, ROUTE_COPY = b"R", b"C"
+__all__ = ["make_probe"]
 
 
 def make_probe(**options: Any) -> Callable[[bytes], None]:
     from kvxfer import Allocation
 
     from ._blob import parse_blob
-    from .backend import UcxBackend  # only in the helper: the backend imports this module's constants
+    from .backend import ROUTE_COPY, UcxBackend  # only in the helper; the backend never imports this module
 
     backend = UcxBackend(f"kvxfer-probe-{os.getpid()}", **{**options, "same_host_copy": False,
                                                             "prove_metadata": False})

@@ -40,7 +40,6 @@ from . import _libucp as L
 from . import _samehost as SH
 from ._config import transport_config
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
-from ._helper import ROUTE_COPY, ROUTE_RMA, TARGET
 from ._hostpage import PeerPage, ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
 from ._memory import Registrations
@@ -80,6 +79,13 @@ class _Xfer:
     done: bool = False
     error: KvxferError | None = None
     released: bool = False
+
+
+#: What the metadata prover's helper runs (:mod:`kvxfer_ucx._helper`, which imports this module),
+#: and the route a probe request names as its first byte: RMA (worker address and keys) or
+#: same-host copy (worker address only).
+PROBE_TARGET = "kvxfer_ucx._helper:make_probe"
+ROUTE_RMA, ROUTE_COPY = b"R", b"C"
 
 
 class UcxBackend(Backend):
@@ -124,7 +130,7 @@ class UcxBackend(Backend):
         if prove_metadata not in (True, False, "auto"):
             raise BackendError(f"prove_metadata must be True, False or 'auto', got {prove_metadata!r}")
         self._prove_all = prove_metadata is True
-        self._prover = shared(TARGET, dict(trusted_network=bool(trusted_network), tls=tls,
+        self._prover = shared(PROBE_TARGET, dict(trusted_network=bool(trusted_network), tls=tls,
                                            ucx_config=dict(ucx_config or {}), copy_chunk=int(copy_chunk),
                                            poll_budget=float(poll_budget), cancel_timeout=float(cancel_timeout)),
                               prove_timeout) if prove_metadata else None
