@@ -177,7 +177,14 @@ class TwoProcessConformance(_Base):
                     assert not isinstance(exc, TransferTimeoutError)
                     return
                 try:
-                    while watcher.is_alive() and not t.done():
+                    while True:  # polled at least once more after the watcher is done
+                        if t.done():  # DONE means every byte is here now, not "will be": checked at once
+                            reached = dst.pages_reached()
+                            assert reached == total, (f"READ reported DONE with {total - reached} of {total} "
+                                                      "pages not yet written")
+                            break
+                        if not watcher.is_alive():
+                            break
                         time.sleep(1e-4)  # let the watcher in
                 except KvxferError:
                     if not mid.is_set():
