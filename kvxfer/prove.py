@@ -43,14 +43,14 @@ import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact, serve
 from . import errors
 from .deadlines import check_timeout, current_deadline
 from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "health", "main", "named", "read_exact",
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "backend_probe", "health", "main", "named", "read_exact",
            "shared", "unnamed"]
 
 #: Seconds of CPU time a probe may be given before the bytes count as hanging native code.
@@ -409,6 +409,30 @@ def shared(target: str, options: Mapping[str, Any], timeout: float, **kw: Any) -
             p = _shared[key] = Prover(target, options, timeout=key[2], log=os.environ.get("KVXFER_PROVE_LOG") or None,
                                       **kw)
         return p
+
+
+def backend_probe(backend: Any) -> Callable[[bytes], None]:
+    """In a helper: the probe that adds, then removes, the peer a :func:`named` request names.
+
+    ``backend`` is built like the one it protects; 64 KiB are registered on it first, since
+    the protected backend has memory registered too (what a load touches can depend on it).
+    """
+    import numpy as np
+
+    from .memory import Allocation
+
+    memory = np.zeros(1 << 16, np.uint8)
+    backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
+
+    def probe(data: bytes) -> None:
+        name, blob = unnamed(data)
+        try:
+            backend.add_remote(name, blob)
+        finally:
+            backend.remove_remote(name)
+
+    probe.memory = memory  # type: ignore[attr-defined]  # kept registered for the helper's life
+    return probe
 
 
 def named(name: str, blob: bytes) -> bytes:

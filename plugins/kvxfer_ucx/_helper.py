@@ -14,35 +14,26 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-import numpy as np
-
-from kvxfer.prove import unnamed
+from kvxfer.prove import backend_probe, named, unnamed
 
 __all__ = ["make_probe"]
 
 
 def make_probe(**options: Any) -> Callable[[bytes], None]:
-    from kvxfer import Allocation
-
     from ._blob import parse_blob
     from .backend import ROUTE_COPY, UcxBackend  # only in the helper; the backend never imports this module
 
     backend = UcxBackend(f"kvxfer-probe-{os.getpid()}", **{**options, "same_host_copy": False,
                                                             "prove_metadata": False})
-    memory = np.zeros(1 << 16, np.uint8)
-    backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
+    whole = backend_probe(backend)
 
     def probe(data: bytes) -> None:
         name, routed = unnamed(data)
         route, blob = routed[:1], routed[1:]
-        if route == ROUTE_COPY:
+        if route == ROUTE_COPY:  # the worker address alone
             ep = backend._w.connect(parse_blob(blob).worker)
             backend._w.close_ep(ep, force=True)
-            return
-        try:
-            backend.add_remote(name, blob)
-        finally:
-            backend.remove_remote(name)
+        else:
+            whole(named(name, blob))
 
-    probe.memory = memory  # type: ignore[attr-defined]  # kept registered for the helper's life
     return probe
