@@ -113,12 +113,9 @@ def nixl_phase(rounds: int, hogs: list[subprocess.Popen]) -> dict:
         except Exception as exc:  # counted and reported; the script fails at the end
             errors.append(f"round {i}: {exc!r}")
             print(f"  nixl round {i + 1}: {exc!r}", flush=True)
-    import kvxfer_nixl._probe as probe
+    from kvxfer.prove import health
 
-    stats: dict[str, int] = {}
-    for p in probe._provers.values():
-        for k, v in p.stats.items():
-            stats[k] = stats.get(k, 0) + v
+    stats = {k: v for k, v in health().items() if isinstance(v, int)}
     return {"rounds": rounds, "verified": len(times), "errors": errors, "prover": stats,
             "busy_throughout": alive(hogs), "load_s": times, "seconds": round(time.monotonic() - t0, 1)}
 
