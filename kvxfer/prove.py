@@ -33,6 +33,7 @@ returns a callable taking the bytes; options are JSON. Which metadata needs prov
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import hashlib
 import json
@@ -58,6 +59,13 @@ DEFAULT_TIMEOUT = 30.0
 #: Seconds of CPU time the helper may be given to start (import, create its native agent).
 DEFAULT_START_TIMEOUT = 120.0
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
+_retired: Counter[str] = Counter()  # collected provers' counters: health() never goes down
+_totals_lock = threading.Lock()
+
+
+def _keep_totals(stats: Counter[str], lock: threading.Lock) -> None:
+    with lock, _totals_lock:
+        _retired.update(stats)
 _shared: dict[tuple[str, str, float], "Prover"] = {}
 _shared_lock = threading.Lock()
 _NAME = struct.Struct("<H")
@@ -95,6 +103,8 @@ class Prover:
         #: started, start_failures, proven, cached, refused, crashed, timed_out, late,
         #: ended_outside, died_idle, recycled, unavailable
         self.stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()  # counters move from callers, starters and finishers
+        weakref.finalize(self, _keep_totals, self.stats, self._stats_lock)
         #: Why the last start failed (None once a helper started again).
         self.last_start_error: str | None = None
         self._cond = threading.Condition()
@@ -111,7 +121,16 @@ class Prover:
         _live.add(self)
 
     def __repr__(self) -> str:
-        return f"<Prover {self.target} helpers={self.pids} {dict(self.stats)}>"
+        return f"<Prover {self.target} helpers={self.pids} {self.counters()}>"
+
+    def _count(self, what: str) -> None:
+        with self._stats_lock:
+            self.stats[what] += 1
+
+    def counters(self) -> dict[str, int]:
+        """A consistent copy of :attr:`stats` (another thread may be counting)."""
+        with self._stats_lock:
+            return dict(self.stats)
 
     # -- the one call ------------------------------------------------------------------
     def prove(self, data: bytes, what: str = "peer metadata", key: bytes | None = None, *,
@@ -148,7 +167,7 @@ class Prover:
         while True:
             if digest in self._cache:
                 self._cache.move_to_end(digest)
-                self.stats["cached"] += 1
+                self._count("cached")
                 crash = self._cache[digest]
                 if crash is None:
                     return None
@@ -159,7 +178,7 @@ class Prover:
                 return mine
             left = deadline - time.monotonic()
             if left <= 0:
-                self.stats["unavailable"] += 1
+                self._count("unavailable")
                 raise ProverUnavailableError(f"{what}: the same bytes are still being proven for another caller; "
                                              "not loaded yet", "busy")
             self._cond.wait(left)
@@ -179,8 +198,8 @@ class Prover:
             clock = Clock(child.pid)
             got = child.reply(self.timeout, deadline, clock=clock) if child.send(b"P", data) else "crash"
             if got == "late":
-                self.stats["late"] += 1
-                self.stats["unavailable"] += 1
+                self._count("late")
+                self._count("unavailable")
                 pending.handed_off = True
                 threading.Thread(target=self._finish, args=(child, clock, digest, what, pending),
                                  name="kvxfer-prover-finish", daemon=True).start()
@@ -192,35 +211,35 @@ class Prover:
             if self._judge(child, clock, got, digest, what) != "ended":
                 return
             if attempt == 2 or deadline - time.monotonic() <= 0:
-                self.stats["unavailable"] += 1
+                self._count("unavailable")
                 raise ProverUnavailableError(f"{what}: the helper process proving it was ended from outside "
                                              f"({child.ended}), twice; not loaded", "ended")
 
     def _judge(self, child: Child, clock: Clock, got: tuple[bytes, bytes] | str, digest: bytes, what: str) -> str:
         """Act on one answer: record it, return the helper, raise for bad bytes; ``"ended"`` to retry."""
         if isinstance(got, tuple) and got[0] == b"K":
-            self.stats["proven"] += 1
+            self._count("proven")
             with self._cond:
                 self._remember(digest, None)
             self._checkin(child)
             return "proven"
         if isinstance(got, tuple):
-            self.stats["refused"] += 1
+            self._count("refused")
             self._checkin(child)
             raise _refusal(what, got[1].decode("utf-8", "replace"))
         how = child.end()
         self._retire(child)
         if got == "hang":
-            self.stats["timed_out"] += 1
+            self._count("timed_out")
             raise MetadataCrashError(f"{what} hung the native code that loads it: a helper process (pid {child.pid}) "
                                      f"was given {clock.given:.1f} s of CPU time and did not answer; not loaded here")
         if child.faulted():
-            self.stats["crashed"] += 1
+            self._count("crashed")
             crash = f"crashed the native code that loads it, in a helper process (pid {child.pid}, {how})"
             with self._cond:
                 self._remember(digest, crash)
             raise MetadataCrashError(f"{what} {crash}; not loaded here")
-        self.stats["ended_outside"] += 1  # SIGKILL, SIGTERM, an exit: not the bytes' doing
+        self._count("ended_outside")  # SIGKILL, SIGTERM, an exit: not the bytes' doing
         return "ended"
 
     def _finish(self, child: Child, clock: Clock, digest: bytes, what: str, pending: _Pending) -> None:
@@ -293,7 +312,7 @@ class Prover:
                 if c.alive():
                     self._busy.add(c)
                     return c
-                self.stats["died_idle"] += 1  # not blamed on anyone: it died between probes
+                self._count("died_idle")  # not blamed on anyone: it died between probes
                 c.end()
             now = time.monotonic()
             if len(self._busy) + self._starting < self.helpers:
@@ -301,14 +320,14 @@ class Prover:
                     if self._starting < self._waiting:
                         self._spawn()
                 elif not self._starting and not self._busy:
-                    self.stats["unavailable"] += 1
+                    self._count("unavailable")
                     raise ProverUnavailableError(
                         f"{what}: the helper process that proves it ({self.target}) did not start "
                         f"({self.last_start_error}); tried again in {self._retry_at - now:.1f} s; not loaded",
                         "start_failed")
             left = deadline - now
             if left <= 0:
-                self.stats["unavailable"] += 1
+                self._count("unavailable")
                 why = "still starting" if self._starting else f"all {self.helpers} busy proving other bytes"
                 raise ProverUnavailableError(f"{what}: no helper process free before the caller's deadline "
                                              f"(helpers {why}); not loaded", "busy" if self._busy else "deadline")
@@ -325,7 +344,7 @@ class Prover:
                 self._idle.append(child)
             self._cond.notify_all()
         if not keep:
-            self.stats["recycled"] += 1
+            self._count("recycled")
             child.end()
             self.start_soon()
 
@@ -357,7 +376,7 @@ class Prover:
                     current = child.epoch == self._epoch
                     if current:
                         self._idle.append(child)
-                        self.stats["started"] += 1
+                        self._count("started")
                         self._backoff, self.last_start_error = 0.0, None
                     self._cond.notify_all()
                 if not current:  # close() was called while it started
@@ -374,7 +393,7 @@ class Prover:
             if child is not None:
                 self._started.discard(child)
             self._starting -= 1
-            self.stats["start_failures"] += 1
+            self._count("start_failures")
             self.last_start_error = why
             self._backoff = min(max(self.start_backoff[0], 2 * self._backoff), self.start_backoff[1])
             self._retry_at = time.monotonic() + self._backoff
@@ -453,10 +472,11 @@ def health() -> dict[str, Any]:
     What an operator watches (``kvxfer doctor``, the vLLM connector's metrics): a non-zero
     ``start_failures`` or ``unavailable`` means peers were refused for want of a helper.
     """
-    total: Counter[str] = Counter()
+    with _totals_lock:
+        total: Counter[str] = Counter(_retired)
     out: dict[str, Any] = {"helpers": 0, "last_start_error": None}
     for p in list(_live):
-        total.update(p.stats)
+        total.update(p.counters())
         out["helpers"] += len(p.pids)
         out["last_start_error"] = out["last_start_error"] or p.last_start_error
     out.update(total)
@@ -466,10 +486,8 @@ def health() -> dict[str, Any]:
 @atexit.register
 def _stop_all() -> None:
     for p in list(_live):
-        try:
+        with contextlib.suppress(Exception):
             p.close()
-        except Exception:
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,3 +118,24 @@ def test_a_helper_that_cannot_start_is_a_typed_error(tmp_path: Path) -> None:
     for bad in (float("nan"), 0, -1.0):
         with pytest.raises(InvalidTimeoutError):
             Prover(TARGET, timeout=bad)
+
+
+def test_health_keeps_a_collected_provers_counts(tmp_path: Path) -> None:
+    """What an operator reads from health() never goes down when a prover is garbage-collected."""
+    import gc
+
+    from kvxfer import prove
+
+    p = Prover(TARGET, {"log": str(tmp_path / "probed")}, timeout=20.0, start_timeout=120.0)
+    try:
+        p.prove(b"counted once")
+        p.prove(b"counted once")
+    finally:
+        p.close()
+    assert p.counters()["proven"] == 1 and p.counters()["cached"] == 1
+    before = prove.health()
+    del p
+    gc.collect()
+    after = prove.health()
+    assert after.get("proven", 0) >= before.get("proven", 0) >= 1
+    assert after.get("cached", 0) >= before.get("cached", 0) >= 1
