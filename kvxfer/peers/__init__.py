@@ -1,0 +1,20 @@
+"""Process identity and liveness, once for the core and every backend.
+
+* :mod:`.identity`: who a process is (boot id, pid, start time, token, proof page), one wire
+  encoding (:func:`encode`/:func:`decode`) and one fork hook (:func:`on_fork`);
+* :mod:`.proof`: the page that proves a same-host peer is the process it names, and carries
+  what that process registered and exported, in its own words;
+* :mod:`.watch`: whether that process is still running (pidfd, falling back to ``/proc``).
+
+Backends use these through this package only; rationale in ``docs/design.md`` section 8.
+"""
+
+from __future__ import annotations
+
+from .identity import IDENTITY, Identity, boot_id, decode, encode, here, on_fork, pid_namespace, start_time, stat
+from .proof import Page, ProofUnavailable, Proven, process_page, prove, read_memory
+from .watch import ProcessWatch, pidfd_getfd
+
+__all__ = ["IDENTITY", "Identity", "Page", "ProcessWatch", "ProofUnavailable", "Proven", "boot_id", "decode",
+           "encode", "here", "on_fork", "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory",
+           "start_time", "stat"]
