@@ -22,8 +22,8 @@ from ..errors import MetadataError
 __all__ = ["IDENTITY", "Identity", "boot_id", "decode", "encode", "here", "on_fork", "pid_namespace", "stat",
            "start_time"]
 
-#: boot id, pid, start time (clock ticks after boot), token, address of the proof page
-IDENTITY = struct.Struct("<16sIQ16sQ")
+#: boot id, pid, start time (clock ticks after boot), token, address of the proof page, PID namespace
+IDENTITY = struct.Struct("<16sIQ16sQQ")
 
 _forked: list[Callable[[], None]] = []
 
@@ -51,12 +51,12 @@ def boot_id() -> bytes:
         return b""
 
 
-def pid_namespace() -> str:
-    """This process's PID namespace (``pid:[inode]``), or "" if unreadable."""
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 if unreadable): pids mean the same only within one."""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        return ""
+        return 0
 
 
 def stat(pid: int) -> tuple[str, int]:
@@ -88,6 +88,7 @@ class Identity:
     start_time: int
     token: bytes  # public half of the process secret (renewed in a forked child)
     page: int = 0  # where the proof page lives in that process (0: not offered)
+    pidns: int = 0  # its PID namespace (inode): the pid means this process only within it
 
     def names_this_process(self) -> bool:
         """Whether it claims to be this very process (by pid or by token)."""
@@ -95,21 +96,21 @@ class Identity:
         return self.pid == me.pid or self.token == me.token
 
     def same_host(self) -> bool:
-        """Whether it claims to run on this host and boot (a claim until proven)."""
+        """Whether it claims to run on this host, boot and PID namespace (a claim until proven)."""
         mine = boot_id()
-        return bool(mine) and self.boot_id == mine
+        return bool(mine) and self.boot_id == mine and self.pidns == pid_namespace()
 
 
 def encode(i: Identity) -> bytes:
     return IDENTITY.pack(i.boot_id.ljust(16, b"\0")[:16], i.pid & 0xFFFFFFFF, i.start_time & (2**64 - 1),
-                         i.token.ljust(16, b"\0")[:16], i.page & (2**64 - 1))
+                         i.token.ljust(16, b"\0")[:16], i.page & (2**64 - 1), i.pidns & (2**64 - 1))
 
 
 def decode(raw: bytes, what: str = "peer identity") -> Identity:
     if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != IDENTITY.size:
         raise MetadataError(f"{what}: expected {IDENTITY.size} bytes")
-    boot, pid, started, token, page = IDENTITY.unpack(bytes(raw))
-    return Identity(boot if boot.strip(b"\0") else b"", int(pid), int(started), token, int(page))
+    boot, pid, started, token, page, pidns = IDENTITY.unpack(bytes(raw))
+    return Identity(boot if boot.strip(b"\0") else b"", int(pid), int(started), token, int(page), int(pidns))
 
 
 def here() -> Identity:
@@ -118,4 +119,4 @@ def here() -> Identity:
 
     pid = os.getpid()
     page = process_page()
-    return Identity(boot_id(), pid, start_time(pid), page.token, page.address)
+    return Identity(boot_id(), pid, start_time(pid), page.token, page.address, pid_namespace())

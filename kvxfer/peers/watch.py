@@ -22,11 +22,12 @@ __all__ = ["ProcessWatch", "pidfd_getfd"]
 class ProcessWatch:
     """Watch process ``pid`` that started at ``start``; ``alive()`` is cheap enough for every poll.
 
-    Raises ``OSError`` when the pid is gone, or now names another process (start time differs).
-    ``fd`` is the pidfd (-1 on the ``/proc`` fallback).
+    With ``strict`` it raises ``OSError`` when the pid is gone or now names another process
+    (start time differs); without, such a watch just reads as dead. ``fd`` is the pidfd (-1 on
+    the ``/proc`` fallback, or once closed).
     """
 
-    def __init__(self, pid: int, start: int, every: float = 0.02) -> None:
+    def __init__(self, pid: int, start: int, every: float = 0.02, *, strict: bool = True) -> None:
         self.pid, self.start, self.every = int(pid), int(start), every
         self.fd = -1
         self._next = 0.0
@@ -36,10 +37,13 @@ class ProcessWatch:
         except AttributeError:
             pass  # no pidfd in this Python or kernel: /proc below
         except OSError:
-            raise OSError(f"process {pid} does not exist") from None
+            if strict:
+                raise OSError(f"process {pid} does not exist") from None
         if self._state() is not True:
             self.close()
-            raise OSError(f"process {pid} is not the one that sent the metadata (gone, or its start time differs)")
+            if strict:
+                raise OSError(f"process {pid} is not the one that sent the metadata (gone, or its start time "
+                              "differs)")
 
     def _state(self) -> bool:
         try:
