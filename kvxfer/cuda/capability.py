@@ -66,7 +66,7 @@ class CudaCapability:
         ipc.close_mapping(self.c, mapping)
 
     def peer_process(self, pid: int, started: int) -> ProcessWatch:
-        return ProcessWatch(pid, started)
+        return ProcessWatch(pid, started, every=0)  # every poll: no byte from a dead peer is trusted
 
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, engine: str,
              src_device: int | None, dst_device: int | None) -> CopyHandle:

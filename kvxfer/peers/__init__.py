@@ -11,10 +11,11 @@ Backends use these through this package only; rationale in ``docs/design.md`` se
 
 from __future__ import annotations
 
-from .identity import IDENTITY, Identity, boot_id, decode, encode, here, on_fork, pid_namespace, start_time, stat
-from .proof import Page, ProofUnavailable, Proven, process_page, prove, read_memory
+from .identity import IDENTITY, Identity, boot_id, decode, encode, on_fork, pid_namespace, start_time, stat
+from .proof import (MAX_DIGESTS, MAX_SPANS, Page, ProofUnavailable, Proven, check_this_process, here, holds,
+                    names_this_process, process_page, prove, read_memory)
 from .watch import ProcessWatch, pidfd_getfd
 
-__all__ = ["IDENTITY", "Identity", "Page", "ProcessWatch", "ProofUnavailable", "Proven", "boot_id", "decode",
-           "encode", "here", "on_fork", "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory",
+__all__ = ["MAX_DIGESTS", "MAX_SPANS", "IDENTITY", "Identity", "Page", "check_this_process", "ProcessWatch", "ProofUnavailable", "Proven", "boot_id", "decode",
+           "encode", "here", "holds", "names_this_process", "on_fork", "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory",
            "start_time", "stat"]

@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..errors import MetadataError
 
-__all__ = ["IDENTITY", "Identity", "boot_id", "decode", "encode", "here", "on_fork", "pid_namespace", "stat",
+__all__ = ["IDENTITY", "Identity", "boot_id", "decode", "encode", "on_fork", "pid_namespace", "stat",
            "start_time"]
 
 #: boot id, pid, start time (clock ticks after boot), token, address of the proof page, PID namespace
@@ -90,11 +90,6 @@ class Identity:
     page: int = 0  # where the proof page lives in that process (0: not offered)
     pidns: int = 0  # its PID namespace (inode): the pid means this process only within it
 
-    def names_this_process(self) -> bool:
-        """Whether it claims to be this very process (by pid or by token)."""
-        me = here()
-        return self.pid == me.pid or self.token == me.token
-
     def same_host(self) -> bool:
         """Whether it claims to run on this host, boot and PID namespace (a claim until proven)."""
         mine = boot_id()
@@ -111,12 +106,3 @@ def decode(raw: bytes, what: str = "peer identity") -> Identity:
         raise MetadataError(f"{what}: expected {IDENTITY.size} bytes")
     boot, pid, started, token, page, pidns = IDENTITY.unpack(bytes(raw))
     return Identity(boot if boot.strip(b"\0") else b"", int(pid), int(started), token, int(page), int(pidns))
-
-
-def here() -> Identity:
-    """This process, as it presents itself to peers."""
-    from .proof import process_page
-
-    pid = os.getpid()
-    page = process_page()
-    return Identity(boot_id(), pid, start_time(pid), page.token, page.address, pid_namespace())

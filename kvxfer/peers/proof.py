@@ -31,9 +31,10 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import IdentityError, PeerDisconnectedError
-from .identity import Identity, on_fork, start_time
+from .identity import Identity, boot_id, on_fork, pid_namespace, start_time
 
-__all__ = ["MAX_DIGESTS", "MAX_SPANS", "Page", "ProofUnavailable", "Proven", "process_page", "prove", "read_memory"]
+__all__ = ["MAX_DIGESTS", "MAX_SPANS", "Page", "ProofUnavailable", "Proven", "check_this_process", "here", "holds",
+           "names_this_process", "process_page", "prove", "read_memory"]
 
 MAX_SPANS = 4096
 MAX_DIGESTS = 256
@@ -45,6 +46,11 @@ def token_of(secret: bytes) -> bytes:
     return hashlib.sha256(secret).digest()[:16]
 
 
+def holds(secret: bytes, digest: bytes) -> bool:
+    """Whether ``secret`` is behind ``digest``: a token (16 bytes) or the whole SHA-256 (32)."""
+    return len(digest) in (16, 32) and hashlib.sha256(secret).digest()[:len(digest)] == digest
+
+
 class Page:
     """A proof page: owners add spans and digests under a key, readers see all or none."""
 
@@ -52,6 +58,7 @@ class Page:
         self._buf = ctypes.create_string_buffer(_HEADER.size + 16 * MAX_SPANS + 32 * MAX_DIGESTS)
         self._secret = os.urandom(16)
         self.token = token_of(self._secret)
+        self.digest = hashlib.sha256(self._secret).digest()  # for wire formats that carry all of it
         self._seq = 0
         self._entries: dict[object, tuple[np.ndarray, tuple[bytes, ...]]] = {}
         self._lock = threading.Lock()
@@ -115,6 +122,26 @@ def _after_fork() -> None:
 
 
 on_fork(_after_fork)
+
+
+def here() -> Identity:
+    """This process, as it presents itself to peers."""
+    pid = os.getpid()
+    page = process_page()
+    return Identity(boot_id(), pid, start_time(pid), page.token, page.address, pid_namespace())
+
+
+def names_this_process(claim: Identity) -> bool:
+    """Whether ``claim`` says it is this very process (by pid or by token)."""
+    me = here()
+    return claim.pid == me.pid or claim.token == me.token
+
+
+def check_this_process(claim: Identity, what: str) -> None:
+    """Raise :class:`~kvxfer.errors.IdentityError` unless ``claim`` is exactly this process
+    (same boot, pid, start time, token and page): for peers that must live in this process."""
+    if claim != here():
+        raise IdentityError(f"{what} names process {claim.pid} with an identity this process does not have")
 
 
 class ProofUnavailable(OSError):
@@ -189,7 +216,7 @@ def prove(claim: Identity, what: str, *, pid: int | None = None) -> Proven:
     for _ in range(_READ_TRIES):
         head = _read(target, claim, 0, _HEADER.size, what)
         secret, seq, n_spans, n_digests = _HEADER.unpack(head)
-        if token_of(secret) != claim.token:
+        if not holds(secret, claim.token):
             raise IdentityError(f"{what}: process {claim.pid} on this host is not the one that sent it (its "
                                 "proof page does not hold the secret behind the token)")
         if n_spans > MAX_SPANS or n_digests > MAX_DIGESTS:

@@ -53,15 +53,15 @@ class ProcessWatch:
         return state not in ("Z", "X", "x") and started == self.start
 
     def alive(self, force: bool = False) -> bool:
+        """At most one look per ``every`` seconds unless ``force`` (``every=0``: every call)."""
         if not self._alive:
             return False
-        if self.fd >= 0:
-            self._alive = not readable(self.fd, 0)
-            return self._alive
-        now = time.monotonic()
-        if force or now >= self._next:
+        if self.every > 0 and not force:
+            now = time.monotonic()
+            if now < self._next:
+                return True
             self._next = now + self.every
-            self._alive = self._state()
+        self._alive = not readable(self.fd, 0) if self.fd >= 0 else self._state()
         return self._alive
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any
     me = peers.here()
     claim = parsed.identity
     what = f"NIXL metadata of {peer!r}"
-    if names_pid(parsed.worker_address(), me.pid) or claim.names_this_process():
+    if names_pid(parsed.worker_address(), me.pid) or peers.names_this_process(claim):
         _genuinely_ours(parsed, peer, backends, instances, what)
         return
     if not claim.same_host():
