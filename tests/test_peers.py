@@ -134,3 +134,20 @@ def test_ucx_refuses_a_forged_identity(bypass: bool, monkeypatch: pytest.MonkeyP
     finally:
         b.close()
         a.close()
+
+
+def test_a_page_caught_mid_update_by_a_descheduled_owner_is_waited_for() -> None:
+    """An owner stopped between its two seq bumps (a loaded host) must not get a genuine peer refused."""
+    import threading
+
+    page = peers.process_page()
+    page.set("slow", [(1 << 20, 2 << 20)])
+    head = proof._HEADER
+    secret, seq, n, d = head.unpack_from(page._buf, 0)
+    head.pack_into(page._buf, 0, secret, seq + 1, n, d)  # odd: "being updated"
+    threading.Timer(0.05, lambda: head.pack_into(page._buf, 0, secret, seq, n, d)).start()  # owner resumes
+    try:
+        got = peers.prove(peers.here(), "self")
+        assert got.seq == seq and got.covers([1 << 20], [4096]).all()
+    finally:
+        page.drop("slow")

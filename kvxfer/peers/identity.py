@@ -42,21 +42,28 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_constant: dict[str, object] = {}  # a process's boot and PID namespace never change under it
+
+
 def boot_id() -> bytes:
     """16 bytes that differ between hosts and between boots of one host (b"" if unknown)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return bytes.fromhex(f.read().strip().replace("-", ""))[:16]
-    except (OSError, ValueError):
-        return b""
+    if "boot" not in _constant:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                _constant["boot"] = bytes.fromhex(f.read().strip().replace("-", ""))[:16]
+        except (OSError, ValueError):
+            return b""
+    return _constant["boot"]  # type: ignore[return-value]
 
 
 def pid_namespace() -> int:
     """The inode of this process's PID namespace (0 if unreadable): pids mean the same only within one."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+    if "pidns" not in _constant:
+        try:
+            _constant["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            return 0
+    return _constant["pidns"]  # type: ignore[return-value]
 
 
 def stat(pid: int) -> tuple[str, int]:
