@@ -49,8 +49,11 @@ def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any
     me = peers.here()
     claim = parsed.identity
     what = f"NIXL metadata of {peer!r}"
-    if names_pid(parsed.worker_address(), me.pid) or peers.names_this_process(claim):
-        _genuinely_ours(parsed, peer, backends, instances, what)
+    in_address = names_pid(parsed.worker_address(), me.pid)
+    if in_address or peers.names_this_process(claim):
+        why = (f"its UCX worker address holds this process's pid {me.pid}" if in_address
+               else f"its header names this process (pid {claim.pid})")
+        _genuinely_ours(parsed, peer, backends, instances, f"{what} ({why})")
         return
     if not claim.same_host():
         return
