@@ -151,3 +151,13 @@ def test_a_page_caught_mid_update_by_a_descheduled_owner_is_waited_for() -> None
         assert got.seq == seq and got.covers([1 << 20], [4096]).all()
     finally:
         page.drop("slow")
+
+
+def test_a_dropped_watch_closes_its_pidfd() -> None:
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        peers.ProcessWatch(os.getpid(), peers.start_time(os.getpid()))
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2

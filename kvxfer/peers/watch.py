@@ -70,6 +70,14 @@ class ProcessWatch:
             self.fd = -1
         self._alive = False
 
+    def __del__(self) -> None:  # owners that just drop a watch must not leak its pidfd
+        try:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        except (AttributeError, OSError):
+            pass
+
 
 _SYS_PIDFD_GETFD = 438  # the same number on x86-64 and aarch64
 
