@@ -161,3 +161,17 @@ def test_a_dropped_watch_closes_its_pidfd() -> None:
         peers.ProcessWatch(os.getpid(), peers.start_time(os.getpid()))
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_a_full_page_says_so_and_keeps_what_it_had() -> None:
+    from kvxfer.errors import BackendError
+
+    page = peers.Page(max_spans=4)
+    page.set("a", [(4096 * i, 4096 * i + 8) for i in range(1, 4)], digests=[b"d" * 32])
+    with pytest.raises(BackendError, match="at most 4"):
+        page.set("b", [(1 << 30, (1 << 30) + 8), (2 << 30, (2 << 30) + 8)])
+    page.set("c", [(1 << 30, (1 << 30) + 8)])  # the refused entry took no room
+    page.drop("c")
+    me = dataclasses.replace(peers.here(), token=page.token, page=page.address)
+    got = peers.prove(me, "small page")
+    assert len(got.spans) == 3 and got.digests == {b"d" * 32}

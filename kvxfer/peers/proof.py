@@ -31,13 +31,15 @@ from typing import Iterable
 
 import numpy as np
 
-from ..errors import IdentityError, PeerDisconnectedError
+from ..errors import BackendError, IdentityError, PeerDisconnectedError
 from .identity import Identity, boot_id, on_fork, pid_namespace, start_time
 
 __all__ = ["MAX_DIGESTS", "MAX_SPANS", "Page", "ProofUnavailable", "Proven", "check_this_process", "here", "holds",
            "names_this_process", "process_page", "prove", "read_memory"]
 
-MAX_SPANS = 4096
+#: What one page can list: spans registered (by every agent of the process, for the process
+#: page) and exports vouched for. The buffer is allocated once per page (~1 MiB).
+MAX_SPANS = 1 << 16
 MAX_DIGESTS = 256
 _HEADER = struct.Struct("<16sQII")
 #: Reads of a page caught mid-update before giving up. An owner holds it odd for a few
@@ -58,8 +60,9 @@ def holds(secret: bytes, digest: bytes) -> bool:
 class Page:
     """A proof page: owners add spans and digests under a key, readers see all or none."""
 
-    def __init__(self) -> None:
-        self._buf = ctypes.create_string_buffer(_HEADER.size + 16 * MAX_SPANS + 32 * MAX_DIGESTS)
+    def __init__(self, max_spans: int = MAX_SPANS) -> None:
+        self.max_spans = min(int(max_spans), MAX_SPANS)
+        self._buf = ctypes.create_string_buffer(_HEADER.size + 16 * self.max_spans + 32 * MAX_DIGESTS)
         self._secret = os.urandom(16)
         self.token = token_of(self._secret)
         self.digest = hashlib.sha256(self._secret).digest()  # for wire formats that carry all of it
@@ -76,8 +79,16 @@ class Page:
         """Publish ``spans`` (``(start, end)``) and ``digests`` under ``key``, replacing its previous ones."""
         rows = np.array(list(spans), dtype=np.uint64).reshape(-1, 2)
         with self._lock:
+            old = self._entries.get(key)
             self._entries[key] = (rows, tuple(bytes(d) for d in digests))
-            self._publish()
+            try:
+                self._publish()
+            except BackendError:  # too much: the page keeps what it listed before
+                if old is None:
+                    del self._entries[key]
+                else:
+                    self._entries[key] = old
+                raise
 
     def drop(self, key: object) -> None:
         with self._lock:
@@ -87,8 +98,9 @@ class Page:
     def _publish(self) -> None:
         rows = np.concatenate([r for r, _ in self._entries.values()] or [np.zeros((0, 2), np.uint64)])
         digests = [d for _, ds in self._entries.values() for d in ds]
-        if len(rows) > MAX_SPANS or len(digests) > MAX_DIGESTS:
-            raise IdentityError(f"a process publishes at most {MAX_SPANS} registered spans and {MAX_DIGESTS} exports")
+        if len(rows) > self.max_spans or len(digests) > MAX_DIGESTS:
+            raise BackendError(f"a proof page lists at most {self.max_spans} registered spans and {MAX_DIGESTS} "
+                               f"exports; this process registered {len(rows)} and exported {len(digests)}")
         rows = np.ascontiguousarray(rows, dtype=np.uint64)
         self._seq += 1  # odd: a reader retries
         _HEADER.pack_into(self._buf, 0, self._secret, self._seq, 0, 0)

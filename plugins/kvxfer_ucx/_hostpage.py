@@ -43,7 +43,7 @@ __all__ = ["PAGE_SPANS", "PeerPage", "ProcessWatch", "RegistrationPage", "host_i
            "same_host"]
 
 #: Most spans a page holds: as many allocations as a connection blob may carry.
-PAGE_SPANS = peers.MAX_SPANS
+PAGE_SPANS = 4096
 _HEADER = struct.Struct("<16sQQ")  # token, seq, count
 _SPAN = 16
 TOKEN_BYTES = 16
@@ -80,6 +80,9 @@ class ProcessWatch(peers.ProcessWatch):
 
 class RegistrationPage(peers.Page):
     """This agent's page (:class:`kvxfer.peers.Page`): a secret and the spans it registered."""
+
+    def __init__(self) -> None:
+        super().__init__(max_spans=PAGE_SPANS)
 
     def publish(self, spans: Iterable[tuple[int, int]]) -> None:
         """Replace the published spans (``(start, end)`` pairs); readers see all or none."""
