@@ -13,8 +13,9 @@ right now) and translated to where its handle is mapped here; a span outside the
 the path for that list. An export is opened only once its exporter has vouched for it: the
 exporter's proof page (:mod:`kvxfer.peers`) must list the digest of the very bytes received,
 so a forwarded export that was widened, or a handle that claims another process's identity,
-is refused with :class:`~kvxfer.errors.IdentityError` before any handle is opened. Liveness: a pidfd on the peer process; a dead peer turns the next
-post or poll into :class:`~kvxfer.errors.PeerDisconnectedError` and unmaps its handles.
+is refused with :class:`~kvxfer.errors.IdentityError` before any handle is opened.
+Liveness: a pidfd on the peer process; a dead peer turns the next post or poll into
+:class:`~kvxfer.errors.PeerDisconnectedError` and unmaps its handles.
 """
 
 from __future__ import annotations
@@ -214,8 +215,10 @@ class DevicePath:
         return p.route
 
     def _vouched(self, key: str, exp: blob.Export, raw: bytes) -> str:
-        """Raise :class:`IdentityError` unless the exporter itself vouches for these bytes; ""
-        when it does, else why it cannot be asked (the transport then carries the bytes)."""
+        """Raise :class:`IdentityError` unless the exporter itself vouches for these bytes.
+
+        Returns an empty string when it does, else why it could not be asked (ptrace rules,
+        or the exporter is gone): the transport then carries the bytes."""
         what = f"device-path export of peer {key!r}"
         try:
             proven = self.cap.prove(exp.identity, what)

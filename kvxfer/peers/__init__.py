@@ -16,6 +16,6 @@ from .proof import (MAX_DIGESTS, MAX_SPANS, Page, ProofUnavailable, Proven, chec
                     names_this_process, process_page, prove, read_memory)
 from .watch import ProcessWatch, pidfd_getfd
 
-__all__ = ["MAX_DIGESTS", "MAX_SPANS", "IDENTITY", "Identity", "Page", "check_this_process", "ProcessWatch", "ProofUnavailable", "Proven", "boot_id", "decode",
-           "encode", "here", "holds", "names_this_process", "on_fork", "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory",
-           "start_time", "stat"]
+__all__ = ["IDENTITY", "MAX_DIGESTS", "MAX_SPANS", "Identity", "Page", "ProcessWatch", "ProofUnavailable", "Proven",
+           "boot_id", "check_this_process", "decode", "encode", "here", "holds", "names_this_process", "on_fork",
+           "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory", "start_time", "stat"]
