@@ -12,10 +12,11 @@ Backends use these through this package only; rationale in ``docs/design.md`` se
 from __future__ import annotations
 
 from .identity import IDENTITY, Identity, boot_id, decode, encode, on_fork, pid_namespace, start_time, stat
-from .proof import (MAX_DIGESTS, MAX_SPANS, Page, ProofUnavailable, Proven, check_this_process, here, holds,
-                    names_this_process, process_page, prove, read_memory)
+from .proof import (MAX_DIGESTS, MAX_SPANS, READ_TRIES, Page, ProofUnavailable, Proven, check_this_process, here,
+                    holds, names_this_process, process_page, prove, read_memory, retry_pause)
 from .watch import ProcessWatch, pidfd_getfd
 
-__all__ = ["IDENTITY", "MAX_DIGESTS", "MAX_SPANS", "Identity", "Page", "ProcessWatch", "ProofUnavailable", "Proven",
-           "boot_id", "check_this_process", "decode", "encode", "here", "holds", "names_this_process", "on_fork",
-           "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory", "start_time", "stat"]
+__all__ = ["IDENTITY", "MAX_DIGESTS", "MAX_SPANS", "READ_TRIES", "Identity", "Page", "ProcessWatch",
+           "ProofUnavailable", "Proven", "boot_id", "check_this_process", "decode", "encode", "here", "holds",
+           "names_this_process", "on_fork", "pid_namespace", "pidfd_getfd", "process_page", "prove", "read_memory",
+           "retry_pause", "start_time", "stat"]

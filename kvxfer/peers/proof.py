@@ -34,8 +34,8 @@ import numpy as np
 from ..errors import BackendError, IdentityError, PeerDisconnectedError
 from .identity import Identity, boot_id, on_fork, pid_namespace, start_time
 
-__all__ = ["MAX_DIGESTS", "MAX_SPANS", "Page", "ProofUnavailable", "Proven", "check_this_process", "here", "holds",
-           "names_this_process", "process_page", "prove", "read_memory"]
+__all__ = ["MAX_DIGESTS", "MAX_SPANS", "READ_TRIES", "Page", "ProofUnavailable", "Proven", "check_this_process", "here",
+           "holds", "names_this_process", "process_page", "prove", "read_memory", "retry_pause"]
 
 #: What one page can list: spans registered (by every agent of the process, for the process
 #: page) and exports vouched for. The buffer is allocated once per page (~1 MiB).
@@ -45,7 +45,13 @@ _HEADER = struct.Struct("<16sQII")
 #: Reads of a page caught mid-update before giving up. An owner holds it odd for a few
 #: microseconds, but a loaded host can deschedule it right then: after the first few tries
 #: each waits a millisecond, so a genuine peer is never refused for being slow (~2 s in all).
-_READ_TRIES, _QUICK_TRIES = 2000, 8
+READ_TRIES, _QUICK_TRIES = 2000, 8
+
+
+def retry_pause(attempt: int) -> None:
+    """Before re-reading a page caught mid-update: nothing at first, then a millisecond."""
+    if attempt >= _QUICK_TRIES:
+        time.sleep(0.001)
 
 
 def token_of(secret: bytes) -> bytes:
@@ -235,9 +241,8 @@ def prove(claim: Identity, what: str, *, pid: int | None = None) -> Proven:
         raise IdentityError(f"{what}: names process {claim.pid} but offers no proof page")
     if pid is None and start_time(target) != claim.start_time:
         raise IdentityError(f"{what}: process {claim.pid} is not the one named (gone, or its start time differs)")
-    for attempt in range(_READ_TRIES):
-        if attempt >= _QUICK_TRIES:
-            time.sleep(0.001)
+    for attempt in range(READ_TRIES):
+        retry_pause(attempt)
         head = _read(target, claim, 0, _HEADER.size, what)
         secret, seq, n_spans, n_digests = _HEADER.unpack(head)
         if not holds(secret, claim.token):

@@ -47,8 +47,6 @@ PAGE_SPANS = 4096
 _HEADER = struct.Struct("<16sQQ")  # token, seq, count
 _SPAN = 16
 TOKEN_BYTES = 16
-#: Reads of a page that keeps changing under us, before giving up.
-_READ_TRIES = 8
 
 
 def host_identity() -> dict[str, Any] | None:
@@ -116,7 +114,8 @@ class PeerPage:
 
 def read_page(lib: Libc, pid: int, address: int, digest: bytes, peer: str) -> PeerPage:
     """Read and verify process ``pid``'s page at ``address``; raise a KvxferError otherwise."""
-    for _ in range(_READ_TRIES):
+    for attempt in range(peers.READ_TRIES):  # a descheduled owner is waited for, not refused
+        peers.retry_pause(attempt)
         token, seq, count = _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))
         if not peers.holds(token, digest):
             raise MetadataError(f"same-host copy: pid {pid} on this host is not the process that sent peer "
