@@ -149,3 +149,20 @@ def test_opened_handles_are_shared_by_their_bytes_not_by_the_claimed_identity() 
     assert rec == (int(twin.handles[0]["kind"]), int(twin.handles[0]["base"]), int(twin.handles[0]["size"]))
     assert handle_key(e, 0, 0) != handle_key(twin, 0, 0)
     assert handle_key(e, 0, 0) == handle_key(blob.decode(blob.encode(e)), 0, 0)
+
+
+def test_an_exporter_that_ptrace_rules_hide_falls_back_to_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the page cannot be read (Yama, another uid), nothing is opened: the transport carries the bytes."""
+    import errno
+
+    from kvxfer.peers import ProofUnavailable
+
+    p, d = Exporter(), Importer()
+
+    def hidden(claim: object, what: str) -> None:
+        raise ProofUnavailable(errno.EPERM, f"{what}: ptrace rules forbid reading it")
+
+    monkeypatch.setattr(d.cap, "prove", hidden)
+    route = d.path.add_peer("P", p.path.blob())
+    assert route.kind is None and "cannot be proven" in route.reason
+    assert d.cap.opened == [] and d.path.prepare("P", p.rows(0, 1)) is None
