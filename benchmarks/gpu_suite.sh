@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suite.sh smoke   # a few GPU tests of the device path
 #   bash benchmarks/gpu_suite.sh bench   # bench_nixl.py: two GPUs, then one GPU, two processes
 #   bash benchmarks/gpu_suite.sh tests   # plugins/kvxfer_nixl/tests/test_nixl_backend.py + tests/test_cuda_gpu.py
+#   bash benchmarks/gpu_suite.sh security  # device-path attacks (widened allocation, handle poisoning), one GPU
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1
@@ -14,6 +15,8 @@ for stage in "$@"; do
     info)
       nvidia-smi topo -m
       python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" ;;
+    security)
+      timeout 240 $T tests/test_cuda_security_gpu.py tests/test_cuda_identity.py -v 2>&1 | tee $LOGS/security.txt ;;
     smoke)
       timeout 150 $T tests/test_cuda_gpu.py -k "cuda_ipc_path or restarted or expandable" 2>&1 | tee $LOGS/smoke.txt ;;
     bench)

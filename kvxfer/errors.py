@@ -21,6 +21,7 @@ __all__ = [
     "BlockCountMismatchError",
     "MetadataError",
     "MetadataCrashError",
+    "IdentityError",
     "ProverUnavailableError",
     "UnknownPeerError",
     "StalePeerError",
@@ -102,6 +103,15 @@ class MetadataCrashError(MetadataError):
 
     The bytes never reached native code in this process. The peer's metadata is corrupt or
     hostile; a genuine peer's fresh metadata loads.
+    """
+
+
+class IdentityError(MetadataError):
+    """Peer metadata names a process that is not the one that sent it (:mod:`kvxfer.peers`).
+
+    A same-host peer proves which process it is by a secret only that process holds; metadata
+    that claims this very process, another process's identity, or memory that process did not
+    register, is refused. A genuine peer's fresh metadata loads.
     """
 
 

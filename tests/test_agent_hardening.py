@@ -72,7 +72,8 @@ def _hostile_variants(raw: bytes) -> dict[str, bytes]:
     for name, bad_blob in {
         "list-token": {**blob, "token": ["a", "b"]},
         "dict-token": {**blob, "token": {"x": 1}},
-        "float-pid": {**blob, "pid": 1.5},
+        "float-identity": {**blob, "identity": 1.5},
+        "forged-identity": {**blob, "identity": blob["identity"][:-40] + "00" * 20},
         "nested-blob": "[" * 120 + "]" * 120,
         "non-utf8-blob": b"\xff\xfe\x80",
     }.items():

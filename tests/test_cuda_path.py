@@ -100,10 +100,7 @@ def test_forged_export_naming_this_process_is_refused() -> None:
 
 
 def test_same_process_route_checks_the_live_registrations() -> None:
-    cap = FakeCuda()
-    from kvxfer.cuda.host import here
-
-    cap.token = here().token  # both paths in this process: the export names us
+    cap = FakeCuda()  # both paths in one "process": the export names our own token
     src, dst = Side(cap, seed=1), Side(cap)
     assert dst.path.add_peer("src", src.path.blob()).kind == SAME_PROCESS
     assert dst.path.prepare("src", src.rows()) is not None

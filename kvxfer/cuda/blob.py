@@ -2,7 +2,7 @@
 
 Layout (little-endian, fixed-size records read with numpy; no pickle, nothing executable)::
 
-    magic "KVXCUDA1" | boot_id 16 | pid u32 | start_time u64 | token 16 | instance 16
+    magic "KVXCUDA2" | identity (kvxfer.peers.encode: boot id, pid, start time, token, page) | instance 16
     n_devices u16 | n_handles u32 | n_chunks u32 | n_allocs u32
     devices   n_devices x uuid(16)
     handles   n_handles x (kind u8, device u16, base u64, size u64, first_chunk u32, n_chunks u32)
@@ -14,24 +14,28 @@ a ``cudaMalloc`` allocation (kind 1: one chunk whose payload is the IPC handle),
 VMM mappings (kind 2: chunks tiling the span, each payload a file descriptor number in the
 exporter, fetched with ``pidfd_getfd``). *Allocs* are the registered allocations, each inside
 one handle. Everything is validated on decode: a malformed blob raises
-:class:`~kvxfer.errors.MetadataError`, it never reaches CUDA.
+:class:`~kvxfer.errors.MetadataError`, it never reaches CUDA. A well-formed blob is still
+only a claim: the importer opens it only if the exporter's proof page (:mod:`kvxfer.peers`)
+lists :func:`digest` of these very bytes, so bounds and handles are the exporter's word.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import MetadataError
-from .host import Identity
+from .. import peers
+from ..peers import Identity
 
-__all__ = ["KIND_LEGACY", "KIND_VMM", "Export", "decode", "encode", "ALLOC", "CHUNK", "HANDLE"]
+__all__ = ["KIND_LEGACY", "KIND_VMM", "Export", "decode", "digest", "encode", "ALLOC", "CHUNK", "HANDLE"]
 
-MAGIC = b"KVXCUDA1"
+MAGIC = b"KVXCUDA2"
 KIND_LEGACY, KIND_VMM = 1, 2
-_HEAD = struct.Struct("<8s16sIQ16s16sHIII")
+_HEAD = struct.Struct(f"<8s{peers.IDENTITY.size}s16sHIII")
 HANDLE = np.dtype([("kind", "<u1"), ("device", "<u2"), ("base", "<u8"), ("size", "<u8"), ("first", "<u4"),
                    ("count", "<u4")])
 CHUNK = np.dtype([("offset", "<u8"), ("size", "<u8"), ("payload", "V64")])
@@ -56,11 +60,15 @@ class Export:
 
 
 def encode(e: Export) -> bytes:
-    i = e.identity
-    head = _HEAD.pack(MAGIC, i.boot_id.ljust(16, b"\0")[:16], i.pid, i.start_time & (2**64 - 1), i.token,
-                      e.instance, len(e.devices), e.handles.shape[0], e.chunks.shape[0], e.allocs.shape[0])
+    head = _HEAD.pack(MAGIC, peers.encode(e.identity), e.instance, len(e.devices), e.handles.shape[0],
+                      e.chunks.shape[0], e.allocs.shape[0])
     return b"".join([head, *e.devices, e.handles.astype(HANDLE).tobytes(), e.chunks.astype(CHUNK).tobytes(),
                      e.allocs.astype(ALLOC).tobytes()])
+
+
+def digest(blob: bytes) -> bytes:
+    """What an exporter lists in its proof page for each export it stands behind."""
+    return hashlib.sha256(bytes(blob)).digest()
 
 
 def _bad(why: str) -> MetadataError:
@@ -74,7 +82,7 @@ def decode(blob: bytes) -> Export:
     blob = bytes(blob)
     if len(blob) < _HEAD.size:
         raise _bad(f"{len(blob)} bytes is shorter than the header")
-    magic, boot, pid, started, token, inst, nd, nh, nc, na = _HEAD.unpack_from(blob)
+    magic, ident, inst, nd, nh, nc, na = _HEAD.unpack_from(blob)
     if magic != MAGIC:
         raise _bad(f"bad magic {magic!r}")
     if nd > MAX_DEVICES or nh > MAX_HANDLES or nc > MAX_CHUNKS or na > MAX_ALLOCS:
@@ -91,7 +99,7 @@ def decode(blob: bytes) -> Export:
     pos += CHUNK.itemsize * nc
     allocs = np.frombuffer(blob, ALLOC, na, pos)
     _validate(handles, chunks, allocs, nd)
-    return Export(Identity(boot, int(pid), int(started), token), inst, devices, handles, chunks, allocs)
+    return Export(peers.decode(ident, "device-path export"), inst, devices, handles, chunks, allocs)
 
 
 def _validate(handles: np.ndarray, chunks: np.ndarray, allocs: np.ndarray, n_devices: int) -> None:

@@ -12,7 +12,8 @@ from ..memory import Allocation
 from . import blob, ipc
 from ._driver import Cuda, cuda, why_not
 from .copy import Copier, CopyHandle
-from .host import Identity, PeerProcess, here
+from .. import peers
+from ..peers import Identity, Page, ProcessWatch, Proven
 
 __all__ = ["CudaCapability", "cuda_capability"]
 
@@ -38,7 +39,13 @@ class CudaCapability:
         return None if cuda() is not None else why_not()
 
     def identity(self) -> Identity:
-        return here()
+        return peers.here()
+
+    def page(self) -> Page:
+        return peers.process_page()
+
+    def prove(self, claim: Identity, what: str) -> Proven:
+        return peers.prove(claim, what)
 
     def device_of(self, uuid: bytes) -> int | None:
         if self._uuids is None:
@@ -52,14 +59,14 @@ class CudaCapability:
         return ipc.export(self.c, allocations)
 
     def open(self, exp: blob.Export, handle: int, device: int, access: Sequence[int],
-             proc: PeerProcess | None) -> ipc.Mapping:
+             proc: ProcessWatch | None) -> ipc.Mapping:
         return ipc.open_handle(self.c, exp, handle, device, access, proc)
 
     def close(self, mapping: ipc.Mapping) -> None:
         ipc.close_mapping(self.c, mapping)
 
-    def peer_process(self, pid: int, started: int) -> PeerProcess:
-        return PeerProcess(pid, started)
+    def peer_process(self, pid: int, started: int) -> ProcessWatch:
+        return ProcessWatch(pid, started, every=0)  # every poll: no byte from a dead peer is trusted
 
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, engine: str,
              src_device: int | None, dst_device: int | None) -> CopyHandle:

@@ -10,7 +10,9 @@ Two routes, picked per allocation by what the memory is:
   ``pidfd_getfd`` and maps every piece at the same offsets of one reserved range.
 
 Opened handles live in one process-wide table with reference counts: two agents of one
-process that add the same peer share its mappings, and the last one to let go unmaps.
+process that add the same peer share its mappings, and the last one to let go unmaps. The
+table is keyed by the handle's own bytes and the exporter's proven identity, never by what
+a peer claims alone: a second claimant of a process's identity cannot be handed its mappings.
 Every mapping's size is read back from the driver, so a peer that overstates a handle's size
 cannot make a copy run past what was really mapped.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from ..memory import Allocation, MemoryKind
 from . import blob
 from ._driver import IPC_HANDLE_BYTES, Cuda, CudaError, IpcHandle, MemAccessDesc, MemLocation
-from .host import PeerProcess, pidfd_getfd
+from ..peers import ProcessWatch, pidfd_getfd
 
 __all__ = ["Exported", "Mapping", "export", "open_handle", "close_mapping", "open_mappings"]
 
@@ -152,12 +154,23 @@ def open_mappings() -> int:
         return len(_table)
 
 
-def open_handle(c: Cuda, exp: blob.Export, h: int, device: int, access: Sequence[int],
-                peer: PeerProcess | None) -> Mapping:
-    """Map handle ``h`` of ``exp`` in GPU ``device``'s context (the one that will run the copies),
-    or take another reference to it. ``access``: GPUs that must reach VMM mappings too."""
+def handle_key(exp: blob.Export, h: int, device: int) -> tuple[Any, ...]:
+    """What two imports must share to share a mapping: the exporter (proven by the caller), the
+    handle's span and kind, and every byte of its chunks (IPC handles, or VMM offsets and fds)."""
     rec = exp.handles[h]
-    key = (exp.identity.token, exp.identity.pid, int(rec["kind"]), int(rec["base"]), int(rec["size"]), device)
+    i = exp.identity
+    chunks = exp.chunks[int(rec["first"]): int(rec["first"]) + int(rec["count"])]
+    return (i.boot_id, i.pid, i.start_time, i.token, int(rec["kind"]), int(rec["base"]), int(rec["size"]), device,
+            chunks.tobytes())
+
+
+def open_handle(c: Cuda, exp: blob.Export, h: int, device: int, access: Sequence[int],
+                peer: ProcessWatch | None) -> Mapping:
+    """Map handle ``h`` of ``exp`` in GPU ``device``'s context (the one that will run the copies),
+    or take another reference to it. ``access``: GPUs that must reach VMM mappings too. The
+    caller has proven that ``exp`` is its exporter's own (:meth:`DevicePath.add_peer`)."""
+    rec = exp.handles[h]
+    key = handle_key(exp, h, device)
     with _table_lock:
         m = _table.get(key)
         if m is not None:
@@ -168,7 +181,7 @@ def open_handle(c: Cuda, exp: blob.Export, h: int, device: int, access: Sequence
             if int(rec["kind"]) == blob.KIND_LEGACY:
                 m = _open_legacy(c, key, chunks[0], int(rec["size"]), device)
             else:
-                if peer is None:
+                if peer is None or peer.fd < 0:
                     raise CudaError("VMM handles need the exporter's pidfd")
                 m = _open_vmm(c, key, chunks, int(rec["size"]), device, access, peer)
         _table[key] = m
@@ -192,7 +205,7 @@ def _open_legacy(c: Cuda, key: tuple[Any, ...], chunk: np.void, size: int, devic
 
 
 def _open_vmm(c: Cuda, key: tuple[Any, ...], chunks: np.ndarray, size: int, device: int, access: Sequence[int],
-              peer: PeerProcess) -> Mapping:
+              peer: ProcessWatch) -> Mapping:
     va = ctypes.c_ulonglong(0)
     c.check_drv(c.drv.cuMemAddressReserve(ctypes.byref(va), size, _VA_ALIGN, 0, 0), "cuMemAddressReserve")
     m = Mapping(key, blob.KIND_VMM, device, int(va.value), size)

@@ -10,12 +10,17 @@ what the peer exported, ``prepare`` returns ``None`` and the transport carries t
 Bounds: every span of a remote list is looked up with :class:`~kvxfer.spans.SpanIndex` in
 the allocations the peer exported (or, for a peer of this process, in what it registered
 right now) and translated to where its handle is mapped here; a span outside them disables
-the path for that list. Liveness: a pidfd on the peer process; a dead peer turns the next
-post or poll into :class:`~kvxfer.errors.PeerDisconnectedError` and unmaps its handles.
+the path for that list. An export is opened only once its exporter has vouched for it: the
+exporter's proof page (:mod:`kvxfer.peers`) must list the digest of the very bytes received,
+so a forwarded export that was widened, or a handle that claims another process's identity,
+is refused with :class:`~kvxfer.errors.IdentityError` before any handle is opened.
+Liveness: a pidfd on the peer process; a dead peer turns the next post or poll into
+:class:`~kvxfer.errors.PeerDisconnectedError` and unmaps its handles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -24,8 +29,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import BackendError, MetadataError, PeerDisconnectedError, StalePeerError
+from ..errors import BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
+from ..peers import ProofUnavailable
 from ..spans import SpanIndex, merge_runs
 from . import blob
 from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
@@ -126,13 +132,26 @@ class DevicePath:
         with self._lock:
             self._next_reg += 1
             self._regs[self._next_reg] = (allocs, exported)
+            if exported is not None:
+                self._vouch()
             return self._next_reg
 
     def deregister(self, token: int) -> None:
         with self._lock:
             allocs, exported = self._regs.pop(token, ((), None))
+            if exported is not None:
+                self._vouch()
         if exported is not None:
             exported.close()
+
+    def _vouch(self) -> None:
+        """List the digest of the current export in this process's proof page (and no older one:
+        an export from before a deregistration no longer opens)."""
+        raw = self.blob()
+        if blob.decode(raw).empty:
+            self.cap.page().drop(self.instance)
+        else:
+            self.cap.page().set(self.instance, digests=[blob.digest(raw)])
 
     def vram(self) -> tuple[Allocation, ...]:
         with self._lock:
@@ -158,7 +177,7 @@ class DevicePath:
             chunks += ex.chunks
             allocs += [(a, n, h + h0) for a, n, h in ex.allocs]
         # Without exports there is nothing to open: say who we are, but not where (no boot id).
-        ident = self.cap.identity() if devices else _anonymous()
+        ident = self.cap.identity() if devices else dataclasses.replace(self.cap.identity(), boot_id=b"")
         return blob.encode(blob.Export(ident, self.instance, tuple(devices),
                                        np.array(handles, dtype=blob.HANDLE), _chunks(chunks),
                                        np.array(allocs, dtype=blob.ALLOC)))
@@ -168,7 +187,7 @@ class DevicePath:
         """Decide the route to a peer and open its handles; a known key is replaced (restart)."""
         exp = blob.decode(peer_blob)  # MetadataError on anything malformed
         self.remove_peer(key)
-        other = _live.get(exp.instance) if exp.identity.token == _my_token() else None
+        other = _live.get(exp.instance) if exp.identity.token == self.cap.identity().token else None
         same = other is not None and other is not self and not other._closed
         local_devices = sorted({a.device for a in self.vram()})
         try:
@@ -182,6 +201,10 @@ class DevicePath:
         if route.kind == SAME_PROCESS:
             p.other = weakref.ref(other)  # type: ignore[arg-type]
         elif route.kind == CUDA_IPC:
+            why = self._vouched(key, exp, bytes(peer_blob))
+            if why:
+                p.route = Route(None, why)
+        if p.route.kind == CUDA_IPC:
             try:
                 self._open(p, exp, local_devices)
             except (OSError, BackendError, MetadataError) as exc:
@@ -190,6 +213,24 @@ class DevicePath:
         with self._lock:
             self._peers[key] = p
         return p.route
+
+    def _vouched(self, key: str, exp: blob.Export, raw: bytes) -> str:
+        """Raise :class:`IdentityError` unless the exporter itself vouches for these bytes.
+
+        Returns an empty string when it does, else why it could not be asked (ptrace rules,
+        or the exporter is gone): the transport then carries the bytes."""
+        what = f"device-path export of peer {key!r}"
+        try:
+            proven = self.cap.prove(exp.identity, what)
+        except ProofUnavailable as exc:
+            return f"the exporter's identity cannot be proven here: {exc}"
+        except PeerDisconnectedError as exc:
+            return str(exc)
+        if blob.digest(raw) not in proven.digests:
+            raise IdentityError(f"{what}: process {exp.identity.pid} does not vouch for this export (it was "
+                                "changed on its way, names another process, or predates its latest registration); "
+                                "add the peer's fresh metadata")
+        return ""
 
     def _open(self, p: _Peer, exp: blob.Export, local_devices: list[int]) -> None:
         p.proc = self.cap.peer_process(exp.identity.pid, exp.identity.start_time)
@@ -339,6 +380,8 @@ class DevicePath:
         for token in list(self._regs):
             self.deregister(token)
         self._closed = True
+        if self._cap is not None or self._cap_given is not None:
+            self.cap.page().drop(self.instance)
         _live.pop(self.instance, None)
 
 
@@ -363,15 +406,3 @@ def _chunks(rows: list[tuple[int, int, bytes]]) -> np.ndarray:
         out[i] = (off, size, payload)
     return out
 
-
-def _my_token() -> bytes:
-    from .host import here
-
-    return here().token
-
-
-def _anonymous() -> Any:
-    from .host import Identity, here
-
-    me = here()
-    return Identity(b"", me.pid, me.start_time, me.token)

@@ -4,7 +4,8 @@
 handle" maps nothing (the memory is already addressable in this process) but is counted, so
 tests can check that restarts and dead peers unmap; "copying" really moves the bytes with
 ``ctypes.memmove``, so every test still checks real bytes. What it cannot test is CUDA
-itself: the GPU tests do that.
+itself: the GPU tests do that. Each fake keeps its own proof page (:class:`kvxfer.peers.Page`)
+in this process and proves peers with the real verifier, reading that page from this process.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..cuda import blob
-from ..cuda.host import Identity
+from .. import peers
 from ..cuda.ipc import Exported
+from ..peers import Identity, Page, Proven
 from ..memory import Allocation, MemoryKind
 
 __all__ = ["FakeCuda", "FakeProcess"]
@@ -54,7 +56,8 @@ class FakeCuda:
 
     boot_id: bytes = b"B" * 16
     pid: int = field(default_factory=lambda: 100000 + int.from_bytes(os.urandom(2), "little"))
-    token: bytes = field(default_factory=lambda: os.urandom(16))
+    token: bytes | None = None  # None: the token of its own proof page (set it to pose as another process)
+    proof: Page = field(default_factory=Page)
     unavailable: str | None = None
     visible: tuple[int, ...] = (0, 1)
     peer_access: bool = True
@@ -68,7 +71,15 @@ class FakeCuda:
         return self.unavailable
 
     def identity(self) -> Identity:
-        return Identity(self.boot_id, self.pid, 1, self.token)
+        return Identity(self.boot_id, self.pid, 1, self.proof.token if self.token is None else self.token,
+                        self.proof.address)
+
+    def page(self) -> Page:
+        return self.proof
+
+    def prove(self, claim: Identity, what: str) -> Proven:
+        # every fake "process" lives in this one: read the claimed page here, with the real verifier
+        return peers.prove(claim, what, pid=os.getpid())
 
     def device_of(self, uuid: bytes) -> int | None:
         d = uuid[1] if uuid[:1] == b"\xc0" else -1

@@ -3,8 +3,9 @@
 Design points:
 
 * Peers find each other through a process-wide table keyed by a random token carried in
-  the metadata blob, so a blob from another process (or a closed agent) is rejected with a
-  typed error instead of dereferencing foreign addresses.
+  the metadata blob beside this process's identity (:mod:`kvxfer.peers`), so a blob from
+  another process, a forged identity or a closed agent is rejected with a typed error
+  instead of dereferencing foreign addresses.
 * Every prepared list is checked against the memory the owner has registered *now*: the
   check is repeated at post time if either side registered or deregistered since, so a
   write into deregistered memory fails instead of corrupting the heap.
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.spans import SpanIndex
 from kvxfer.errors import BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
 
@@ -120,21 +121,26 @@ class LoopbackBackend(Backend):
 
     # -- peers ----------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
-        return json.dumps({"token": self._token, "pid": os.getpid()}).encode()
+        return json.dumps({"token": self._token, "identity": peers.encode(peers.here()).hex()}).encode()
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         try:
-            doc = json.loads(blob) if len(blob) <= 256 else None  # ours is ~70 bytes
+            doc = json.loads(blob) if len(blob) <= 512 else None  # ours is ~180 bytes
         except (ValueError, RecursionError):
             doc = None
-        if not isinstance(doc, dict) or set(doc) != {"token", "pid"}:
+        if not isinstance(doc, dict) or set(doc) != {"token", "identity"}:
             raise MetadataError("loopback blob is malformed")
-        token, pid = doc["token"], doc["pid"]
-        if not isinstance(token, str) or type(pid) is not int:
-            raise MetadataError("loopback blob: token must be a string and pid an integer")
-        if pid != os.getpid():
+        token, ident = doc["token"], doc["identity"]
+        if not isinstance(token, str) or not isinstance(ident, str):
+            raise MetadataError("loopback blob: token and identity must be strings")
+        try:
+            claim = peers.decode(bytes.fromhex(ident), "loopback blob")
+        except ValueError:
+            raise MetadataError("loopback blob: identity is not hex") from None
+        if claim.pid != os.getpid():
             raise UnsupportedError("loopback peers must live in the same process; use the nixl or ucx backend "
                                    "between processes")
+        peers.check_this_process(claim, f"loopback metadata of {peer_name!r}")
         with _LIVE_LOCK:
             peer = _LIVE.get(token)
         if peer is None or peer._closed:

@@ -30,16 +30,18 @@ import re
 import struct
 from dataclasses import dataclass
 
+from kvxfer import peers
 from kvxfer.cuda import blob as device_blob
 from kvxfer.errors import MetadataError
 from kvxfer.memory import Allocation, MemoryKind
+from kvxfer.peers import Identity
 
 __all__ = ["HEADER", "PeerBlob", "Section", "encode", "parse"]
 
-MAGIC = b"KVXNIXL3"
-#: magic, process token, instance id, registration epoch, length of the device path's export
-#: (little-endian like NIXL's own)
-HEADER = struct.Struct("<8s16s16sQI")
+MAGIC = b"KVXNIXL4"
+#: magic, process identity (kvxfer.peers.encode), instance id, registration epoch, length of
+#: the device path's export (little-endian like NIXL's own)
+HEADER = struct.Struct(f"<8s{peers.IDENTITY.size}s16sQI")
 
 MAX_BLOB = 4 << 20
 MAX_NAME = 256
@@ -74,12 +76,16 @@ class Section:
 class PeerBlob:
     """A validated blob: who sent it, how to reach it, and what memory it registered."""
 
-    token: bytes  # random per process: equal to ours means the peer lives in this process
+    identity: Identity  # the sending process, as it claims (kvxfer_nixl._identity checks the claim)
     instance: bytes  # random per backend instance
     reg_epoch: int  # the sender's registration epoch when it wrote the blob
     device: bytes  # the device path's export (kvxfer.cuda.blob), already validated
     conns: tuple[tuple[str, bytes], ...]  # (NIXL backend, connection info)
     sections: tuple[Section, ...]
+
+    def worker_address(self) -> bytes:
+        """The UCX worker address the peer offers (b"" without the UCX backend)."""
+        return next((info for backend, info in self.conns if backend == "UCX"), b"")
 
     def allocations(self) -> tuple[Allocation, ...]:
         """Every registered span of the peer: what a remote list must stay inside."""
@@ -98,8 +104,8 @@ class PeerBlob:
         return b"".join(out)
 
 
-def encode(token: bytes, instance: bytes, reg_epoch: int, device: bytes, nixl_md: bytes) -> bytes:
-    return HEADER.pack(MAGIC, token, instance, reg_epoch, len(device)) + device + nixl_md
+def encode(identity: Identity, instance: bytes, reg_epoch: int, device: bytes, nixl_md: bytes) -> bytes:
+    return HEADER.pack(MAGIC, peers.encode(identity), instance, reg_epoch, len(device)) + device + nixl_md
 
 
 def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
@@ -115,7 +121,7 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     if not HEADER.size < len(blob) <= MAX_BLOB:
         raise MetadataError(f"NIXL connection blob of {peer_name!r} has {len(blob)} bytes; "
                             f"expected {HEADER.size + 1} to {MAX_BLOB}")
-    magic, token, instance, reg_epoch, dev_len = HEADER.unpack_from(blob)
+    magic, ident, instance, reg_epoch, dev_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise MetadataError(f"peer {peer_name!r} did not send a kvxfer NIXL blob of this version "
                             f"(magic {magic!r}, expected {MAGIC!r}); run the same kvxfer on both sides")
@@ -148,7 +154,8 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
         sections.append(_section(r, {b for b, _ in conns}, sections))
     if r.pos != len(r.data):
         raise MetadataError(f"NIXL metadata of {peer_name!r} has {len(r.data) - r.pos} bytes after its last record")
-    return PeerBlob(token, instance, reg_epoch, device, tuple(conns), tuple(sections))
+    identity = peers.decode(ident, f"NIXL connection blob of {peer_name!r}")
+    return PeerBlob(identity, instance, reg_epoch, device, tuple(conns), tuple(sections))
 
 
 def _section(r: "_Reader", conn_backends: set[str], seen: list[Section]) -> Section:

@@ -2,13 +2,12 @@
 
 Plain records, so that :mod:`kvxfer_nixl.backend` reads as the control plane alone. Also
 here: the process-wide registry that lets a backend recognise a peer living in this process
-(its blob carries our random process token and the instance id of a live backend), and the
-format of the notice a backend sends its peers after deregistering memory.
+(its blob carries this process's identity, :mod:`kvxfer.peers`, and the instance id of a live
+backend), and the format of the notice a backend sends its peers after deregistering memory.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import weakref
 from dataclasses import dataclass
@@ -18,29 +17,20 @@ import numpy as np
 
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.errors import KvxferError, OutOfRegistrationError
+from kvxfer.peers import on_fork
 from kvxfer.spans import SpanIndex
 
 from ._blob import PeerBlob
 
 __all__ = ["Flush", "Path", "Prepared", "Registration", "Remote", "Xfer", "extents", "instances", "notice",
-           "parse_notice", "process"]
+           "parse_notice"]
 
 _U64 = (1 << 64) - 1
 
-# A blob names its process (a random token) and backend instance.
-process = {"token": os.urandom(16)}
+# A blob names its process (kvxfer.peers.Identity) and backend instance.
 instances: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
-
-
-def _after_fork_in_child() -> None:
-    # A forked child shares no live agents with its parent: forget them, and change the
-    # process token so the parent's blobs no longer look local to the child.
-    process["token"] = os.urandom(16)
-    instances.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# A forked child shares no live agents with its parent (its identity changes in kvxfer.peers).
+on_fork(instances.clear)
 
 #: Control notification sent to peers after deregistering memory: a fixed prefix, the
 #: sender's instance id, its new registration epoch. Never delivered to the user.

@@ -20,18 +20,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.cuda import DevicePath
 from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegistrationError, StalePeerError,
                            TransferCancelledError, UnknownPeerError, UnsupportedError)
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
-from . import _blob, _probe
+from . import _blob, _identity, _probe
 from ._device import DeviceCopies
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
-from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances, process
+from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances
 from ._xfer import NixlPath, as_int32
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
@@ -196,17 +196,19 @@ class NixlBackend(Notifications, Backend):
     def _registered_changed(self) -> None:
         self._memory = SpanIndex(a for r in self._registrations for a in r.allocations)
         self._reg_epoch += 1
+        # what same-host peers check our blob's memory sections against (kvxfer_nixl._identity)
+        peers.process_page().set(self._id, [(a.address, a.end) for r in self._registrations for a in r.allocations])
 
     # -- peers --------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
-        """Header (process token, instance id, registration epoch), device export, NIXL metadata."""
+        """Header (process identity, instance id, registration epoch), device export, NIXL metadata."""
         self._check_open()
         with self._lock:
             try:
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise map_error(exc, "reading local NIXL metadata") from exc
-        return _blob.encode(process["token"], self._id, self._reg_epoch, self._path.blob(), bytes(md))
+        return _blob.encode(peers.here(), self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> str:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
@@ -221,6 +223,7 @@ class NixlBackend(Notifications, Backend):
         self._check_open()
         try:
             parsed = _blob.parse(blob, peer_name, self._backends)
+            _identity.check(parsed, peer_name, self._backends, instances)  # IdentityError: not who it says
             memory = SpanIndex(parsed.allocations())  # spans already checked by parse()
             if self._proving():  # MetadataError (or MetadataCrashError) unless the helper survives it
                 self._prover.prove(_probe.request(peer_name, blob), f"NIXL metadata of {peer_name!r}")
@@ -246,9 +249,11 @@ class NixlBackend(Notifications, Backend):
                     self._agent.remove_remote_agent(alias)
                 except Exception:
                     pass
+            if isinstance(exc, KvxferError):
+                raise
             raise MetadataError(f"the device path refused {peer_name!r}: {exc}") from exc
         local = None
-        other = instances.get(parsed.instance) if parsed.token == process["token"] else None
+        other = instances.get(parsed.instance) if parsed.identity.token == peers.here().token else None
         if other is not None and other is not self and other.agent_name == peer_name:
             local = weakref.ref(other)
         old = self._remotes.get(peer_name)
@@ -472,6 +477,7 @@ class NixlBackend(Notifications, Backend):
         self._path.close()
         self._closed = True
         instances.pop(self._id, None)
+        peers.process_page().drop(self._id)
         with self._lock:
             self._agent = None  # the C++ agent is destroyed with its last reference
             self._nixl_path.close()

@@ -2,11 +2,12 @@
 
 A peer's metadata may be forged or copied: it can name any pid on this host, including our
 own, and advertise any addresses. So the same-host path never trusts the blob's addresses.
-Each agent keeps a :class:`RegistrationPage` in its own (unregistered) memory::
+Each agent keeps a :class:`RegistrationPage` (a :class:`kvxfer.peers.Page`, the one page
+implementation) in its own (unregistered) memory::
 
     token[16]  secret random bytes; the blob carries only sha256(token)
     seq u64    even when stable; bumped around every change (a seqlock)
-    count u64  number of spans that follow
+    count u64  number of spans that follow (the page's span count; it lists no digests)
     spans      count x (start, end) of everything this agent registered
 
 A peer reads that page from the claimed pid with ``process_vm_readv`` and accepts only if
@@ -23,17 +24,15 @@ moving bytes from or into memory that is no longer registered.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import socket
 import struct
-import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 
-from kvxfer import Allocation, MemoryKind
+from kvxfer import Allocation, MemoryKind, peers
 from kvxfer.errors import KvxferError, MetadataError, OutOfRegistrationError, PeerDisconnectedError, StalePeerError
 from kvxfer.spans import SpanIndex
 
@@ -48,92 +47,47 @@ PAGE_SPANS = 4096
 _HEADER = struct.Struct("<16sQQ")  # token, seq, count
 _SPAN = 16
 TOKEN_BYTES = 16
-#: Reads of a page that keeps changing under us, before giving up.
-_READ_TRIES = 8
 
 
 def host_identity() -> dict[str, Any] | None:
     """``{boot_id, hostname, pidns, pid, start}`` of this process, or None if unreadable.
 
-    ``boot_id`` changes on every boot and differs between hosts (and VMs); the hostname
-    guards against cloned images; the PID namespace makes sure ``pid`` means the same
-    process to the peer; ``start`` (clock ticks after boot) tells a reused pid apart. These
-    are a pre-filter and a liveness signal, not a proof: the page is the proof.
+    Read from :func:`kvxfer.peers.here` (the one process identity). ``boot_id`` changes on
+    every boot and differs between hosts (and VMs); the hostname guards against cloned images;
+    the PID namespace makes sure ``pid`` means the same process to the peer; ``start`` tells a
+    reused pid apart. These are a pre-filter and a liveness signal, not a proof: the page is.
     """
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot_id = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-        start = _start_time(os.getpid())
-    except (OSError, ValueError, IndexError):
+    me = peers.here()
+    if not me.boot_id or me.start_time < 0 or not me.pidns:
         return None
-    return {"boot_id": boot_id, "hostname": socket.gethostname(), "pidns": pidns, "pid": os.getpid(), "start": start}
+    return {"boot_id": str(uuid.UUID(bytes=me.boot_id)), "hostname": socket.gethostname(),
+            "pidns": f"pid:[{me.pidns}]", "pid": me.pid, "start": me.start_time}
 
 
-def _stat(pid: int) -> tuple[str, int]:
-    """``(state, start time)`` from ``/proc/<pid>/stat`` (OSError when there is no such process)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return fields[0].decode(), int(fields[19])  # fields 3 and 22 of proc(5)
-
-
-def _start_time(pid: int) -> int:
-    return _stat(pid)[1]
-
-
-class ProcessWatch:
-    """Is process ``pid`` (started at ``start``) still running? Reads ``/proc``, at most
-    once per ``every`` seconds unless forced.
+class ProcessWatch(peers.ProcessWatch):
+    """:class:`kvxfer.peers.ProcessWatch` as UCX uses it: never raises, a gone peer reads dead.
 
     UCX's shared-memory transport notices a dead peer only once a message to it finds the
     peer's queue full, and a killed process that its parent has not reaped yet (a zombie)
-    looks alive to it. The pid and start time come from the peer's metadata unverified: a
-    lie can only make that peer's own connection look dead, never another's alive.
+    looks alive to it; the watcher sees both.
     """
 
     def __init__(self, pid: int, start: int, every: float = 0.02) -> None:
-        self.pid, self.start, self.every = pid, start, every
-        self._next = 0.0
-        self._alive = True
-
-    def alive(self, force: bool = False) -> bool:
-        now = time.monotonic()
-        if self._alive and (force or now >= self._next):
-            self._next = now + self.every
-            try:
-                state, start = _stat(self.pid)
-                self._alive = state not in ("Z", "X", "x") and start == self.start
-            except (OSError, ValueError, IndexError):
-                self._alive = False
-        return self._alive
+        super().__init__(pid, start, every, strict=False)
 
 
-class RegistrationPage:
-    """This agent's page: a secret token and the spans it registered, for same-host peers."""
+class RegistrationPage(peers.Page):
+    """This agent's page (:class:`kvxfer.peers.Page`): a secret and the spans it registered."""
 
     def __init__(self) -> None:
-        self._buf = ctypes.create_string_buffer(_HEADER.size + _SPAN * PAGE_SPANS)
-        token = os.urandom(TOKEN_BYTES)
-        self.digest = hashlib.sha256(token).digest()
-        self._seq = 0
-        _HEADER.pack_into(self._buf, 0, token, 0, 0)
-
-    @property
-    def address(self) -> int:
-        return ctypes.addressof(self._buf)
+        super().__init__(max_spans=PAGE_SPANS)
 
     def publish(self, spans: Iterable[tuple[int, int]]) -> None:
         """Replace the published spans (``(start, end)`` pairs); readers see all or none."""
         rows = np.array(list(spans), dtype=np.uint64).reshape(-1, 2)
         if len(rows) > PAGE_SPANS:
             raise MetadataError(f"ucx backend: at most {PAGE_SPANS} registered allocations")
-        token = self._buf.raw[:TOKEN_BYTES]
-        self._seq += 1  # odd: a reader retries
-        _HEADER.pack_into(self._buf, 0, token, self._seq, 0)
-        ctypes.memmove(ctypes.addressof(self._buf) + _HEADER.size, rows.ctypes.data, rows.nbytes)
-        _HEADER.pack_into(self._buf, 0, token, self._seq, len(rows))
-        self._seq += 1
-        _HEADER.pack_into(self._buf, 0, token, self._seq, len(rows))
+        self.set("spans", rows.tolist())
 
 
 @dataclass
@@ -160,9 +114,10 @@ class PeerPage:
 
 def read_page(lib: Libc, pid: int, address: int, digest: bytes, peer: str) -> PeerPage:
     """Read and verify process ``pid``'s page at ``address``; raise a KvxferError otherwise."""
-    for _ in range(_READ_TRIES):
+    for attempt in range(peers.READ_TRIES):  # a descheduled owner is waited for, not refused
+        peers.retry_pause(attempt)
         token, seq, count = _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))
-        if hashlib.sha256(token).digest() != digest:
+        if not peers.holds(token, digest):
             raise MetadataError(f"same-host copy: pid {pid} on this host is not the process that sent peer "
                                 f"{peer!r}'s metadata (token mismatch)")
         if count > PAGE_SPANS:

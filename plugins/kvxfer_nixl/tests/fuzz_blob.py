@@ -43,7 +43,7 @@ import numpy as np
 
 OPERATORS = ("bitflip", "bytes", "zero8", "truncate", "insert", "delete", "length", "splice",
              "payload-bytes", "payload-zero8")
-_HEADER = struct.Struct("<8s16s16sQI")  # kvxfer_nixl._blob.HEADER: ends with the device export's length
+_HEADER = struct.Struct("<8s60s16sQI")  # kvxfer_nixl._blob.HEADER: ends with the device export's length
 _LEN = struct.Struct("<Q")
 
 

@@ -233,7 +233,7 @@ def test_lists_prepared_before_a_restart_are_stale(pair: Any) -> None:
 
 @needs_nixl
 @pytest.mark.parametrize("blob", [b"", b"short", b"NOTKVXFR" + bytes(44) + b"md", b"KVXNIXL2" + bytes(36) + b"junk",
-                                  b"KVXNIXL3" + bytes(44) + b"junk", b"KVXNIXL3" + bytes(44) + b"nixlSerDes|"])
+                                  b"KVXNIXL4" + bytes(88) + b"junk", b"KVXNIXL4" + bytes(88) + b"nixlSerDes|"])
 def test_bad_connection_blob_is_metadata_error(pair: Any, blob: bytes) -> None:
     _, b, _, _ = pair
     with pytest.raises(MetadataError):
@@ -320,11 +320,14 @@ def test_forked_child_changes_process_token() -> None:
         pytest.skip("no fork")
     r, w = os.pipe()
     pid = os.fork()
+    from kvxfer import peers
+
+    mine = peers.here().token
     if pid == 0:  # child: report whether the token changed, then leave without cleanup
-        os.write(w, nb.process["token"])
+        os.write(w, peers.here().token)
         os._exit(0)
     os.close(w)
     child_token = os.read(r, 16)
     os.waitpid(pid, 0)
     os.close(r)
-    assert child_token and child_token != nb.process["token"]
+    assert child_token and child_token != mine

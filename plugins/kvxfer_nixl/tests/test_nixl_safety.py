@@ -138,7 +138,8 @@ def _corruptions(blob: bytes) -> dict[str, bytes]:
         "UCX address version 15": rebuilt(conns=(("UCX", b"\xff" + parsed.conns[0][1][1:]),)),
         "bad magic": b"KVXNIXL2" + blob[8:],
         "device export cut": head[:-1] + md,
-        "device export longer than the blob": blob[:40 + 8] + struct.pack("<I", len(blob)) + blob[52:],
+        "device export longer than the blob": blob[:_blob.HEADER.size - 4] + struct.pack("<I", len(blob))
+                                             + blob[_blob.HEADER.size:],
         "memory type 7": blob.replace(b"t" + _LEN.pack(4) + struct.pack("<I", 0), b"t" + _LEN.pack(4)
                                       + struct.pack("<I", 7), 1),
     }
