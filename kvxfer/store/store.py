@@ -1,0 +1,310 @@
+"""The store: offload whole rows of a local KV cache to a slab and restore them, by key.
+
+:meth:`Store.offload` reserves slots (evicting least recently used entries), plans the local
+cache against the slab spec with the unchanged planner, writes on worker threads and, only
+when every write returned, digests the rows and publishes the entries (journal first, then
+the index). :meth:`Store.restore` pins the entries, checks every row against its digest
+*before* copying it, copies, and unpins. Both return a :class:`~kvxfer.Transfer`, so
+deadlines and cancellation behave as for a peer transfer. docs/storage.md has the formats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..deadlines import check_timeout
+from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
+from ..layout import KVCacheSpec
+from ..memory import MemoryKind, Op
+from ..pairing import Pairing, pair
+from ..planner import TransferPlan, plan
+from ..transfer import Transfer, TransferStats, _Post
+from . import journal
+from .digest import row_digests
+from .fileio import ENGINE, Calls, Job, build_calls, run_calls
+from .index import Entry, Index
+from .journal import MAX_KEY, Journal, encode_drop, encode_put
+from .slab import HEADER, Slab, geometry, slab_spec
+
+__all__ = ["Store"]
+
+
+def _keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError("keys must be a sequence of bytes objects, one per block")
+    out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    for k in out:
+        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
+            raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
+    return out
+
+
+class Store:
+    """KV rows beyond GPU memory: one slab file per layout fingerprint under ``path``.
+
+    ``capacity``: bytes of row slots (rounded down to whole 4 KiB-aligned slots). ``layout``:
+    the local cache's spec (or any spec that pairs with it); it fixes the slab's row.
+    ``durable``: fdatasync the slab before publishing and the journal after (survives power
+    loss); without it a process crash is still safe, and a power loss costs at most entries
+    whose rows then fail their digest (a miss). ``threads``: worker threads for I/O.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity: int, layout: KVCacheSpec, model: str = "",
+                 durable: bool = False, threads: int = 4, timeout: float = 30.0) -> None:
+        self.geometry = g = geometry(layout, model)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise StoreError(f"capacity must be a positive number of bytes, got {capacity!r}")
+        self.timeout = check_timeout(timeout, "Store timeout")
+        slots = capacity // g.stride
+        self.spec = slab_spec(g, max(slots, 1))  # validates the slot count against the spec bounds
+        self._slab = Slab(os.fspath(path), g, slots)
+        try:
+            records = [] if self._slab.created else journal.load(self._slab.index_path, g.fingerprint, slots)
+            self._index = Index(slots, records)
+            journal.rewrite(self._slab.index_path, g.fingerprint, slots, self._index.live())  # compaction
+            self._journal = Journal(self._slab.index_path, durable)
+        except BaseException:
+            self._slab.close()
+            raise
+        self.durable = durable
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="kvxfer-store")
+        self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
+        self._threads = max(1, int(threads))
+        self._pairings: dict[int, Pairing] = {}
+        self._closed = False
+        #: Test hook: called with a stage name ("call", "written") on the worker thread.
+        self._fault: Callable[[str], None] | None = None
+
+    # -- facts ------------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._slab.path
+
+    @property
+    def slots(self) -> int:
+        return self._slab.slots
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"<Store {self.path} {len(self)}/{self.slots} rows of {self.geometry.row_len} bytes>"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lookup(self, keys: Sequence[bytes]) -> np.ndarray:
+        """A bool per key: is it stored now (it may still be evicted before a restore)."""
+        ks = _keys(keys)
+        with self._lock:
+            return np.array([e is not None for e in self._index.lookup(ks)], dtype=bool)
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored: the prefix a restore can serve."""
+        hit = self.lookup(keys)
+        return int(hit.shape[0] if hit.all() else np.argmin(hit))
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Drop entries (their slots are reused once no restore pins them); returns how many."""
+        ks = _keys(keys)
+        with self._lock:
+            gone = self._index.drop(ks)
+            self._journal.append(b"".join(encode_drop(k) for k in gone))
+        return len(gone)
+
+    # -- transfers --------------------------------------------------------------------------
+    def offload(self, spec: Any, local_blocks: Any, keys: Sequence[bytes], *,
+                timeout: float | None = None) -> Transfer:
+        """Write ``spec``'s ``local_blocks[i]`` to the store under ``keys[i]``.
+
+        The entries appear (:meth:`lookup`) only once the transfer is DONE; a failed,
+        cancelled or interrupted one publishes nothing.
+        """
+        t0, deadline, limit = self._begin(timeout)
+        ks = _keys(keys)
+        if len(set(ks)) != len(ks):
+            raise DuplicateBlockIdError("a key appears twice in one offload; each key names one row")
+        spec = self._check_local(spec)
+        with self._lock:
+            slots, evicted = self._index.reserve(len(ks))
+            self._journal.append(b"".join(encode_drop(k) for k in evicted))
+        try:
+            p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
+            calls = self._calls(p)
+        except BaseException:
+            with self._lock:
+                self._index.unreserve(slots)
+            raise
+
+        def body(job: Job) -> None:
+            self._io(job, calls, write=True)
+            if self.durable:
+                os.fdatasync(self._slab.fd)
+            digests = self._digests(slots)
+            self._stage("written")
+            with self._lock, job.lock:
+                if job.cancelled:
+                    return
+                recs = self._index.publish(ks, slots, digests)
+                self._journal.append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
+                job.published = True  # type: ignore[attr-defined]
+
+        def cleanup(job: Job, err: BaseException | None) -> None:
+            if not getattr(job, "published", False):
+                with self._lock:
+                    self._index.unreserve(slots)
+
+        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, "pwritev")
+
+    def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
+                timeout: float | None = None) -> Transfer:
+        """Read the rows stored under ``keys[i]`` into ``spec``'s ``local_blocks[i]``.
+
+        A key not stored raises :class:`~kvxfer.errors.StoreMissError` before any byte
+        moves. Every row is checked against its digest before it is copied; a row that
+        fails fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not
+        copied, and its entry is dropped (the next lookup is a miss).
+        """
+        t0, deadline, limit = self._begin(timeout)
+        ks = _keys(keys)
+        spec = self._check_local(spec)
+        with self._lock:
+            entries = self._index.lookup(ks, touch=True)
+            missing = [k for k, e in zip(ks, entries) if e is None]
+            if missing:
+                raise StoreMissError(f"{len(missing)} of {len(ks)} keys are not in the store", missing)
+            got: list[Entry] = entries  # type: ignore[assignment]
+            self._index.pin(got)
+        try:
+            slots = np.fromiter((e.slot for e in got), dtype=np.int64, count=len(got))
+            want = np.fromiter((e.digest for e in got), dtype=np.uint64, count=len(got))
+            p = plan(spec, self.spec, local_blocks, slots, Op.READ, coalesce=True, pairing=self._pairing(spec))
+            calls = self._calls(p)
+        except BaseException:
+            with self._lock:
+                self._index.unpin(got)
+            raise
+
+        def body(job: Job) -> None:
+            bad = np.flatnonzero(self._digests(slots) != want)
+            if bad.size:
+                lost = [got[i].key for i in bad.tolist()]
+                with self._lock:
+                    gone = self._index.drop(lost)
+                    self._journal.append(b"".join(encode_drop(k) for k in gone))
+                raise StoreCorruptError(f"{bad.size} of {len(got)} stored rows failed their digest (a torn "
+                                        "write or a damaged slab); nothing was copied for them and they were "
+                                        "dropped: recompute those blocks", lost)
+            self._io(job, calls, write=False)
+
+        def cleanup(job: Job, err: BaseException | None) -> None:
+            with self._lock:
+                self._index.unpin(got)
+
+        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, "preadv")
+
+    # -- internals --------------------------------------------------------------------------
+    def _begin(self, timeout: float | None) -> tuple[float, float, float]:
+        if self._closed:
+            raise StoreError("the store is closed")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        return time.perf_counter(), time.monotonic() + limit, limit
+
+    def _check_local(self, spec: Any) -> KVCacheSpec:
+        """The local spec: a :class:`KVCacheSpec`, or an agent's registered one."""
+        if not isinstance(spec, KVCacheSpec):
+            agent = spec
+            agent._check_open()
+            spec = agent.spec
+            if spec is None:
+                raise SpecError("register a KV cache before offloading or restoring")
+        if any(a.kind is not MemoryKind.DRAM for a in spec.allocations):
+            raise UnsupportedError("the store's loopback path moves host (DRAM) memory only; stage VRAM through "
+                                   "host memory (see docs/storage.md)")
+        return spec
+
+    def _pairing(self, spec: KVCacheSpec) -> Pairing:
+        with self._lock:
+            hit = self._pairings.get(id(spec))
+        if hit is None or not hit.matches(spec, self.spec):
+            hit = pair(spec, self.spec)  # refuses, typed, a cache that does not pair with the slab
+            with self._lock:
+                self._pairings = {k: v for k, v in self._pairings.items() if v._local() is not None}
+                self._pairings[id(spec)] = hit
+        return hit
+
+    def _calls(self, p: TransferPlan) -> Calls:
+        loc, rem = [], []
+        for leg in p.legs:
+            la, ra = p.explicit(leg)
+            loc.append(la.array)
+            rem.append(ra.array)
+        la, ra = np.concatenate(loc), np.concatenate(rem)
+        off = ra[:, 0].astype(np.int64)
+        if off.size and (int(off.min()) < HEADER or int((off + ra[:, 1].astype(np.int64)).max()) > self._slab.size):
+            raise StoreError("a planned descriptor leaves the slab")  # the planner's bounds make this unreachable
+        g = self.geometry
+        return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride, row_len=g.row_len)
+
+    def _io(self, job: Job, calls: Calls, write: bool) -> None:
+        fd = self._slab.fd
+        cancelled = lambda: job.cancelled  # noqa: E731
+        hook = (lambda k: self._stage("call")) if self._fault is not None else None
+        parts = calls.split(self._threads) if calls.nbytes.sum() > (8 << 20) else [calls]
+        if len(parts) == 1:
+            run_calls(fd, write, parts[0], cancelled, hook)
+            return
+        futs = [self._pool.submit(run_calls, fd, write, c, cancelled, hook) for c in parts]
+        for f in futs:  # wait for all (no call may outlive the job), then raise the first error
+            f.exception()
+        for f in futs:
+            f.result()
+
+    def _digests(self, slots: np.ndarray) -> np.ndarray:
+        """Digests of the rows in ``slots`` as the slab holds them, one slot run at a time."""
+        if not self._slab.intact():
+            raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
+        out = np.empty(slots.shape[0], dtype=np.uint64)
+        order = np.argsort(slots, kind="stable")
+        s = slots[order]
+        cut = np.flatnonzero(np.diff(s) != 1) + 1
+        rows, rl = self._slab.rows, self.geometry.row_len
+        for a, b in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [s.shape[0]]]).tolist()):
+            out[order[a:b]] = row_digests(rows[int(s[a]):int(s[b - 1]) + 1, :rl])
+        return out
+
+    def _stage(self, name: str) -> None:
+        if self._fault is not None:
+            self._fault(name)
+
+    def _transfer(self, p: TransferPlan, calls: Calls, body: Callable[[Job], None],
+                  cleanup: Callable[[Job, BaseException | None], None], op: Op, t0: float, deadline: float,
+                  limit: float, path: str) -> Transfer:
+        stats = TransferStats(calls.descriptors, p.nbytes, len(calls), time.perf_counter() - t0, path=path,
+                              backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
+        started = time.perf_counter()
+        job = Job(self._jobs, body, cleanup, path)
+        return Transfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Wait for jobs in flight, compact the journal and release the slab's lock."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._journal.close()
+            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
+            self._slab.close()
