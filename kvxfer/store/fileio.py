@@ -145,8 +145,9 @@ class Job:
     """
 
     def __init__(self, pool: ThreadPoolExecutor, body: Callable[["Job"], None],
-                 cleanup: Callable[["Job", BaseException | None], None], path: str) -> None:
+                 cleanup: Callable[["Job", BaseException | None], None], path: str, keep: Any = None) -> None:
         self.cancelled = False
+        self.keep = keep  # what owns the memory the calls touch: alive until the job is dropped
         self.path = path
         self.lock = threading.Lock()
         self._cleanup = cleanup

@@ -165,7 +165,7 @@ class Store:
                 with self._lock:
                     self._index.unreserve(slots)
 
-        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, "pwritev")
+        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, "pwritev", spec)
 
     def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
                 timeout: float | None = None) -> Transfer:
@@ -212,7 +212,7 @@ class Store:
             with self._lock:
                 self._index.unpin(got)
 
-        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, "preadv")
+        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, "preadv", spec)
 
     # -- internals --------------------------------------------------------------------------
     def _begin(self, timeout: float | None) -> tuple[float, float, float]:
@@ -290,11 +290,11 @@ class Store:
 
     def _transfer(self, p: TransferPlan, calls: Calls, body: Callable[[Job], None],
                   cleanup: Callable[[Job, BaseException | None], None], op: Op, t0: float, deadline: float,
-                  limit: float, path: str) -> Transfer:
+                  limit: float, path: str, spec: KVCacheSpec) -> Transfer:
         stats = TransferStats(calls.descriptors, p.nbytes, len(calls), time.perf_counter() - t0, path=path,
                               backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
         started = time.perf_counter()
-        job = Job(self._jobs, body, cleanup, path)
+        job = Job(self._jobs, body, cleanup, path, keep=spec)  # the spec keeps the local memory alive
         return Transfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
 
     def close(self) -> None:
