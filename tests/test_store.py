@@ -8,6 +8,7 @@ tests/test_store_faults.py.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -87,17 +88,18 @@ def test_contiguous_slots_are_one_io_per_request(tmp_path, geom) -> None:
 
 
 def test_a_large_request_splits_over_worker_threads(tmp_path) -> None:
-    dims = (4, 640, 16, 2, 32)  # 640 rows of 16 KiB: 10 MiB, over the threshold for splitting
+    dims = (4, 640, 16, 2, 32)  # 640 rows of 16 KiB in 2 KiB pages: 10 MiB
     X = logical(dims)
     src, dst = cache("layer", dims, X), cache("row", dims)
     ids = np.random.default_rng(3).permutation(640)
     with kvxfer.Store(tmp_path, capacity=640 * 16384, layout=src.spec, threads=3) as st:
         t = st.offload(src.spec, ids, keys(640)).wait()
-        # One file run of 640 rows x 8 pages = 5120 iovecs: IOV_MAX (1024) cuts it into 5 calls,
-        # shared by the 3 threads.
+        # One file run of 640 rows x 8 pages = 5120 iovecs: cut every 8 MiB (4096 iovecs) and
+        # every IOV_MAX (1024) iovecs, 5 calls shared by the 3 threads.
         assert t.stats.posts == 5 and t.stats.descriptors == 5120
         t = st.restore(keys(640), dst.spec, np.arange(640)).wait()
-        assert t.stats.posts == 1  # contiguous on both sides: one descriptor, one call
+        # Contiguous on both sides: one 10 MiB descriptor, cut at 8 MiB into two calls.
+        assert t.stats.descriptors == 1 and t.stats.posts == 2
     assert np.array_equal(dst.logical(), X[:, :, ids])
 
 
@@ -205,3 +207,40 @@ def test_files_are_private(tmp_path) -> None:
     assert modes == {"kv": 0o600, "idx": 0o600, "lock": 0o600}
     assert (tmp_path / "s").stat().st_mode & 0o077 == 0
     assert SENTINEL == 0xAA
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_call", [4096, 1 << 20])
+def test_calls_move_exactly_the_descriptors_bytes(tmp_path, seed, max_call) -> None:
+    """Random descriptors (runs, gaps, long ones cut at ``max_call``) written with pwritev and
+    read back with preadv, against a reference built one descriptor at a time with numpy."""
+    from kvxfer.store import fileio
+
+    rng = np.random.default_rng(seed)
+    n = 300
+    lengths = rng.integers(1, 20000, n)
+    gaps = rng.choice([0, 0, 0, 1, 4096, 777], n)  # mostly contiguous runs
+    offsets = 4096 + np.cumsum(lengths + gaps) - lengths
+    src = rng.integers(0, 256, int(lengths.sum()), dtype=np.uint8)
+    at = np.cumsum(lengths) - lengths
+    perm = rng.permutation(n)  # descriptors in any order: build_calls sorts by file offset
+    size = int(offsets[-1] + lengths[-1])
+    expect = np.zeros(size, dtype=np.uint8)
+    for i in range(n):
+        expect[offsets[i]:offsets[i] + lengths[i]] = src[at[i]:at[i] + lengths[i]]
+    c = fileio.build_calls(np.uint64(src.ctypes.data) + at[perm].astype(np.uint64), offsets[perm], lengths[perm],
+                           base=4096, stride=1 << 40, row_len=(1 << 40) - 1, max_call=max_call)
+    assert int(c.nbytes.sum()) == int(lengths.sum()) and int(c.nbytes.max()) < 2 * max_call  # cut at iovecs
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        for part in c.split(3):
+            fileio.run_calls(fd, True, part, lambda: False)
+        assert np.array_equal(np.fromfile(tmp_path / "f", dtype=np.uint8), expect)
+        back = np.full_like(src, SENTINEL)
+        r = fileio.build_calls(np.uint64(back.ctypes.data) + at.astype(np.uint64), offsets, lengths,
+                               base=4096, stride=1 << 40, row_len=(1 << 40) - 1, max_call=max_call)
+        fileio.run_calls(fd, False, r, lambda: False)
+        assert np.array_equal(back, src)
+    finally:
+        os.close(fd)

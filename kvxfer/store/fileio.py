@@ -32,7 +32,9 @@ _SIG = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_
 _preadv, _pwritev = _libc.preadv, _libc.pwritev
 for _f in (_preadv, _pwritev):
     _f.argtypes, _f.restype = _SIG
-_SCRATCH = np.zeros(8192, dtype=np.uint8)  # padding bridges point here (writes send zeros)
+_SCRATCH = np.zeros(8192, dtype=np.uint8)
+#: Bytes one call moves at most: large requests become several calls the threads share.
+MAX_CALL = 8 << 20  # padding bridges point here (writes send zeros)
 
 
 @dataclass
@@ -62,13 +64,25 @@ class Calls:
 
 
 def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: int, stride: int,
-                row_len: int) -> Calls:
-    """Group descriptors into contiguous file runs (vectorised)."""
+                row_len: int, max_call: int = MAX_CALL) -> Calls:
+    """Group descriptors into contiguous file runs, one call per run (vectorised).
+
+    A run is also cut at the first iovec past every ``max_call`` bytes (a longer descriptor is
+    cut into ``max_call`` pieces first), so that one large
+    request is several calls that worker threads share; ``IOV_MAX`` cuts it as well.
+    """
     n = int(addr.shape[0])
     order = np.argsort(off, kind="stable")
     a, o, ln = addr[order].astype(np.uint64), off[order].astype(np.int64), length[order].astype(np.int64)
+    if n and int(ln.max()) > max_call:  # cut long descriptors into max_call pieces
+        pieces = -(-ln // max_call)
+        idx = np.repeat(np.arange(n), pieces)
+        k = np.arange(idx.shape[0], dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        a = a[idx] + (k * max_call).astype(np.uint64)
+        o = o[idx] + k * max_call
+        ln = np.minimum(ln[idx] - k * max_call, max_call)
     pad = stride - row_len
-    if n > 1 and pad:
+    if ln.shape[0] > 1 and pad:
         end = o[:-1] + ln[:-1]
         # Bridge exactly the padding between one row's end and the next slot's start.
         gap = np.flatnonzero((o[1:] - end == pad) & ((o[1:] - base) % stride == 0)) + 1
@@ -82,8 +96,12 @@ def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: 
     start = np.ones(m, dtype=bool)
     if m > 1:
         start[1:] = o[1:] != o[:-1] + ln[:-1]
-    run = np.cumsum(start) - 1
-    pos = np.arange(m) - np.flatnonzero(start)[run]
+        # Bytes before each iovec inside its run, in max_call units: a new unit starts a call.
+        before = np.cumsum(ln) - ln
+        within = (before - before[np.flatnonzero(start)][np.cumsum(start) - 1]) // max_call
+        start[1:] |= within[1:] != within[:-1]
+    seg = np.cumsum(start) - 1
+    pos = np.arange(m) - np.flatnonzero(start)[seg]
     start |= (pos % IOV_MAX) == 0
     first = np.flatnonzero(start)
     count = np.diff(np.append(first, m))

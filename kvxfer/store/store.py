@@ -27,7 +27,7 @@ from ..planner import TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
-from .fileio import ENGINE, Calls, Job, build_calls, run_calls
+from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, run_calls
 from .index import Entry, Index
 from .journal import MAX_KEY, Journal, encode_drop, encode_put
 from .slab import HEADER, Slab, geometry, slab_spec
@@ -261,7 +261,7 @@ class Store:
         fd = self._slab.fd
         cancelled = lambda: job.cancelled  # noqa: E731
         hook = (lambda k: self._stage("call")) if self._fault is not None else None
-        parts = calls.split(self._threads) if calls.nbytes.sum() > (8 << 20) else [calls]
+        parts = calls.split(self._threads) if len(calls) > 1 else [calls]
         if len(parts) == 1:
             run_calls(fd, write, parts[0], cancelled, hook)
             return
@@ -272,16 +272,30 @@ class Store:
             f.result()
 
     def _digests(self, slots: np.ndarray) -> np.ndarray:
-        """Digests of the rows in ``slots`` as the slab holds them, one slot run at a time."""
+        """Digests of the rows in ``slots`` as the slab holds them: a call per slot run (cut
+        at ``MAX_CALL`` bytes), shared by the worker threads."""
         if not self._slab.intact():
             raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
         out = np.empty(slots.shape[0], dtype=np.uint64)
         order = np.argsort(slots, kind="stable")
         s = slots[order]
-        cut = np.flatnonzero(np.diff(s) != 1) + 1
+        per = max(1, MAX_CALL // self.geometry.stride)
+        cut = np.flatnonzero((np.diff(s) != 1) | (np.arange(1, s.shape[0]) % per == 0)) + 1
         rows, rl = self._slab.rows, self.geometry.row_len
-        for a, b in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [s.shape[0]]]).tolist()):
+        bounds = list(zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [s.shape[0]]]).tolist()))
+
+        def one(a: int, b: int) -> None:
             out[order[a:b]] = row_digests(rows[int(s[a]):int(s[b - 1]) + 1, :rl])
+
+        if len(bounds) < 2:
+            for a, b in bounds:
+                one(a, b)
+            return out
+        futs = [self._pool.submit(one, a, b) for a, b in bounds]
+        for f in futs:
+            f.exception()
+        for f in futs:
+            f.result()
         return out
 
     def _stage(self, name: str) -> None:

@@ -1,0 +1,128 @@
+"""The KV store: offload/restore GB/s for whole-row and per-layer caches, against fio, in one run.
+
+    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4]
+
+The cache is one TP8 rank of a Llama-3-70B-style GQA model (80 layers, K and V of one head x
+128 fp16/bf16 bytes-alike, 16-token blocks): 4 KiB pages, 640 KiB rows, 160 pages per row,
+the shape where a per-layer store does 160 small I/Os per block. A request of ``--tokens``
+moves every block of the pool in a random order (local ids shuffled; slots consecutive).
+The store's I/O is buffered (page cache); ``fio`` runs on the same directory with the row size
+as block size, buffered (``--direct=0``, the store's own setting) and ``O_DIRECT`` (the
+disk), for write and read. Bytes are checked once per layout against numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+import numpy as np
+
+from _timing import Column, count, print_table, samples
+
+import kvxfer
+from kvxfer.store.digest import row_digests
+
+LAYERS, TOKENS, HEADS, DIM = 80, 16, 1, 128
+
+
+def caches(pool: int, fill: bool) -> tuple[dict[str, object], dict[str, object], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    row = np.empty((pool, LAYERS, 2, TOKENS, HEADS, DIM), np.float16)
+    layers = [np.empty((pool, TOKENS, HEADS, DIM), np.float16) for _ in range(2 * LAYERS)]
+    for a in [row] + layers:
+        a.view(np.uint8)[...] = 0xAA
+    if fill:
+        row.view(np.uint16)[...] = rng.integers(0, 1 << 16, row.shape, dtype=np.uint16)
+        for l in range(LAYERS):
+            for kv in (0, 1):
+                layers[2 * l + kv][...] = row[:, l, kv]
+    rows = {f"layer.{l}": (row[:, l, 0], row[:, l, 1]) for l in range(LAYERS)}
+    per = {f"layer.{l}": (layers[2 * l], layers[2 * l + 1]) for l in range(LAYERS)}
+    return rows, per, [row] + layers
+
+
+def fio(path: str, rw: str, bs: int, size: int, direct: int, jobs: int) -> float | None:
+    """fio's GB/s for sequential ``rw`` of ``size`` bytes in ``bs`` blocks, or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=ceiling", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--size={size // jobs}",
+           f"--direct={direct}", *(["--ioengine=libaio", "--iodepth=16"] if direct else ["--ioengine=psync"]),
+           f"--numjobs={jobs}", "--group_reporting", "--output-format=json", "--offset_increment=" + str(size // jobs), "--invalidate=0"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = json.loads(text[text.index("{"):])  # fio may print notes before its JSON
+    job = out["jobs"][0]["read" if rw == "read" else "write"]
+    return job["bw_bytes"] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=4)
+    args = ap.parse_args()
+    n = -(-args.tokens // TOKENS)
+    work = tempfile.mkdtemp(dir=args.dir, prefix="kvxfer-bench-store-")
+    try:
+        run(args, n, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, n: int, work: str) -> None:
+    src_rows, src_layers, keep_src = caches(n, True)
+    dst_rows, dst_layers, keep_dst = caches(n, False)
+    specs = {name: kvxfer.spec_from_tensors(t) for name, t in
+             (("src rows", src_rows), ("src layers", src_layers), ("dst rows", dst_rows), ("dst layers", dst_layers))}
+    row_bytes = specs["src rows"].row_bytes
+    nbytes = n * row_bytes
+    store = kvxfer.Store(os.path.join(work, "store"), capacity=n * row_bytes, layout=specs["src rows"],
+                         threads=args.threads, timeout=600)
+    keys = [b"%d" % i for i in range(n)]
+    rng = np.random.default_rng(1)
+    local = rng.permutation(n)  # local ids shuffled; the store gives consecutive slots
+    out = []
+
+    def offload(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+        store.discard(keys)
+        return store.offload(spec, local, keys).wait()
+
+    def restore(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+        return store.restore(keys, spec, local).wait()
+
+    for what, fn, spec, dst in (("offload", offload, "src rows", None), ("restore", restore, "dst rows", "rows"),
+                                ("offload", offload, "src layers", None),
+                                ("restore", restore, "dst layers", "layers")):
+        t = fn(specs[spec])  # warm-up, and the bytes checked once
+        if dst == "rows":
+            assert np.array_equal(keep_dst[0].view(np.uint16), keep_src[0].view(np.uint16)), "restored rows differ"
+            keep_dst[0].view(np.uint8)[...] = 0xAA
+        elif dst == "layers":
+            assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(keep_dst[1:], keep_src[1:])), "restored pages differ"
+        secs = statistics.median(samples(lambda: fn(specs[spec]), args.repeat))
+        out.append({"run": f"store {what}", "cache": spec.split()[1], "requests": 1, "descriptors": t.stats.descriptors,
+                    "ios": t.stats.posts, "per_layer_ios": n * 2 * LAYERS, "gbps": nbytes / secs / 1e9})
+    rows_view = store._slab.rows[:n, :row_bytes]
+    secs = statistics.median(samples(lambda: row_digests(rows_view), args.repeat))
+    out.append({"run": "digest alone (numpy stand-in)", "cache": "-", "gbps": nbytes / secs / 1e9})
+    store.close()
+    target = os.path.join(work, "fio.dat")
+    for rw in ("write", "read"):
+        for direct in (0, 1):
+            g = fio(target, rw, row_bytes, nbytes, direct, args.threads)
+            out.append({"run": f"fio {rw} {'O_DIRECT' if direct else 'buffered'}", "cache": "-",
+                        "ios": n if g is not None else None, "gbps": g})
+    print(f"{n} blocks of {row_bytes} bytes ({nbytes / 1e9:.3f} GB) per request, {args.threads} threads, "
+          f"median of {args.repeat}; slab in {args.dir}")
+    print_table(out, [Column("run"), Column("cache"), Column("descriptors", fmt=count), Column("ios", "I/O calls", count),
+                      Column("per_layer_ios", "I/Os, per-layer store", count), Column("gbps", "GB/s", "{:.2f}")])
+
+
+if __name__ == "__main__":
+    main()
