@@ -270,3 +270,27 @@ def test_a_short_write_resumes_where_it_stopped(tmp_path, monkeypatch) -> None:
     assert data[100:] == b"".join(p.tobytes() for p in parts) and data[:100] == b"\0" * 100
     assert len(seen) == 5  # control: the short path really ran (one call per iovec)
     assert ctypes.sizeof(ctypes.c_void_p) == 8 and resource.RLIM_INFINITY is not None
+
+
+def test_the_journal_is_compacted_while_open(tmp_path) -> None:
+    """Many puts and drops do not grow the index file without bound; what it says stays right."""
+    X = logical(DIMS_A)
+    src = cache("row", DIMS_A, X)
+    with _open(tmp_path) as st:
+        st.COMPACT_BYTES = 2000  # the live-entry term (16 KB here) decides
+        idx = Path(st._slab.index_path)
+        sizes = []
+        for i in range(400):
+            st.offload(src.spec, [i % 24, (i + 1) % 24], [b"r%d" % i, b"s%d" % i]).wait()
+            st.discard([b"s%d" % i])
+            sizes.append(idx.stat().st_size)
+        # Appended, never compacted, 400 rounds of records would be ~50 KB; compaction keeps the
+        # file under its trigger (8 x 64 bytes per live entry, 32 entries) plus one round.
+        assert max(sizes) < 8 * 64 * 32 + 300
+        assert any(b < a for a, b in zip(sizes, sizes[1:]))  # it shrank: compactions happened
+        assert len(st) == 31  # 32 slots: the oldest r entries were evicted
+    with _open(tmp_path) as st:
+        assert st.lookup([b"r399", b"r369", b"r368", b"s399"]).tolist() == [True, True, False, False]
+        dst = cache("row", DIMS_A)
+        st.restore([b"r399"], dst.spec, [0]).wait()
+        assert np.array_equal(dst.logical()[:, :, 0], X[:, :, 399 % 24])

@@ -53,7 +53,12 @@ class Store:
     ``durable``: fdatasync the slab before publishing and the journal after (survives power
     loss); without it a process crash is still safe, and a power loss costs at most entries
     whose rows then fail their digest (a miss). ``threads``: worker threads for I/O.
+    ``offload``/``restore`` take a :class:`KVCacheSpec` or an :class:`~kvxfer.Agent` (its
+    registered spec and timeout); :meth:`kvxfer.Agent.offload`/``restore`` call them.
     """
+
+    #: Journal bytes appended before a compaction is considered (see :meth:`_append`).
+    COMPACT_BYTES = 4 << 20
 
     def __init__(self, path: str | os.PathLike[str], *, capacity: int, layout: KVCacheSpec, model: str = "",
                  durable: bool = False, threads: int = 4, timeout: float = 30.0) -> None:
@@ -73,6 +78,7 @@ class Store:
             self._slab.close()
             raise
         self.durable = durable
+        self._jbytes = 0  # appended since the last compaction
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="kvxfer-store")
         self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
@@ -120,7 +126,7 @@ class Store:
         ks = _keys(keys)
         with self._lock:
             gone = self._index.drop(ks)
-            self._journal.append(b"".join(encode_drop(k) for k in gone))
+            self._append(b"".join(encode_drop(k) for k in gone))
         return len(gone)
 
     # -- transfers --------------------------------------------------------------------------
@@ -131,14 +137,15 @@ class Store:
         The entries appear (:meth:`lookup`) only once the transfer is DONE; a failed,
         cancelled or interrupted one publishes nothing.
         """
-        t0, deadline, limit = self._begin(timeout)
+        t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
+                                          else getattr(spec, "timeout", None))
         ks = _keys(keys)
         if len(set(ks)) != len(ks):
             raise DuplicateBlockIdError("a key appears twice in one offload; each key names one row")
         spec = self._check_local(spec)
         with self._lock:
             slots, evicted = self._index.reserve(len(ks))
-            self._journal.append(b"".join(encode_drop(k) for k in evicted))
+            self._append(b"".join(encode_drop(k) for k in evicted))
         try:
             p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
             calls = self._calls(p)
@@ -157,7 +164,7 @@ class Store:
                 if job.cancelled:
                     return
                 recs = self._index.publish(ks, slots, digests)
-                self._journal.append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
+                self._append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
                 job.published = True  # type: ignore[attr-defined]
 
         def cleanup(job: Job, err: BaseException | None) -> None:
@@ -176,7 +183,8 @@ class Store:
         fails fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not
         copied, and its entry is dropped (the next lookup is a miss).
         """
-        t0, deadline, limit = self._begin(timeout)
+        t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
+                                          else getattr(spec, "timeout", None))
         ks = _keys(keys)
         spec = self._check_local(spec)
         with self._lock:
@@ -202,7 +210,7 @@ class Store:
                 lost = [got[i].key for i in bad.tolist()]
                 with self._lock:
                     gone = self._index.drop(lost)
-                    self._journal.append(b"".join(encode_drop(k) for k in gone))
+                    self._append(b"".join(encode_drop(k) for k in gone))
                 raise StoreCorruptError(f"{bad.size} of {len(got)} stored rows failed their digest (a torn "
                                         "write or a damaged slab); nothing was copied for them and they were "
                                         "dropped: recompute those blocks", lost)
@@ -297,6 +305,17 @@ class Store:
         for f in futs:
             f.result()
         return out
+
+    def _append(self, records: bytes) -> None:
+        """Journal records (under the lock); compact once the journal is mostly dead records,
+        so a long-running store's index file stays proportional to its live entries."""
+        self._journal.append(records)
+        self._jbytes += len(records)
+        if self._jbytes > max(self.COMPACT_BYTES, 8 * 64 * len(self._index)):
+            self._journal.close()
+            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
+            self._journal = Journal(self._slab.index_path, self.durable)
+            self._jbytes = 0
 
     def _stage(self, name: str) -> None:
         if self._fault is not None:
