@@ -294,3 +294,14 @@ def test_the_journal_is_compacted_while_open(tmp_path) -> None:
         dst = cache("row", DIMS_A)
         st.restore([b"r399"], dst.spec, [0]).wait()
         assert np.array_equal(dst.logical()[:, :, 0], X[:, :, 399 % 24])
+
+
+@pytest.mark.multiprocess
+def test_random_sigkills_never_leave_a_torn_entry(tmp_path) -> None:
+    """The CI size of ``python -m kvxfer.testing.store_kill`` (RELIABILITY.md has the large run)."""
+    from kvxfer.testing.store_kill import campaign
+
+    out = campaign(str(tmp_path / "s"), 3, seed=5)
+    assert out["kills"] == 3 and out["wrong"] == 0 and out["torn_published"] == 0
+    assert out["missing_last_done"] == 0
+    assert out["present"] > 0 and out["batches_done"] > 0  # control: there was something to lose

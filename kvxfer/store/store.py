@@ -116,6 +116,11 @@ class Store:
         with self._lock:
             return np.array([e is not None for e in self._index.lookup(ks)], dtype=bool)
 
+    def keys(self) -> list[bytes]:
+        """Every stored key, least recently used first."""
+        with self._lock:
+            return list(self._index.entries)
+
     def prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are stored: the prefix a restore can serve."""
         hit = self.lookup(keys)
