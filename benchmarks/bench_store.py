@@ -8,7 +8,9 @@ the shape where a per-layer store does 160 small I/Os per block. A request of ``
 moves every block of the pool in a random order (local ids shuffled; slots consecutive).
 The store's I/O is buffered (page cache); ``fio`` runs on the same directory with the row size
 as block size, buffered (``--direct=0``, the store's own setting) and ``O_DIRECT`` (the
-disk), for write and read. Bytes are checked once per layout against numpy.
+disk), for write and read; raw NIXL ``POSIX`` does the same I/O by hand (one descriptor per
+row, or per page for the per-layer cache; buffered, as NIXL opens the fd it is given). Bytes
+are checked once per layout against the source arrays.
 """
 
 from __future__ import annotations
@@ -58,6 +60,64 @@ def fio(path: str, rw: str, bs: int, size: int, direct: int, jobs: int) -> float
     out = json.loads(text[text.index("{"):])  # fio may print notes before its JSON
     job = out["jobs"][0]["read" if rw == "read" else "write"]
     return job["bw_bytes"] / 1e9
+
+
+def nixl_posix(path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: list[np.ndarray],
+               local: np.ndarray, repeat: int) -> list[dict[str, object]]:
+    """Raw NIXL ``POSIX`` doing the same I/O by hand: one descriptor per row (row cache) or per
+    page (per-layer cache), DRAM <-> FILE, the file registered once; [] without nixl."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        return []
+    ag = nixl_agent("bench-store", nixl_agent_config(backends=["POSIX"]))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, n * row_bytes)
+    regs = [ag.register_memory([(0, n * row_bytes, fd, "")], "FILE")]
+    regs += [ag.register_memory([(a.ctypes.data, a.nbytes, 0, "")], "DRAM") for a in src + dst]
+    slots = np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
+    out = []
+
+    def lists(arrs: list[np.ndarray], per_layer: bool) -> tuple[np.ndarray, np.ndarray]:
+        if not per_layer:  # row b of the cache <-> slot i, local ids shuffled as for the store
+            mem = np.stack([arrs[0].ctypes.data + local.astype(np.uint64) * np.uint64(row_bytes),
+                            np.full(n, row_bytes, np.uint64), np.zeros(n, np.uint64)], axis=1)
+            fil = np.stack([slots, np.full(n, row_bytes, np.uint64), np.full(n, fd, np.uint64)], axis=1)
+            return mem.astype(np.uint64), fil.astype(np.uint64)
+        page = arrs[1].nbytes // n
+        bases = np.array([a.ctypes.data for a in arrs[1:]], dtype=np.uint64)
+        mem_addr = (bases[None, :] + local.astype(np.uint64)[:, None] * np.uint64(page)).reshape(-1)
+        fil_off = (slots[:, None] + np.arange(len(bases), dtype=np.uint64)[None, :] * np.uint64(page)).reshape(-1)
+        ln = np.full(mem_addr.shape[0], page, np.uint64)
+        return (np.stack([mem_addr, ln, np.zeros_like(ln)], axis=1),
+                np.stack([fil_off, ln, np.full_like(ln, fd)], axis=1))
+
+    def xfer(op: str, mem: np.ndarray, fil: np.ndarray) -> None:
+        h = ag.initialize_xfer(op, ag.get_xfer_descs(mem, "DRAM"), ag.get_xfer_descs(fil, "FILE"), "bench-store")
+        state = ag.transfer(h)
+        while state not in ("DONE", "ERR"):
+            state = ag.check_xfer_state(h)
+        ag.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError("NIXL POSIX transfer failed")
+
+    try:
+        for cache_kind, per_layer in (("rows", False), ("layers", True)):
+            for op, arrs in (("WRITE", src), ("READ", dst)):
+                mem, fil = lists(arrs, per_layer)
+                xfer(op, mem, fil)
+                if op == "READ":
+                    pairs = [(src[0], dst[0])] if not per_layer else list(zip(src[1:], dst[1:]))
+                    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in pairs), \
+                        "NIXL POSIX read back other bytes"
+                secs = statistics.median(samples(lambda: xfer(op, mem, fil), repeat))
+                out.append({"run": f"raw NIXL POSIX {'offload' if op == 'WRITE' else 'restore'}", "cache": cache_kind,
+                            "descriptors": mem.shape[0], "ios": mem.shape[0], "gbps": n * row_bytes / secs / 1e9})
+    finally:
+        for r in regs:
+            ag.deregister_memory(r)
+        os.close(fd)
+    return out
 
 
 def main() -> None:
@@ -112,6 +172,9 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
     secs = statistics.median(samples(lambda: row_digests(rows_view), args.repeat))
     out.append({"run": "digest alone (numpy stand-in)", "cache": "-", "gbps": nbytes / secs / 1e9})
     store.close()
+    for a in keep_dst:
+        a.view(np.uint8)[...] = 0xAA
+    out += nixl_posix(os.path.join(work, "nixl.dat"), n, row_bytes, keep_src, keep_dst, local, args.repeat)
     target = os.path.join(work, "fio.dat")
     for rw in ("write", "read"):
         for direct in (0, 1):
