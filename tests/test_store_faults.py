@@ -305,3 +305,38 @@ def test_random_sigkills_never_leave_a_torn_entry(tmp_path) -> None:
     assert out["kills"] == 3 and out["wrong"] == 0 and out["torn_published"] == 0
     assert out["missing_last_done"] == 0
     assert out["present"] > 0 and out["batches_done"] > 0  # control: there was something to lose
+
+
+def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path) -> None:
+    """200 rows, each damaged at one random byte of its row (a random new value); the bytes
+    after the row (slot padding, never restored) are the control: damage there is harmless."""
+    dims = DIMS["padded"]  # 2560-byte rows in 4096-byte slots
+    X = logical(dims)
+    src = cache("row", dims, X)
+    rng = np.random.default_rng(11)
+    rl = row_bytes(dims)
+    detected = harmless = 0
+    with kvxfer.Store(tmp_path, capacity=8 * 4096, layout=src.spec) as st:
+        fd = os.open(st.path, os.O_RDWR)
+        try:
+            for i in range(200):
+                b = int(rng.integers(0, dims[1]))
+                st.offload(src.spec, [b], [b"r"]).wait()
+                slot = st._index.entries[b"r"].slot
+                pad = i % 4 == 0  # every 4th: damage the padding instead
+                at = HEADER + slot * 4096 + int(rng.integers(rl, 4096) if pad else rng.integers(0, rl))
+                old = os.pread(fd, 1, at)[0]
+                os.pwrite(fd, bytes([(old + int(rng.integers(1, 256))) % 256]), at)
+                dst = cache("row", dims)
+                try:
+                    st.restore([b"r"], dst.spec, [0]).wait()
+                    harmless += pad
+                    assert pad and np.array_equal(dst.logical()[:, :, 0], X[:, :, b])
+                except StoreCorruptError:
+                    detected += not pad
+                    assert not pad and dst.untouched([])
+                os.pwrite(fd, bytes([0]) if pad else bytes([old]), at)
+                st.discard([b"r"])
+        finally:
+            os.close(fd)
+    assert (detected, harmless) == (150, 50)
