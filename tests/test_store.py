@@ -244,3 +244,74 @@ def test_calls_move_exactly_the_descriptors_bytes(tmp_path, seed, max_call) -> N
         assert np.array_equal(back, src)
     finally:
         os.close(fd)
+
+
+def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path) -> None:
+    dims = DIMS["aligned"]
+    X, Y = logical(dims, seed=1), logical(dims, seed=2)
+    old, new = cache("row", dims, X), cache("row", dims, Y)
+    st = _store(tmp_path, dims, slots=2)
+    try:
+        st.offload(old.spec, [3], [b"k"]).wait()
+        gate, entered = threading.Event(), threading.Event()
+
+        def hold(stage: str) -> None:
+            if stage == "verified" and not entered.is_set():
+                entered.set()
+                gate.wait(60)
+
+        st._fault = hold
+        first = cache("row", dims)
+        t = st.restore([b"k"], first.spec, [0])  # k checked, pinned, not yet copied
+        assert entered.wait(60)
+        st.offload(new.spec, [3], [b"k"]).wait()  # replaces k: the other slot
+        st.offload(new.spec, [4], [b"j"]).wait()  # evicts the new k; the old k's slot stays pinned
+        assert st.lookup([b"k", b"j"]).tolist() == [False, True]
+        gate.set()
+        t.wait()
+        st._fault = None
+        # The read copied the old row, whole: nothing was written into its slot meanwhile
+        # (with the slot freed on replacement, j would have landed there: Y's block 4).
+        assert np.array_equal(first.logical()[:, :, 0], X[:, :, 3])
+        second = cache("row", dims)
+        st.restore([b"j"], second.spec, [0]).wait()
+        assert np.array_equal(second.logical()[:, :, 0], Y[:, :, 4])
+        st.offload(new.spec, [5], [b"i"]).wait()  # the old slot is free once the read ended
+        assert st.lookup([b"j", b"i"]).all()
+    finally:
+        st.close()
+
+
+def test_threads_sharing_one_store(tmp_path) -> None:
+    """Four threads offload, restore and discard random keys at once; every restore is exact."""
+    dims = DIMS["padded"]
+    X = logical(dims)
+    src = cache("layer", dims, X)
+    errors: list[BaseException] = []
+    with _store(tmp_path, dims, slots=40) as st:
+
+        def worker(w: int) -> None:
+            rng = np.random.default_rng(w)
+            try:
+                for r in range(30):
+                    blocks = rng.choice(dims[1], 3, replace=False)
+                    ks = [f"{w}:{r}:{b}".encode() for b in blocks]
+                    st.offload(src.spec, blocks, ks).wait()
+                    dst = cache("row", dims)
+                    try:
+                        st.restore(ks, dst.spec, [0, 1, 2]).wait()
+                    except StoreMissError:  # another thread's offload evicted some: a miss, fine
+                        continue
+                    assert np.array_equal(dst.logical()[:, :, :3], X[:, :, blocks]) and dst.untouched([0, 1, 2])
+                    if r % 3 == 0:
+                        st.discard(ks[:1])
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert 0 < len(st) <= 40 and int((st._index.state != 0).sum()) == len(st)  # no slot leaked

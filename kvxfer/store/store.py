@@ -85,7 +85,9 @@ class Store:
         self._threads = max(1, int(threads))
         self._pairings: dict[int, Pairing] = {}
         self._closed = False
-        #: Test hook: called with a stage name ("call", "written") on the worker thread.
+        #: Test hook: called with a stage name on the worker thread: "call" after each system
+        #: call, "written" after an offload's writes (before publishing), "verified" after a
+        #: restore's digest check (before copying).
         self._fault: Callable[[str], None] | None = None
 
     # -- facts ------------------------------------------------------------------------------
@@ -219,6 +221,7 @@ class Store:
                 raise StoreCorruptError(f"{bad.size} of {len(got)} stored rows failed their digest (a torn "
                                         "write or a damaged slab); nothing was copied for them and they were "
                                         "dropped: recompute those blocks", lost)
+            self._stage("verified")
             self._io(job, calls, write=False)
 
         def cleanup(job: Job, err: BaseException | None) -> None:
