@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import StoreError, StoreFullError, TransferCancelledError
 from ..plugin.backend import Backend, Capabilities
 
-__all__ = ["Calls", "build_calls", "run_calls", "Job", "FileEngine", "IOV_MAX"]
+__all__ = ["Calls", "build_calls", "groups", "run_calls", "Job", "FileEngine", "IOV_MAX"]
 
 IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -67,20 +67,23 @@ def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: 
                 row_len: int, max_call: int = MAX_CALL) -> Calls:
     """Group descriptors into contiguous file runs, one call per run (vectorised).
 
-    A run is also cut at the first iovec past every ``max_call`` bytes (a longer descriptor is
-    cut into ``max_call`` pieces first), so that one large
-    request is several calls that worker threads share; ``IOV_MAX`` cuts it as well.
+    Runs are also cut on a grid of ``max_call`` bytes of whole slots (a descriptor crossing it
+    is cut there first), so one large request is several calls that worker threads share and
+    that hold whole rows; ``IOV_MAX`` cuts a call as well (then a row may span two calls).
     """
     n = int(addr.shape[0])
     order = np.argsort(off, kind="stable")
     a, o, ln = addr[order].astype(np.uint64), off[order].astype(np.int64), length[order].astype(np.int64)
-    if n and int(ln.max()) > max_call:  # cut long descriptors into max_call pieces
-        pieces = -(-ln // max_call)
+    unit = max(1, max_call // stride) * stride  # calls are cut on this grid of whole slots
+    first, last = (o - base) // unit, (o + ln - 1 - base) // unit
+    if n and bool((last > first).any()):  # cut descriptors that cross the grid
+        pieces = last - first + 1
         idx = np.repeat(np.arange(n), pieces)
         k = np.arange(idx.shape[0], dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        a = a[idx] + (k * max_call).astype(np.uint64)
-        o = o[idx] + k * max_call
-        ln = np.minimum(ln[idx] - k * max_call, max_call)
+        start = np.where(k == 0, o[idx], base + (first[idx] + k) * unit)
+        end = np.minimum(o[idx] + ln[idx], base + (first[idx] + k + 1) * unit)
+        a = a[idx] + (start - o[idx]).astype(np.uint64)
+        o, ln = start, end - start
     pad = stride - row_len
     if ln.shape[0] > 1 and pad:
         end = o[:-1] + ln[:-1]
@@ -96,10 +99,8 @@ def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: 
     start = np.ones(m, dtype=bool)
     if m > 1:
         start[1:] = o[1:] != o[:-1] + ln[:-1]
-        # Bytes before each iovec inside its run, in max_call units: a new unit starts a call.
-        before = np.cumsum(ln) - ln
-        within = (before - before[np.flatnonzero(start)][np.cumsum(start) - 1]) // max_call
-        start[1:] |= within[1:] != within[:-1]
+        cell = (o - base) // unit  # a new grid cell starts a call: calls hold whole slots
+        start[1:] |= cell[1:] != cell[:-1]
     seg = np.cumsum(start) - 1
     pos = np.arange(m) - np.flatnonzero(start)[seg]
     start |= (pos % IOV_MAX) == 0
@@ -107,6 +108,20 @@ def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: 
     count = np.diff(np.append(first, m))
     nbytes = np.add.reduceat(ln, first) if m else ln[:0]
     return Calls(iov, first, count, o[first], nbytes, n)
+
+
+def groups(c: Calls, base: int, stride: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive calls as ``(first call, end call, first slot, last slot)`` such that no
+    slot's bytes are in two groups: a group can check or digest its rows on its own, right
+    before or after moving them (while they are warm in the CPU caches)."""
+    if not len(c):
+        return []
+    lo = (c.offset - base) // stride
+    hi = (c.offset + c.nbytes - 1 - base) // stride
+    cut = np.flatnonzero(lo[1:] > hi[:-1]) + 1  # a call starting on a fresh slot may start a group
+    a = np.concatenate([[0], cut]).tolist()
+    b = np.concatenate([cut, [len(c)]]).tolist()
+    return [(i, j, int(lo[i]), int(hi[j - 1])) for i, j in zip(a, b)]
 
 
 def run_calls(fd: int, write: bool, c: Calls, cancelled: Callable[[], bool],

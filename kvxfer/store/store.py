@@ -4,7 +4,7 @@
 cache against the slab spec with the unchanged planner, writes on worker threads and, only
 when every write returned, digests the rows and publishes the entries (journal first, then
 the index). :meth:`Store.restore` pins the entries, checks every row against its digest
-*before* copying it, copies, and unpins. Both return a :class:`~kvxfer.Transfer`, so
+right *before* copying it, and unpins. Both return a :class:`~kvxfer.Transfer`, so
 deadlines and cancellation behave as for a peer transfer. docs/storage.md has the formats.
 """
 
@@ -27,7 +27,7 @@ from ..planner import TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
-from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, run_calls
+from .fileio import ENGINE, Calls, Job, build_calls, groups, run_calls
 from .index import Entry, Index
 from .journal import MAX_KEY, Journal, encode_drop, encode_put
 from .slab import HEADER, Slab, geometry, slab_spec
@@ -43,6 +43,14 @@ def _keys(keys: Sequence[bytes]) -> list[bytes]:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
             raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
     return out
+
+
+class _Damaged(Exception):
+    """Rows that failed their digest during a restore (internal: becomes StoreCorruptError)."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        super().__init__(f"{slots.shape[0]} damaged rows")
+        self.slots = slots
 
 
 class Store:
@@ -162,10 +170,9 @@ class Store:
             raise
 
         def body(job: Job) -> None:
-            self._io(job, calls, write=True)
+            digests = self._run(job, calls, slots, None)
             if self.durable:
                 os.fdatasync(self._slab.fd)
-            digests = self._digests(slots)
             self._stage("written")
             with self._lock, job.lock:
                 if job.cancelled:
@@ -186,9 +193,12 @@ class Store:
         """Read the rows stored under ``keys[i]`` into ``spec``'s ``local_blocks[i]``.
 
         A key not stored raises :class:`~kvxfer.errors.StoreMissError` before any byte
-        moves. Every row is checked against its digest before it is copied; a row that
-        fails fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not
-        copied, and its entry is dropped (the next lookup is a miss).
+        moves. Every row is checked against its digest right before it is copied (a group of
+        rows of about 8 MiB at a time, while they are warm in the CPU caches); a row that fails
+        fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not copied, and
+        its entry is dropped (the next lookup is a miss). Rows of other groups may have been
+        copied by then; they passed their check, and the failed transfer's blocks are the
+        caller's to recompute.
         """
         t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
                                           else getattr(spec, "timeout", None))
@@ -212,17 +222,16 @@ class Store:
             raise
 
         def body(job: Job) -> None:
-            bad = np.flatnonzero(self._digests(slots) != want)
-            if bad.size:
-                lost = [got[i].key for i in bad.tolist()]
+            try:
+                self._run(job, calls, slots, want)
+            except _Damaged as exc:
+                lost = [got[i].key for i in np.flatnonzero(np.isin(slots, exc.slots)).tolist()]
                 with self._lock:
                     gone = self._index.drop(lost)
                     self._append(b"".join(encode_drop(k) for k in gone))
-                raise StoreCorruptError(f"{bad.size} of {len(got)} stored rows failed their digest (a torn "
-                                        "write or a damaged slab); nothing was copied for them and they were "
-                                        "dropped: recompute those blocks", lost)
-            self._stage("verified")
-            self._io(job, calls, write=False)
+                raise StoreCorruptError(f"{len(lost)} of {len(got)} stored rows failed their digest (a torn "
+                                        "write or a damaged slab); they were not copied and were dropped: "
+                                        "recompute those blocks", lost) from None
 
         def cleanup(job: Job, err: BaseException | None) -> None:
             with self._lock:
@@ -273,46 +282,53 @@ class Store:
         g = self.geometry
         return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride, row_len=g.row_len)
 
-    def _io(self, job: Job, calls: Calls, write: bool) -> None:
-        fd = self._slab.fd
-        cancelled = lambda: job.cancelled  # noqa: E731
-        hook = (lambda k: self._stage("call")) if self._fault is not None else None
-        parts = calls.split(self._threads) if len(calls) > 1 else [calls]
-        if len(parts) == 1:
-            run_calls(fd, write, parts[0], cancelled, hook)
-            return
-        futs = [self._pool.submit(run_calls, fd, write, c, cancelled, hook) for c in parts]
-        for f in futs:  # wait for all (no call may outlive the job), then raise the first error
-            f.exception()
-        for f in futs:
-            f.result()
-
-    def _digests(self, slots: np.ndarray) -> np.ndarray:
-        """Digests of the rows in ``slots`` as the slab holds them: a call per slot run (cut
-        at ``MAX_CALL`` bytes), shared by the worker threads."""
+    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None) -> np.ndarray:
+        """Move the calls group by group on the worker threads (:func:`~.fileio.groups`): a
+        restore (``want``: the digests on record) checks a group's rows right before copying
+        them, an offload digests its rows right after writing them; returns the digests."""
         if not self._slab.intact():
             raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
-        out = np.empty(slots.shape[0], dtype=np.uint64)
-        order = np.argsort(slots, kind="stable")
-        s = slots[order]
-        per = max(1, MAX_CALL // self.geometry.stride)
-        cut = np.flatnonzero((np.diff(s) != 1) | (np.arange(1, s.shape[0]) % per == 0)) + 1
+        write = want is None
+        uniq, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
+        dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
+        fd, bad = self._slab.fd, []
+        cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
+        hook = (lambda k: self._stage("call")) if self._fault is not None else None
+
+        def one(a: int, b: int, lo: int, hi: int) -> None:
+            i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
+            part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
+            if not write:
+                wrong = uniq[i:j][self._digest_slots(uniq[i:j]) != dig[i:j]]
+                if wrong.size:
+                    bad.append(wrong)
+                    return
+                self._stage("verified")
+            run_calls(fd, write, part, cancelled, hook)
+            if write:
+                dig[i:j] = self._digest_slots(uniq[i:j])
+
+        todo = groups(calls, HEADER, self.geometry.stride)
+        if len(todo) == 1:
+            one(*todo[0])
+        else:
+            futs = [self._pool.submit(one, *g) for g in todo]
+            for f in futs:  # wait for all (no call may outlive the job), then raise the first error
+                f.exception()
+            if bad:  # the other groups stopped early because of it: report the damage
+                raise _Damaged(np.concatenate(bad))
+            for f in futs:
+                f.result()
+        if bad:
+            raise _Damaged(np.concatenate(bad))
+        return dig[inverse]
+
+    def _digest_slots(self, sorted_slots: np.ndarray) -> np.ndarray:
+        """Digests of these rows as the slab holds them (one call per run of slots)."""
         rows, rl = self._slab.rows, self.geometry.row_len
-        bounds = list(zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [s.shape[0]]]).tolist()))
-
-        def one(a: int, b: int) -> None:
-            out[order[a:b]] = row_digests(rows[int(s[a]):int(s[b - 1]) + 1, :rl])
-
-        if len(bounds) < 2:
-            for a, b in bounds:
-                one(a, b)
-            return out
-        futs = [self._pool.submit(one, a, b) for a, b in bounds]
-        for f in futs:
-            f.exception()
-        for f in futs:
-            f.result()
-        return out
+        cut = (np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist()
+        parts = [row_digests(rows[int(r[0]):int(r[-1]) + 1, :rl]) for r in np.split(sorted_slots, cut) if r.size]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
     def _append(self, records: bytes) -> None:
         """Journal records (under the lock); compact once the journal is mostly dead records,
