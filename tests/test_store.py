@@ -316,3 +316,15 @@ def test_threads_sharing_one_store(tmp_path) -> None:
             t.join(120)
         assert not errors, errors
         assert 0 < len(st) <= 40 and int((st._index.state != 0).sum()) == len(st)  # no slot leaked
+
+
+def test_one_key_restored_into_two_blocks_and_empty_requests(tmp_path) -> None:
+    dims = DIMS["padded"]
+    X = logical(dims)
+    src, dst = cache("layer", dims, X), cache("row", dims)
+    with _store(tmp_path, dims) as st:
+        assert st.offload(src.spec, [], []).wait().stats.posts == 0 and len(st) == 0
+        st.offload(src.spec, [3, 4], [b"a", b"b"]).wait()
+        st.restore([b"a", b"a", b"b"], dst.spec, [0, 5, 9]).wait()
+        assert st.restore([], dst.spec, []).wait().stats.nbytes == 0
+    assert np.array_equal(dst.logical()[:, :, [0, 5, 9]], X[:, :, [3, 3, 4]]) and dst.untouched([0, 5, 9])
