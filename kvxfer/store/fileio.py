@@ -51,17 +51,6 @@ class Calls:
     def __len__(self) -> int:
         return int(self.first.shape[0])
 
-    def split(self, parts: int) -> list["Calls"]:
-        """At most ``parts`` groups of whole calls with about equal bytes (for worker threads)."""
-        n = len(self)
-        if parts <= 1 or n <= 1:
-            return [self]
-        cum = np.cumsum(self.nbytes)
-        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="right")
-        edges = np.unique(np.concatenate([[0], cuts, [n]]))
-        return [Calls(self.iov, self.first[a:b], self.count[a:b], self.offset[a:b], self.nbytes[a:b], 0)
-                for a, b in zip(edges[:-1], edges[1:]) if b > a]
-
 
 def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: int, stride: int,
                 row_len: int, max_call: int = MAX_CALL) -> Calls:

@@ -90,7 +90,6 @@ class Store:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="kvxfer-store")
         self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
-        self._threads = max(1, int(threads))
         self._pairings: dict[int, Pairing] = {}
         self._closed = False
         #: Test hook: called with a stage name on the worker thread: "call" after each system
