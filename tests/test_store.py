@@ -331,3 +331,14 @@ def test_one_key_restored_into_two_blocks_and_empty_requests(tmp_path) -> None:
         st.restore([b"a", b"a", b"b"], dst.spec, [0, 5, 9]).wait()
         assert st.restore([], dst.spec, []).wait().stats.nbytes == 0
     assert np.array_equal(dst.logical()[:, :, [0, 5, 9]], X[:, :, [3, 3, 4]]) and dst.untouched([0, 5, 9])
+
+
+def test_a_durable_store_round_trips_across_a_reopen(tmp_path) -> None:
+    dims = DIMS["aligned"]
+    X = logical(dims)
+    with _store(tmp_path, dims, durable=True) as st:
+        st.offload(cache("layer", dims, X).spec, [7, 8], [b"a", b"b"]).wait()
+    dst = cache("row", dims)
+    with _store(tmp_path, dims, durable=True) as st:
+        st.restore([b"b", b"a"], dst.spec, [0, 1]).wait()
+    assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [8, 7]]) and dst.untouched([0, 1])
