@@ -53,13 +53,14 @@ class Calls:
 
 
 def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: int, stride: int,
-                row_len: int, max_call: int = MAX_CALL) -> Calls:
+                row_len: int, max_call: int | None = None) -> Calls:
     """Group descriptors into contiguous file runs, one call per run (vectorised).
 
     Runs are also cut on a grid of ``max_call`` bytes of whole slots (a descriptor crossing it
     is cut there first), so one large request is several calls that worker threads share and
     that hold whole rows; ``IOV_MAX`` cuts a call as well (then a row may span two calls).
     """
+    max_call = MAX_CALL if max_call is None else max_call
     n = int(addr.shape[0])
     order = np.argsort(off, kind="stable")
     a, o, ln = addr[order].astype(np.uint64), off[order].astype(np.int64), length[order].astype(np.int64)
