@@ -37,7 +37,7 @@ import kvxfer
 from store_caches import DIMS, cache, keys, logical
 dims = DIMS["aligned"]
 src = cache("layer", dims, logical(dims))
-st = kvxfer.Store({path!r}, capacity={cap}, layout=src.spec)
+st = kvxfer.Store({path!r}, capacity={cap}, layout=src.spec, threads=1)  # one worker: a held call holds the batch
 {body}
 """
 
