@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .deadlines import check_timeout, deadline_scope
 from .fdlimit import limit_error, raise_soft_limit
@@ -328,6 +328,14 @@ class Agent:
     def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
         """Push our ``local_blocks`` into the peer's ``remote_blocks``."""
         return self._transfer(Op.WRITE, peer, local_blocks, remote_blocks, notify)
+
+    def offload(self, store: Any, local_blocks: Any, keys: Sequence[bytes]) -> Transfer:
+        """Write ``local_blocks`` to a :class:`kvxfer.Store` under ``keys`` (docs/storage.md)."""
+        return store.offload(self, local_blocks, keys)
+
+    def restore(self, store: Any, keys: Sequence[bytes], local_blocks: Any) -> Transfer:
+        """Read the rows a :class:`kvxfer.Store` holds under ``keys`` into ``local_blocks``."""
+        return store.restore(keys, self, local_blocks)
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
                   notify: bytes | None) -> Transfer:

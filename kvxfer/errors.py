@@ -39,6 +39,11 @@ __all__ = [
     "SpecFileError",
     "MissingDependencyError",
     "InvalidTimeoutError",
+    "StoreError",
+    "StoreMissError",
+    "StoreCorruptError",
+    "StoreFullError",
+    "StoreBusyError",
 ]
 
 
@@ -209,3 +214,39 @@ class MissingDependencyError(KvxferError, ImportError):
 
 class InvalidTimeoutError(KvxferError, ValueError):
     """A timeout that is not a finite, positive number of seconds (NaN, inf, 0 or negative)."""
+
+
+class StoreError(KvxferError):
+    """The KV store (:mod:`kvxfer.store`) cannot do what was asked; the message says why."""
+
+
+class StoreMissError(StoreError, KeyError):
+    """Keys asked for are not in the store (never written, evicted, or dropped as corrupt).
+
+    ``keys`` lists them. A restore that raises this moved no byte.
+    """
+
+    def __init__(self, message: str, keys: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.keys))
+
+
+class StoreCorruptError(StoreMissError):
+    """Stored rows failed their digest (a torn write, a flipped byte, a truncated slab).
+
+    The rows were not copied and their entries were dropped: the next lookup is a miss.
+    """
+
+
+class StoreFullError(StoreError, OSError):
+    """No room: the file system refused the slab at creation, or every slot is pinned."""
+
+
+class StoreBusyError(StoreError):
+    """Another store object (in this or another process) holds the slab's lock."""

@@ -1,0 +1,210 @@
+"""The KV store: offload/restore GB/s for whole-row and per-layer caches, against fio, in one run.
+
+    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4]
+
+The cache is one TP8 rank of a Llama-3-70B-style GQA model (80 layers, K and V of one head x
+128 fp16/bf16 bytes-alike, 16-token blocks): 4 KiB pages, 640 KiB rows, 160 pages per row,
+the shape where a per-layer store does 160 small I/Os per block. A request of ``--tokens``
+moves every block of the pool in a random order (local ids shuffled; slots consecutive).
+The store's I/O is buffered (page cache); ``fio`` runs on the same directory with the row size
+as block size, buffered (``--direct=0``, the store's own setting) and ``O_DIRECT`` (the
+disk), for write and read; raw NIXL ``POSIX`` does the same I/O by hand (one descriptor per
+row, or per page for the per-layer cache; buffered, as NIXL opens the fd it is given). Bytes
+are checked once per layout against the source arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+import numpy as np
+
+from _timing import Column, count, print_table, samples
+
+import kvxfer
+from kvxfer.store.digest import row_digests
+
+LAYERS, TOKENS, HEADS, DIM = 80, 16, 1, 128
+CHUNK = 16384  # descriptors per raw NIXL POSIX request
+
+
+def caches(pool: int, fill: bool) -> tuple[dict[str, object], dict[str, object], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    row = np.empty((pool, LAYERS, 2, TOKENS, HEADS, DIM), np.float16)
+    layers = [np.empty((pool, TOKENS, HEADS, DIM), np.float16) for _ in range(2 * LAYERS)]
+    for a in [row] + layers:
+        a.view(np.uint8)[...] = 0xAA
+    if fill:
+        row.view(np.uint16)[...] = rng.integers(0, 1 << 16, row.shape, dtype=np.uint16)
+        for l in range(LAYERS):
+            for kv in (0, 1):
+                layers[2 * l + kv][...] = row[:, l, kv]
+    rows = {f"layer.{l}": (row[:, l, 0], row[:, l, 1]) for l in range(LAYERS)}
+    per = {f"layer.{l}": (layers[2 * l], layers[2 * l + 1]) for l in range(LAYERS)}
+    return rows, per, [row] + layers
+
+
+def _rates(nbytes: int, secs: list[float]) -> dict[str, float]:
+    """Median and best GB/s: on a shared machine the best run is what the code can do."""
+    return {"gbps": nbytes / statistics.median(secs) / 1e9, "best": nbytes / min(secs) / 1e9}
+
+
+def fio(path: str, rw: str, bs: int, size: int, direct: int, jobs: int) -> float | None:
+    """fio's GB/s for sequential ``rw`` of ``size`` bytes in ``bs`` blocks, or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=ceiling", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--size={size // jobs}",
+           f"--direct={direct}", *(["--ioengine=libaio", "--iodepth=16"] if direct else ["--ioengine=psync"]),
+           f"--numjobs={jobs}", "--group_reporting", "--output-format=json", "--offset_increment=" + str(size // jobs), "--invalidate=0"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = json.loads(text[text.index("{"):])  # fio may print notes before its JSON
+    job = out["jobs"][0]["read" if rw == "read" else "write"]
+    return job["bw_bytes"] / 1e9
+
+
+def nixl_posix(path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: list[np.ndarray],
+               local: np.ndarray, repeat: int) -> list[dict[str, object]]:
+    """Raw NIXL ``POSIX`` doing the same I/O by hand: one descriptor per row (row cache) or per
+    page (per-layer cache), DRAM <-> FILE, the file registered once; [] without nixl."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        return []
+    ag = nixl_agent("bench-store", nixl_agent_config(backends=["POSIX"]))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, n * row_bytes)
+    regs = [ag.register_memory([(0, n * row_bytes, fd, "")], "FILE")]
+    regs += [ag.register_memory([(a.ctypes.data, a.nbytes, 0, "")], "DRAM") for a in src + dst]
+    slots = np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
+    out = []
+
+    def lists(arrs: list[np.ndarray], per_layer: bool) -> tuple[np.ndarray, np.ndarray]:
+        if not per_layer:  # row b of the cache <-> slot i, local ids shuffled as for the store
+            mem = np.stack([arrs[0].ctypes.data + local.astype(np.uint64) * np.uint64(row_bytes),
+                            np.full(n, row_bytes, np.uint64), np.zeros(n, np.uint64)], axis=1)
+            fil = np.stack([slots, np.full(n, row_bytes, np.uint64), np.full(n, fd, np.uint64)], axis=1)
+            return mem.astype(np.uint64), fil.astype(np.uint64)
+        page = arrs[1].nbytes // n
+        bases = np.array([a.ctypes.data for a in arrs[1:]], dtype=np.uint64)
+        mem_addr = (bases[None, :] + local.astype(np.uint64)[:, None] * np.uint64(page)).reshape(-1)
+        fil_off = (slots[:, None] + np.arange(len(bases), dtype=np.uint64)[None, :] * np.uint64(page)).reshape(-1)
+        ln = np.full(mem_addr.shape[0], page, np.uint64)
+        return (np.stack([mem_addr, ln, np.zeros_like(ln)], axis=1),
+                np.stack([fil_off, ln, np.full_like(ln, fd)], axis=1))
+
+    def xfer(op: str, mem: np.ndarray, fil: np.ndarray) -> None:
+        # POSIX's aio queue refuses one request of 163,840 descriptors ("No more free blocks
+        # available"), and so it does several in flight together: post CHUNK descriptors per
+        # request, one request after the other.
+        states = []
+        for i in range(0, mem.shape[0], CHUNK):
+            h = ag.initialize_xfer(op, ag.get_xfer_descs(mem[i:i + CHUNK], "DRAM"),
+                                   ag.get_xfer_descs(fil[i:i + CHUNK], "FILE"), "bench-store")
+            state = ag.transfer(h)
+            while state not in ("DONE", "ERR"):
+                state = ag.check_xfer_state(h)
+            ag.release_xfer_handle(h)
+            states.append(state)
+        if any(st != "DONE" for st in states):
+            raise RuntimeError("NIXL POSIX transfer failed")
+
+    try:
+        for cache_kind, per_layer in (("rows", False), ("layers", True)):
+            for op, arrs in (("WRITE", src), ("READ", dst)):
+                mem, fil = lists(arrs, per_layer)
+                xfer(op, mem, fil)
+                if op == "READ":
+                    pairs = [(src[0], dst[0])] if not per_layer else list(zip(src[1:], dst[1:]))
+                    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in pairs), \
+                        "NIXL POSIX read back other bytes"
+                secs = samples(lambda: xfer(op, mem, fil), repeat)
+                out.append({"run": f"raw NIXL POSIX {'offload' if op == 'WRITE' else 'restore'}", "cache": cache_kind,
+                            "descriptors": mem.shape[0], "ios": mem.shape[0], "requests": -(-mem.shape[0] // CHUNK),
+                            **_rates(n * row_bytes, secs)})
+    finally:
+        for r in regs:
+            ag.deregister_memory(r)
+        os.close(fd)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=4)
+    args = ap.parse_args()
+    n = -(-args.tokens // TOKENS)
+    work = tempfile.mkdtemp(dir=args.dir, prefix="kvxfer-bench-store-")
+    try:
+        run(args, n, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, n: int, work: str) -> None:
+    src_rows, src_layers, keep_src = caches(n, True)
+    dst_rows, dst_layers, keep_dst = caches(n, False)
+    specs = {name: kvxfer.spec_from_tensors(t) for name, t in
+             (("src rows", src_rows), ("src layers", src_layers), ("dst rows", dst_rows), ("dst layers", dst_layers))}
+    row_bytes = specs["src rows"].row_bytes
+    nbytes = n * row_bytes
+    store = kvxfer.Store(os.path.join(work, "store"), capacity=n * row_bytes, layout=specs["src rows"],
+                         threads=args.threads, timeout=600)
+    keys = [b"%d" % i for i in range(n)]
+    rng = np.random.default_rng(1)
+    local = rng.permutation(n)  # local ids shuffled; the store gives consecutive slots
+    out = []
+
+    def offload(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+        store.discard(keys)
+        return store.offload(spec, local, keys).wait()
+
+    def restore(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+        return store.restore(keys, spec, local).wait()
+
+    for what, fn, spec, dst in (("offload", offload, "src rows", None), ("restore", restore, "dst rows", "rows"),
+                                ("offload", offload, "src layers", None),
+                                ("restore", restore, "dst layers", "layers")):
+        t = fn(specs[spec])  # warm-up, and the bytes checked once
+        if dst == "rows":
+            assert np.array_equal(keep_dst[0].view(np.uint16), keep_src[0].view(np.uint16)), "restored rows differ"
+            keep_dst[0].view(np.uint8)[...] = 0xAA
+        elif dst == "layers":
+            assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(keep_dst[1:], keep_src[1:])), "restored pages differ"
+        secs = samples(lambda: fn(specs[spec]), args.repeat)
+        out.append({"run": f"store {what}", "cache": spec.split()[1], "requests": 1, "descriptors": t.stats.descriptors,
+                    "ios": t.stats.posts, "per_layer_ios": n * 2 * LAYERS, **_rates(nbytes, secs)})
+    rows_view = store._slab.rows[:n, :row_bytes]
+    secs = samples(lambda: row_digests(rows_view), args.repeat)
+    out.append({"run": "row digests alone (xxh3, one thread)", "cache": "-", **_rates(nbytes, secs)})
+    store.close()
+    for a in keep_dst:
+        a.view(np.uint8)[...] = 0xAA
+    try:
+        out += nixl_posix(os.path.join(work, "nixl.dat"), n, row_bytes, keep_src, keep_dst, local, args.repeat)
+    except Exception as exc:  # record the refusal next to the other numbers
+        out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
+    target = os.path.join(work, "fio.dat")
+    for rw in ("write", "read"):
+        for direct in (0, 1):
+            g = fio(target, rw, row_bytes, nbytes, direct, args.threads)
+            out.append({"run": f"fio {rw} {'O_DIRECT' if direct else 'buffered'}", "cache": "-",
+                        "ios": n if g is not None else None, "gbps": g, "best": None})
+    print(f"{n} blocks of {row_bytes} bytes ({nbytes / 1e9:.3f} GB) per request, {args.threads} threads, "
+          f"median of {args.repeat}; slab in {args.dir}")
+    print_table(out, [Column("run"), Column("cache"), Column("requests", "posts", count),
+                      Column("descriptors", fmt=count), Column("ios", "I/O calls", count),
+                      Column("per_layer_ios", "I/Os, per-layer store", count), Column("gbps", "GB/s median", "{:.2f}"),
+                      Column("best", "GB/s best", "{:.2f}")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""The store: offload whole rows of a local KV cache to a slab and restore them, by key.
+
+:meth:`Store.offload` reserves slots (evicting least recently used entries), plans the local
+cache against the slab spec with the unchanged planner, writes on worker threads and, only
+when every write returned, digests the rows and publishes the entries (journal first, then
+the index). :meth:`Store.restore` pins the entries, checks every row against its digest
+right *before* copying it, and unpins. Both return a :class:`~kvxfer.Transfer`, so
+deadlines and cancellation behave as for a peer transfer. docs/storage.md has the formats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..deadlines import check_timeout
+from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
+from ..layout import KVCacheSpec
+from ..memory import MemoryKind, Op
+from ..pairing import Pairing, pair
+from ..planner import TransferPlan, plan
+from ..transfer import Transfer, TransferStats, _Post
+from . import journal
+from .digest import row_digests
+from .fileio import ENGINE, Calls, Job, build_calls, groups, run_calls
+from .index import Entry, Index
+from .journal import MAX_KEY, Journal, encode_drop, encode_put
+from .slab import HEADER, Slab, geometry, slab_spec
+
+__all__ = ["Store"]
+
+
+def _keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError("keys must be a sequence of bytes objects, one per block")
+    out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    for k in out:
+        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
+            raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
+    return out
+
+
+class _Damaged(Exception):
+    """Rows that failed their digest during a restore (internal: becomes StoreCorruptError)."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        super().__init__(f"{slots.shape[0]} damaged rows")
+        self.slots = slots
+
+
+class Store:
+    """KV rows beyond GPU memory: one slab file per layout fingerprint under ``path``.
+
+    ``capacity``: bytes of row slots (rounded down to whole 4 KiB-aligned slots). ``layout``:
+    the local cache's spec (or any spec that pairs with it); it fixes the slab's row.
+    ``durable``: fdatasync the slab before publishing and the journal after (survives power
+    loss); without it a process crash is still safe, and a power loss costs at most entries
+    whose rows then fail their digest (a miss). ``threads``: worker threads for I/O.
+    ``offload``/``restore`` take a :class:`KVCacheSpec` or an :class:`~kvxfer.Agent` (its
+    registered spec and timeout); :meth:`kvxfer.Agent.offload`/``restore`` call them.
+    """
+
+    #: Journal bytes appended before a compaction is considered (see :meth:`_append`).
+    COMPACT_BYTES = 4 << 20
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity: int, layout: KVCacheSpec, model: str = "",
+                 durable: bool = False, threads: int = 4, timeout: float = 30.0) -> None:
+        self.geometry = g = geometry(layout, model)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise StoreError(f"capacity must be a positive number of bytes, got {capacity!r}")
+        self.timeout = check_timeout(timeout, "Store timeout")
+        slots = capacity // g.stride
+        self.spec = slab_spec(g, max(slots, 1))  # validates the slot count against the spec bounds
+        self._slab = Slab(os.fspath(path), g, slots)
+        try:
+            records = [] if self._slab.created else journal.load(self._slab.index_path, g.fingerprint, slots)
+            self._index = Index(slots, records)
+            journal.rewrite(self._slab.index_path, g.fingerprint, slots, self._index.live())  # compaction
+            self._journal = Journal(self._slab.index_path, durable)
+        except BaseException:
+            self._slab.close()
+            raise
+        self.durable = durable
+        self._jbytes = 0  # appended since the last compaction
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="kvxfer-store")
+        self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
+        self._pairings: dict[int, Pairing] = {}
+        self._closed = False
+        #: Test hook: called with a stage name on the worker thread: "call" after each system
+        #: call, "written" after an offload's writes (before publishing), "verified" after a
+        #: restore's digest check (before copying).
+        self._fault: Callable[[str], None] | None = None
+
+    # -- facts ------------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._slab.path
+
+    @property
+    def slots(self) -> int:
+        return self._slab.slots
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"<Store {self.path} {len(self)}/{self.slots} rows of {self.geometry.row_len} bytes>"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lookup(self, keys: Sequence[bytes]) -> np.ndarray:
+        """A bool per key: is it stored now (it may still be evicted before a restore)."""
+        ks = _keys(keys)
+        with self._lock:
+            return np.array([e is not None for e in self._index.lookup(ks)], dtype=bool)
+
+    def keys(self) -> list[bytes]:
+        """Every stored key, least recently used first."""
+        with self._lock:
+            return list(self._index.entries)
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored: the prefix a restore can serve."""
+        hit = self.lookup(keys)
+        return int(hit.shape[0] if hit.all() else np.argmin(hit))
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Drop entries (their slots are reused once no restore pins them); returns how many."""
+        ks = _keys(keys)
+        with self._lock:
+            gone = self._index.drop(ks)
+            self._append(b"".join(encode_drop(k) for k in gone))
+        return len(gone)
+
+    # -- transfers --------------------------------------------------------------------------
+    def offload(self, spec: Any, local_blocks: Any, keys: Sequence[bytes], *,
+                timeout: float | None = None) -> Transfer:
+        """Write ``spec``'s ``local_blocks[i]`` to the store under ``keys[i]``.
+
+        The entries appear (:meth:`lookup`) only once the transfer is DONE; a failed,
+        cancelled or interrupted one publishes nothing.
+        """
+        t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
+                                          else getattr(spec, "timeout", None))
+        ks = _keys(keys)
+        if len(set(ks)) != len(ks):
+            raise DuplicateBlockIdError("a key appears twice in one offload; each key names one row")
+        spec = self._check_local(spec)
+        with self._lock:
+            slots, evicted = self._index.reserve(len(ks))
+            self._append(b"".join(encode_drop(k) for k in evicted))
+        try:
+            p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
+            calls = self._calls(p)
+        except BaseException:
+            with self._lock:
+                self._index.unreserve(slots)
+            raise
+
+        def body(job: Job) -> None:
+            digests = self._run(job, calls, slots, None)
+            if self.durable:
+                os.fdatasync(self._slab.fd)
+            self._stage("written")
+            with self._lock, job.lock:
+                if job.cancelled:
+                    return
+                recs = self._index.publish(ks, slots, digests)
+                self._append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
+                job.published = True  # type: ignore[attr-defined]
+
+        def cleanup(job: Job, err: BaseException | None) -> None:
+            if not getattr(job, "published", False):
+                with self._lock:
+                    self._index.unreserve(slots)
+
+        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, "pwritev", spec)
+
+    def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
+                timeout: float | None = None) -> Transfer:
+        """Read the rows stored under ``keys[i]`` into ``spec``'s ``local_blocks[i]``.
+
+        A key not stored raises :class:`~kvxfer.errors.StoreMissError` before any byte
+        moves. Every row is checked against its digest right before it is copied (a group of
+        rows of about 8 MiB at a time, while they are warm in the CPU caches); a row that fails
+        fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not copied, and
+        its entry is dropped (the next lookup is a miss). Rows of other groups may have been
+        copied by then; they passed their check, and the failed transfer's blocks are the
+        caller's to recompute.
+        """
+        t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
+                                          else getattr(spec, "timeout", None))
+        ks = _keys(keys)
+        spec = self._check_local(spec)
+        with self._lock:
+            entries = self._index.lookup(ks, touch=True)
+            missing = [k for k, e in zip(ks, entries) if e is None]
+            if missing:
+                raise StoreMissError(f"{len(missing)} of {len(ks)} keys are not in the store", missing)
+            got: list[Entry] = entries  # type: ignore[assignment]
+            self._index.pin(got)
+        try:
+            slots = np.fromiter((e.slot for e in got), dtype=np.int64, count=len(got))
+            want = np.fromiter((e.digest for e in got), dtype=np.uint64, count=len(got))
+            p = plan(spec, self.spec, local_blocks, slots, Op.READ, coalesce=True, pairing=self._pairing(spec))
+            calls = self._calls(p)
+        except BaseException:
+            with self._lock:
+                self._index.unpin(got)
+            raise
+
+        def body(job: Job) -> None:
+            try:
+                self._run(job, calls, slots, want)
+            except _Damaged as exc:
+                lost = [got[i].key for i in np.flatnonzero(np.isin(slots, exc.slots)).tolist()]
+                with self._lock:
+                    gone = self._index.drop(lost)
+                    self._append(b"".join(encode_drop(k) for k in gone))
+                raise StoreCorruptError(f"{len(lost)} of {len(got)} stored rows failed their digest (a torn "
+                                        "write or a damaged slab); they were not copied and were dropped: "
+                                        "recompute those blocks", lost) from None
+
+        def cleanup(job: Job, err: BaseException | None) -> None:
+            with self._lock:
+                self._index.unpin(got)
+
+        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, "preadv", spec)
+
+    # -- internals --------------------------------------------------------------------------
+    def _begin(self, timeout: float | None) -> tuple[float, float, float]:
+        if self._closed:
+            raise StoreError("the store is closed")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        return time.perf_counter(), time.monotonic() + limit, limit
+
+    def _check_local(self, spec: Any) -> KVCacheSpec:
+        """The local spec: a :class:`KVCacheSpec`, or an agent's registered one."""
+        if not isinstance(spec, KVCacheSpec):
+            agent = spec
+            agent._check_open()
+            spec = agent.spec
+            if spec is None:
+                raise SpecError("register a KV cache before offloading or restoring")
+        if any(a.kind is not MemoryKind.DRAM for a in spec.allocations):
+            raise UnsupportedError("the store's loopback path moves host (DRAM) memory only; stage VRAM through "
+                                   "host memory (see docs/storage.md)")
+        return spec
+
+    def _pairing(self, spec: KVCacheSpec) -> Pairing:
+        with self._lock:
+            hit = self._pairings.get(id(spec))
+        if hit is None or not hit.matches(spec, self.spec):
+            hit = pair(spec, self.spec)  # refuses, typed, a cache that does not pair with the slab
+            with self._lock:
+                self._pairings = {k: v for k, v in self._pairings.items() if v._local() is not None}
+                self._pairings[id(spec)] = hit
+        return hit
+
+    def _calls(self, p: TransferPlan) -> Calls:
+        loc, rem = [], []
+        for leg in p.legs:
+            la, ra = p.explicit(leg)
+            loc.append(la.array)
+            rem.append(ra.array)
+        la, ra = np.concatenate(loc), np.concatenate(rem)
+        off = ra[:, 0].astype(np.int64)
+        if off.size and (int(off.min()) < HEADER or int((off + ra[:, 1].astype(np.int64)).max()) > self._slab.size):
+            raise StoreError("a planned descriptor leaves the slab")  # the planner's bounds make this unreachable
+        g = self.geometry
+        return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride, row_len=g.row_len)
+
+    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None) -> np.ndarray:
+        """Move the calls group by group on the worker threads (:func:`~.fileio.groups`): a
+        restore (``want``: the digests on record) checks a group's rows right before copying
+        them, an offload digests its rows right after writing them; returns the digests."""
+        if not self._slab.intact():
+            raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
+        write = want is None
+        uniq, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
+        dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
+        fd, bad = self._slab.fd, []
+        cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
+        hook = (lambda k: self._stage("call")) if self._fault is not None else None
+
+        def one(a: int, b: int, lo: int, hi: int) -> None:
+            i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
+            part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
+            if not write:
+                wrong = uniq[i:j][self._digest_slots(uniq[i:j]) != dig[i:j]]
+                if wrong.size:
+                    bad.append(wrong)
+                    return
+                self._stage("verified")
+            run_calls(fd, write, part, cancelled, hook)
+            if write:
+                dig[i:j] = self._digest_slots(uniq[i:j])
+
+        todo = groups(calls, HEADER, self.geometry.stride)
+        if len(todo) == 1:
+            one(*todo[0])
+        else:
+            futs = [self._pool.submit(one, *g) for g in todo]
+            for f in futs:  # wait for all (no call may outlive the job), then raise the first error
+                f.exception()
+            if bad:  # the other groups stopped early because of it: report the damage
+                raise _Damaged(np.concatenate(bad))
+            for f in futs:
+                f.result()
+        if bad:
+            raise _Damaged(np.concatenate(bad))
+        return dig[inverse]
+
+    def _digest_slots(self, sorted_slots: np.ndarray) -> np.ndarray:
+        """Digests of these rows as the slab holds them (one call per run of slots)."""
+        rows, rl = self._slab.rows, self.geometry.row_len
+        cut = (np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist()
+        parts = [row_digests(rows[int(r[0]):int(r[-1]) + 1, :rl]) for r in np.split(sorted_slots, cut) if r.size]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+    def _append(self, records: bytes) -> None:
+        """Journal records (under the lock); compact once the journal is mostly dead records,
+        so a long-running store's index file stays proportional to its live entries."""
+        self._journal.append(records)
+        self._jbytes += len(records)
+        if self._jbytes > max(self.COMPACT_BYTES, 8 * 64 * len(self._index)):
+            self._journal.close()
+            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
+            self._journal = Journal(self._slab.index_path, self.durable)
+            self._jbytes = 0
+
+    def _stage(self, name: str) -> None:
+        if self._fault is not None:
+            self._fault(name)
+
+    def _transfer(self, p: TransferPlan, calls: Calls, body: Callable[[Job], None],
+                  cleanup: Callable[[Job, BaseException | None], None], op: Op, t0: float, deadline: float,
+                  limit: float, path: str, spec: KVCacheSpec) -> Transfer:
+        stats = TransferStats(calls.descriptors, p.nbytes, len(calls), time.perf_counter() - t0, path=path,
+                              backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
+        started = time.perf_counter()
+        job = Job(self._jobs, body, cleanup, path, keep=spec)  # the spec keeps the local memory alive
+        return Transfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Wait for jobs in flight, compact the journal and release the slab's lock."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._journal.close()
+            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
+            self._slab.close()
