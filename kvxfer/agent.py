@@ -330,7 +330,7 @@ class Agent:
         return self._transfer(Op.WRITE, peer, local_blocks, remote_blocks, notify)
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
-                  notify: bytes | None) -> Transfer:
+                  notify: bytes | None, deadline: float | None = None) -> Transfer:
         self._check_open()
         caps = self.backend.capabilities
         if op not in caps.ops:
@@ -341,7 +341,8 @@ class Agent:
             if not caps.notifications:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout  # planning and posting count against it too
+        if deadline is None:  # an Owner passes the one it started at submission
+            deadline = time.monotonic() + self.timeout  # planning and posting count against it too
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
         return self._post(op, peer, p, notify, t0, deadline)

@@ -38,6 +38,7 @@ __all__ = [
     "SpecFileError",
     "MissingDependencyError",
     "InvalidTimeoutError",
+    "BackPressureError",
 ]
 
 
@@ -199,3 +200,15 @@ class MissingDependencyError(KvxferError, ImportError):
 
 class InvalidTimeoutError(KvxferError, ValueError):
     """A timeout that is not a finite, positive number of seconds (NaN, inf, 0 or negative)."""
+
+
+class BackPressureError(KvxferError):
+    """An :class:`~kvxfer.owner.Owner` already holds as many transfers as it admits (in all,
+    or for that peer): nothing was queued. Retry later, or fail the request (recompute).
+
+    ``pending`` is what was held, ``limit`` the bound that refused, ``peer`` the peer whose
+    own bound refused (None when the owner's total bound did)."""
+
+    def __init__(self, message: str, *, pending: int = 0, limit: int = 0, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.pending, self.limit, self.peer = pending, limit, peer

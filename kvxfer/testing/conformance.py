@@ -66,8 +66,8 @@ class BackendConformance(_Base):
     def agents(self, request: pytest.FixtureRequest) -> Iterator[tuple[Agent, Agent]]:
         # Uncoalesced plans index the prepared lists by block id: a backend that ignores the
         # index arrays (and copies 0..n) fails there, while coalesced plans use 0..n.
-        a = Agent("prefill", backend=self.backend, timeout=self.timeout, coalesce=request.param, **self.options)
-        b = Agent("decode", backend=self.backend, timeout=self.timeout, coalesce=request.param, **self.options)
+        a = self.make_agent("prefill", coalesce=request.param)
+        b = self.make_agent("decode", coalesce=request.param)
         try:
             yield a, b
         finally:
@@ -325,7 +325,7 @@ class BackendConformance(_Base):
         # "prefill" restarts: a new agent of the same name, new memory, newer generation.
         a.close()
         src2 = make_cache("packed", num_blocks=12, pad=32, memory=self.memory, seed=99, **GEOM)
-        a2 = Agent("prefill", backend=self.backend, timeout=self.timeout, **self.options)
+        a2 = self.make_agent("prefill")
         try:
             a2.register(src2.views, replicated=True)
             b.add_peer(a2.metadata())
