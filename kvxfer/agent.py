@@ -381,7 +381,7 @@ class Agent:
             msg, key = bytes(notify), peer.key
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
         t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
-                     started=started, on_finish=self._finished)
+                     started=started, on_finish=self._finished, plan=p)
         self._inflight.add(t)
         return t
 

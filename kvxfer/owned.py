@@ -140,6 +140,12 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         raise TransferTimeoutError(f"{self.op.value} from {self.route!r} did not finish within {timeout:g} s; "
                                    "it was cancelled. Check that the peer is alive and progressing.")
 
+    @property
+    def plan(self) -> Any:
+        """The plan the agent posted (None until posted)."""
+        inner = self._inner
+        return None if inner is None else inner.plan
+
     def wait_posted(self, timeout: float | None = None) -> "OwnedTransfer":
         """Block until the owner posted it (or it ended first; its error, planning's included,
         raises here): what :meth:`kvxfer.Agent.read` returning means, for callers who want that."""

@@ -82,9 +82,11 @@ class Transfer:
 
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
-                 started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None):
+                 started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None,
+                 plan: Any = None):
         self._backend = backend
         self._posts = posts
+        self.plan = plan  # what was posted (its run count is computed on request), or None
         self.stats = stats
         self._default_timeout = check_timeout(default_timeout)
         # Absolute (time.monotonic) deadline of a plain wait(); the agent passes the one it
