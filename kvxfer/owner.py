@@ -58,7 +58,11 @@ T = TypeVar("T")
 #: Failures a peer's restart or death explains: the next transfer fetches its metadata again.
 _REFRESH_ON = (PeerDisconnectedError, StalePeerError, UnknownPeerError, TransferTimeoutError, BackendError,
                HandshakeError)
-_SPINS = 32  # polls that only yield the GIL before the loop starts sleeping between polls
+#: After posting or completing, the loop polls what is in flight without sleeping (only yielding
+#: the GIL between polls) for this long: a small transfer is seen done microseconds after it is.
+#: Then it naps between polls, from _MIN_NAP doubling to 1 ms, so a stalled peer costs no core.
+_SPIN_S = 2e-3
+_MIN_NAP = 20e-6
 
 
 @dataclass(eq=False)
@@ -259,10 +263,11 @@ class Owner:
             self._shutdown()
 
     def _loop(self) -> None:
-        delay, spins = 20e-6, 0
+        delay, busy_since = _MIN_NAP, time.monotonic()
         while True:
+            spinning = bool(self._inflight) and time.monotonic() - busy_since < _SPIN_S
             with self._cond:
-                if not self._inbox and not self._closing and spins >= _SPINS:
+                if not self._inbox and not self._closing and not spinning:
                     self._cond.wait(self._idle_wait(delay))
                 ops = list(self._inbox)
                 self._inbox.clear()
@@ -272,15 +277,14 @@ class Owner:
             if closing:
                 return
             moved = self._post_ready()
-            moved |= self._poll(time.monotonic())
-            self._expire_queued(time.monotonic())
+            now = time.monotonic()
+            moved |= self._poll(now)
+            self._expire_queued(now)
             if moved or ops:
-                delay, spins = 20e-6, 0
-            elif spins < _SPINS and self._inflight:
-                spins += 1
+                delay, busy_since = _MIN_NAP, now
+            elif spinning:
                 time.sleep(0)  # yields the GIL: a model thread never waits a switch interval for us
             else:
-                spins = _SPINS
                 delay = min(delay * 2, self._max_sleep)
 
     def _idle_wait(self, delay: float) -> float:

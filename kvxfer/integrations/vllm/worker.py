@@ -163,6 +163,7 @@ class WorkerSide:
 
     # -- each step ------------------------------------------------------------------------
     def start(self, meta: KvxferConnectorMetadata) -> None:
+        t0 = time.perf_counter()
         now = time.monotonic()
         for rid, lease in meta.sends.items():
             if self._early.pop(rid, None) is not None:
@@ -174,6 +175,8 @@ class WorkerSide:
                 self._pump.add(_LEASED)
         for task in meta.loads:
             self._start_load(task)
+        if meta.loads:
+            self.stats.data["start_seconds"].append(time.perf_counter() - t0)
 
     def _start_load(self, task: LoadTask) -> None:
         """Hand the load to the owner; no network, no planning here (microseconds)."""
