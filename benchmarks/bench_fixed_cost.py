@@ -133,29 +133,50 @@ def one_size(label: str, layers: int, page: int, args: argparse.Namespace) -> li
             owner.read(peer, [d], [s]).wait(args.timeout)
 
         cases: list[tuple[str, Callable[[], None]]] = [("raw", raw_one), ("kvxfer", kx_one), ("owner", owner_one)]
+        if args.memory == "VRAM":
+            # The bare copy: the same bytes, device to device on this GPU (what a copy through an
+            # already-mapped CUDA-IPC handle costs), synchronised like a completed transfer.
+            torch = buf.torch
+            local_src = buf.random(B, R, bn.SRC_SEED)
+
+            def copy_one() -> None:
+                d, s = ids()
+                dst[d].copy_(local_src[s], non_blocking=True)
+                torch.cuda.synchronize(args.local_gpu)
+
+            cases.insert(0, ("copy", copy_one))
         for contention in ([False, True] if args.contention else [False]):
             for who, fn in cases:
                 buf.fill(dst, SENTINEL)
                 moved.clear()
-                with (Busy() if contention else _Nothing()) as busy:
-                    for _ in range(args.warmup):
-                        fn()
-                    times = []
-                    for _ in range(args.iters):
-                        t0 = time.perf_counter()
-                        fn()
-                        times.append(time.perf_counter() - t0)
-                buf.sync()
-                _verify(buf, dst, moved, B, R)
+                try:
+                    with (Busy() if contention else _Nothing()) as busy:
+                        for _ in range(args.warmup):
+                            fn()
+                        times = []
+                        for _ in range(args.iters):
+                            t0 = time.perf_counter()
+                            fn()
+                            times.append(time.perf_counter() - t0)
+                    buf.sync()
+                    _verify(buf, dst, moved, B, R)
+                except Exception as exc:  # keep the other cases' figures; say what failed
+                    print(f"{label} {who} contention={contention}: {type(exc).__name__}: {exc}", flush=True)
+                    rows.append({"size": label, "bytes": R, "who": who, "contention": contention,
+                                 "error": f"{type(exc).__name__}: {exc}"})
+                    continue
                 times.sort()
                 rows.append({"size": label, "bytes": R, "who": who, "contention": contention,
                              "median_us": 1e6 * statistics.median(times), "p90_us": 1e6 * times[int(0.9 * len(times))],
                              "busy_calls": getattr(busy, "calls", 0), "iters": len(times)})
+                print(f"{label} {who} contention={contention}: median {rows[-1]['median_us']:.1f} us", flush=True)
         for c in (False, True):
-            base = {r["size"]: r["median_us"] for r in rows if r["who"] == "raw" and r["contention"] is c}
-            for r in rows:
-                if r["contention"] is c:
-                    r["added_us"] = r["median_us"] - base[r["size"]]
+            for ref in ("raw", "copy"):
+                base = {r["size"]: r["median_us"] for r in rows
+                        if r["who"] == ref and r["contention"] is c and "median_us" in r}
+                for r in rows:
+                    if r["contention"] is c and r["size"] in base and "median_us" in r:
+                        r[f"added_vs_{ref}_us"] = r["median_us"] - base[r["size"]]
     finally:
         if owner is not None:
             owner.close()
@@ -201,10 +222,15 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for label in args.sizes.split(","):
         rows += one_size(label, *SIZES[label], args)
-    print(f"{'size':6s} {'who':7s} {'numpy thread':12s} {'median us':>10s} {'p90 us':>9s} {'added us':>9s}")
+    print(f"{'size':6s} {'who':7s} {'numpy thread':12s} {'median us':>10s} {'p90 us':>9s} {'+raw us':>8s} "
+          f"{'+copy us':>8s}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['size']:6s} {r['who']:7s} {'busy' if r['contention'] else '-':12s} {r['error']}")
+            continue
+        extra = r.get("added_vs_copy_us")
         print(f"{r['size']:6s} {r['who']:7s} {'busy' if r['contention'] else '-':12s} {r['median_us']:10.1f} "
-              f"{r['p90_us']:9.1f} {r['added_us']:9.1f}")
+              f"{r['p90_us']:9.1f} {r.get('added_vs_raw_us', 0.0):8.1f} {'' if extra is None else f'{extra:8.1f}'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "rows": rows}, f, indent=1)
