@@ -338,6 +338,15 @@ class TestNixlConformanceOwner(BackendConformance):
     owned = True
 
 
+class TestNixlConformanceVRAMOwner(BackendConformance):
+    """CUDA tensors through kvxfer.Owner: the device path driven from the owner's thread."""
+
+    backend = "nixl"
+    memory = "VRAM"
+    options: dict[str, Any] = {}
+    owned = True
+
+
 class TestNixlTwoProcessOwner(TwoProcessConformance):
     backend = "nixl"
     options: dict[str, Any] = {}
