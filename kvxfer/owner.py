@@ -28,26 +28,23 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from .agent import Agent
 from .deadlines import check_timeout
 from .errors import (
     AgentClosedError,
-    BackendError,
     BackPressureError,
     HandshakeError,
     KvxferError,
     MetadataError,
-    PeerDisconnectedError,
-    StalePeerError,
     TransferCancelledError,
     TransferTimeoutError,
     UnknownPeerError,
 )
 from .memory import Op
 from .owned import OwnedFuture, OwnedTransfer
+from .routes import REFRESH_ON, Route
 from .transfer import Status
 
 __all__ = ["Owner"]
@@ -55,33 +52,11 @@ __all__ = ["Owner"]
 log = logging.getLogger("kvxfer.owner")
 T = TypeVar("T")
 
-#: Failures a peer's restart or death explains: the next transfer fetches its metadata again.
-_REFRESH_ON = (PeerDisconnectedError, StalePeerError, UnknownPeerError, TransferTimeoutError, BackendError,
-               HandshakeError)
 #: After posting or completing, the loop polls what is in flight without sleeping (only yielding
 #: the GIL between polls) for this long: a small transfer is seen done microseconds after it is.
 #: Then it naps between polls, from _MIN_NAP doubling to 1 ms, so a stalled peer costs no core.
 _SPIN_S = 2e-3
 _MIN_NAP = 20e-6
-
-
-@dataclass(eq=False)
-class _Route:
-    """One peer as callers name it: how to fetch its metadata, its queue, what it holds."""
-
-    key: str
-    fetch: Callable[[], bytes] | None = None
-    expect: str | None = None
-    peer: str | None = None  # the agent's name for it, once added
-    fetching: bool = False
-    generation: int = 0  # of the handshake in progress; older results are dropped
-    queue: deque[OwnedTransfer] = field(default_factory=deque)
-    waiters: list[OwnedFuture[str]] = field(default_factory=list)
-    held: int = 0  # queued + in flight, for admission (under the owner's lock)
-
-    @property
-    def ready(self) -> bool:
-        return self.peer is not None and not self.fetching
 
 
 class Owner:
@@ -101,7 +76,7 @@ class Owner:
         self._close_agent = close_agent
         self._cond = threading.Condition()
         self._inbox: deque[tuple[Any, ...]] = deque()
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
         self._held = 0
         self._closing = False
         self._drain_until = 0.0
@@ -144,7 +119,7 @@ class Owner:
             self._check_open()
             route = self._routes.get(key)
             if route is None:  # a peer added directly: its name is its route
-                route = self._routes[key] = _Route(key, peer=key)
+                route = self._routes[key] = Route(key, peer=key)
             if self._held >= self.max_pending:
                 raise BackPressureError(f"the owner of {self.agent.name!r} holds {self._held} transfers, its limit; "
                                         "retry later or fail the request", pending=self._held,
@@ -170,7 +145,7 @@ class Owner:
             self._check_open()
             r = self._routes.get(key)
             if r is None:
-                self._routes[key] = _Route(key, fetch=fetch, expect=expect)
+                self._routes[key] = Route(key, fetch=fetch, expect=expect)
             else:
                 r.fetch, r.expect = fetch, expect
 
@@ -333,7 +308,7 @@ class Owner:
         with self._cond:
             r = self._routes.get(name)
             if r is None:
-                self._routes[name] = _Route(name, peer=name)
+                self._routes[name] = Route(name, peer=name)
             elif r.fetch is None:
                 r.peer = name
         return name
@@ -343,7 +318,7 @@ class Owner:
         return r.peer if r is not None and r.peer is not None else key
 
     # -- handshakes --------------------------------------------------------------------------
-    def _handshake(self, route: _Route) -> None:
+    def _handshake(self, route: Route) -> None:
         """Fetch on a thread of its own: a peer that does not answer holds nobody else."""
         if route.fetch is None:
             return
@@ -362,7 +337,7 @@ class Owner:
 
         threading.Thread(target=run, name=f"kvxfer-fetch:{route.key}", daemon=True).start()
 
-    def _fetched(self, route: _Route, gen: int, md: bytes | None, err: BaseException | None) -> None:
+    def _fetched(self, route: Route, gen: int, md: bytes | None, err: BaseException | None) -> None:
         if gen != route.generation:
             return
         route.fetching = False
@@ -437,8 +412,8 @@ class Owner:
                         f"{t.op.value} from {route.key!r} waited {t.timeout:g} s for the {what} the peer; "
                         "nothing was posted"))
 
-    def _maybe_refresh(self, route: _Route, exc: BaseException | None) -> None:
-        if route.fetch is not None and isinstance(exc, _REFRESH_ON) and not route.fetching:
+    def _maybe_refresh(self, route: Route, exc: BaseException | None) -> None:
+        if route.fetch is not None and isinstance(exc, REFRESH_ON) and not route.fetching:
             route.peer = None
             if route.queue:
                 self._handshake(route)
