@@ -41,15 +41,20 @@ SIZES = {"4KB": (1, 4096), "64KB": (1, 65536), "4.5MB": (61, 73728)}
 
 
 class Busy:
-    """A Python thread busy in numpy until stopped (the model thread of the contention case)."""
+    """A Python thread busy in numpy until stopped (the model thread of the contention case).
 
-    def __init__(self) -> None:
+    ``n`` floats per ``np.add``: 1M frees the GIL inside each call (as large array work does);
+    64 keeps it nearly always held (tiny calls, Python between them), so every other thread
+    waits for the interpreter's switch interval."""
+
+    def __init__(self, n: int = 1 << 20) -> None:
         self.stop = threading.Event()
         self.calls = 0
+        self.n = n
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        a, b = np.ones(1 << 20), np.ones(1 << 20)
+        a, b = np.ones(self.n), np.ones(self.n)
         out = np.empty_like(a)
         while not self.stop.is_set():
             np.add(a, b, out=out)
@@ -145,12 +150,13 @@ def one_size(label: str, layers: int, page: int, args: argparse.Namespace) -> li
                 torch.cuda.synchronize(args.local_gpu)
 
             cases.insert(0, ("copy", copy_one))
-        for contention in ([False, True] if args.contention else [False]):
+        modes: list[Any] = [False] + ([True] if args.contention else []) + (["small"] if args.contention_small else [])
+        for contention in modes:
             for who, fn in cases:
                 buf.fill(dst, SENTINEL)
                 moved.clear()
                 try:
-                    with (Busy() if contention else _Nothing()) as busy:
+                    with (Busy(64 if contention == "small" else 1 << 20) if contention else _Nothing()) as busy:
                         for _ in range(args.warmup):
                             fn()
                         times = []
@@ -170,12 +176,12 @@ def one_size(label: str, layers: int, page: int, args: argparse.Namespace) -> li
                              "median_us": 1e6 * statistics.median(times), "p90_us": 1e6 * times[int(0.9 * len(times))],
                              "busy_calls": getattr(busy, "calls", 0), "iters": len(times)})
                 print(f"{label} {who} contention={contention}: median {rows[-1]['median_us']:.1f} us", flush=True)
-        for c in (False, True):
+        for c in modes:
             for ref in ("raw", "copy"):
                 base = {r["size"]: r["median_us"] for r in rows
-                        if r["who"] == ref and r["contention"] is c and "median_us" in r}
+                        if r["who"] == ref and r["contention"] == c and "median_us" in r}
                 for r in rows:
-                    if r["contention"] is c and r["size"] in base and "median_us" in r:
+                    if r["contention"] == c and r["size"] in base and "median_us" in r:
                         r[f"added_vs_{ref}_us"] = r["median_us"] - base[r["size"]]
     finally:
         if owner is not None:
@@ -205,6 +211,10 @@ def _verify(buf: Buffers, dst: Any, moved: dict[int, int], B: int, R: int) -> No
         raise AssertionError("a block never moved changed")
 
 
+def _busy(c: Any) -> str:
+    return {False: "-", True: "busy 1M", "small": "busy 64"}[c]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM")
@@ -212,7 +222,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--contention", action="store_true")
+    ap.add_argument("--contention", action="store_true", help="also with a thread in np.add over 1M floats")
+    ap.add_argument("--contention-small", action="store_true",
+                    help="also with a thread in np.add over 64 floats (holds the GIL nearly always)")
     ap.add_argument("--local-gpu", type=int, default=0)
     ap.add_argument("--remote-gpu", type=int, default=0)
     ap.add_argument("--device-copy", choices=("on", "off"), default="on")
@@ -226,10 +238,10 @@ def main() -> None:
           f"{'+copy us':>8s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['size']:6s} {r['who']:7s} {'busy' if r['contention'] else '-':12s} {r['error']}")
+            print(f"{r['size']:6s} {r['who']:7s} {_busy(r['contention']):12s} {r['error']}")
             continue
         extra = r.get("added_vs_copy_us")
-        print(f"{r['size']:6s} {r['who']:7s} {'busy' if r['contention'] else '-':12s} {r['median_us']:10.1f} "
+        print(f"{r['size']:6s} {r['who']:7s} {_busy(r['contention']):12s} {r['median_us']:10.1f} "
               f"{r['p90_us']:9.1f} {r.get('added_vs_raw_us', 0.0):8.1f} {'' if extra is None else f'{extra:8.1f}'}")
     if args.json:
         with open(args.json, "w") as f:
