@@ -12,6 +12,10 @@
     class TestMyBackendTwoProcesses(TwoProcessConformance):
         backend = "mybackend"
 
+    class TestMyBackendOwner(BackendConformance):
+        backend = "mybackend"
+        owned = True          # the same cases, every agent driven through kvxfer.Owner
+
 Every transfer test moves real bytes: sources hold random bytes, destinations the sentinel
 0xAA; each test checks the bytes that must have changed against an independent per-layer
 reference copy, and every other byte (other blocks, row padding, the source) for change.
