@@ -274,3 +274,30 @@ def test_await_and_done_callbacks(pair: tuple[Agent, Owner, Any, Any]) -> None:
     assert seen and seen[0][1] is Status.DONE
     np.testing.assert_array_equal(dst.layer_pages(), expected_after(before, src_pages, [3, 4, 7], [1, 0, 9]))
     assert t.done() and u.done()
+
+
+def test_call_errors_come_back_and_a_wait_on_the_owner_thread_is_refused(pair: tuple[Agent, Owner, Any, Any]) -> None:
+    a, owner, src, dst = pair
+    before, src_pages = dst.layer_pages(), src.layer_pages()
+    with pytest.raises(KeyError):
+        owner.call(lambda agent: {}["missing"]).result()
+    seen: list[BaseException] = []
+    inner: list[Any] = []
+
+    def on_done(h: Any) -> None:  # runs on the owner's thread: it may submit, never wait
+        u = owner.read("prefill", [11], [12])
+        inner.append(u)
+        try:
+            u.wait()
+        except RuntimeError as exc:
+            seen.append(exc)
+
+    gate = _Gate(owner.agent)  # t stays in flight until its callback is in place
+    t = owner.read("prefill", [10], [13]).wait_posted()
+    t.add_done_callback(on_done)
+    gate.open.set()
+    t.wait()
+    assert seen and "owner's own thread" in str(seen[0])
+    assert inner[0].wait().status is Status.DONE  # submitted from the callback, done all the same
+    want = expected_after(before, src_pages, [10, 11], [13, 12])
+    np.testing.assert_array_equal(dst.layer_pages(), want)
