@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .. import Agent
 from ..errors import KvxferError, PeerDisconnectedError, TransferTimeoutError
 from .buffers import SENTINEL, Cache, expected_after, make_cache
 from .conformance_base import DST_BLOCKS, GEOM, SRC_BLOCKS, _Base
