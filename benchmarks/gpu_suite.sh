@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh bench   # bench_nixl.py: two GPUs, then one GPU, two processes
 #   bash benchmarks/gpu_suite.sh tests   # plugins/kvxfer_nixl/tests/test_nixl_backend.py + tests/test_cuda_gpu.py
 #   bash benchmarks/gpu_suite.sh security  # device-path attacks (widened allocation, handle poisoning), one GPU
+#   bash benchmarks/gpu_suite.sh fixedcost   # bench_fixed_cost.py, host and device path; the owner's VRAM conformance
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,12 @@ for stage in "$@"; do
         --variants kvxfer,kvxfer-ce,kvxfer-nixl --json $LOGS/two_gpus.json 2>&1 | tee -a $LOGS/bench.txt
       timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
+    fixedcost)
+      for m in DRAM VRAM; do
+        timeout 120 python3 benchmarks/bench_fixed_cost.py --memory $m --contention --json $LOGS/fixed_$m.json 2>&1 \
+          | tee $LOGS/fixed_$m.txt
+      done
+      timeout 120 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py -k "VRAMOwner" 2>&1 | tee $LOGS/owner_vram.txt ;;
     tests)
       timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
       timeout 300 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py 2>&1 | tee $LOGS/tests_nixl.txt

@@ -31,6 +31,8 @@ from .pageformat import PageFormat, Shard
 from .planner import Leg, Pairing, TransferPlan, pair, plan
 from .plugin.registry import BackendStatus, available_backends
 from .transfer import Status, Transfer, TransferStats
+from .owned import OwnedFuture, OwnedTransfer
+from .owner import Owner
 from .store import Store
 
 __version__ = "0.1.0"
@@ -39,5 +41,5 @@ __all__ = [
     "Agent", "Peer", "Backend", "Capabilities", "hookimpl", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec",
     "Member", "PackedLayout", "Region", "PageFormat", "Shard", "spec_diff", "check_pairing", "pair", "Pairing", "Allocation", "DescriptorList", "MemoryKind", "Op",
     "AgentMetadata", "Leg", "TransferPlan", "plan", "BackendStatus", "available_backends", "Status", "Transfer",
-    "TransferStats", "Store", "errors", "__version__", "spec_from_tensors", "spec_from_arrays", "spec_from_pointers",
+    "TransferStats", "Owner", "Store", "OwnedFuture", "OwnedTransfer", "errors", "__version__", "spec_from_tensors", "spec_from_arrays", "spec_from_pointers",
 ] + list(errors.__all__)

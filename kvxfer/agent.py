@@ -338,7 +338,7 @@ class Agent:
         return store.restore(keys, self, local_blocks)
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
-                  notify: bytes | None) -> Transfer:
+                  notify: bytes | None, deadline: float | None = None) -> Transfer:
         self._check_open()
         caps = self.backend.capabilities
         if op not in caps.ops:
@@ -349,7 +349,8 @@ class Agent:
             if not caps.notifications:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout  # planning and posting count against it too
+        if deadline is None:  # an Owner passes the one it started at submission
+            deadline = time.monotonic() + self.timeout  # planning and posting count against it too
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
         return self._post(op, peer, p, notify, t0, deadline)
@@ -388,7 +389,7 @@ class Agent:
             msg, key = bytes(notify), peer.key
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
         t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
-                     started=started, on_finish=self._finished)
+                     started=started, on_finish=self._finished, plan=p)
         self._inflight.add(t)
         return t
 

@@ -44,6 +44,7 @@ __all__ = [
     "StoreCorruptError",
     "StoreFullError",
     "StoreBusyError",
+    "BackPressureError",
 ]
 
 
@@ -250,3 +251,15 @@ class StoreFullError(StoreError, OSError):
 
 class StoreBusyError(StoreError):
     """Another store object (in this or another process) holds the slab's lock."""
+
+
+class BackPressureError(KvxferError):
+    """An :class:`~kvxfer.owner.Owner` already holds as many transfers as it admits (in all,
+    or for that peer): nothing was queued. Retry later, or fail the request (recompute).
+
+    ``pending`` is what was held, ``limit`` the bound that refused, ``peer`` the peer whose
+    own bound refused (None when the owner's total bound did)."""
+
+    def __init__(self, message: str, *, pending: int = 0, limit: int = 0, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.pending, self.limit, self.peer = pending, limit, peer

@@ -257,9 +257,14 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     :class:`~kvxfer.reshard.Gather` pairing (another TP size, PP stage or block size) is
     planned by :mod:`kvxfer.reshard`.
     """
-    op = Op(op)
+    op = op if type(op) is Op else Op(op)
     if isinstance(pairing, Gather) and pairing.matches(local_spec, remote_spec):
         return plan_gather(pairing, local_spec, {"": remote_spec}, local_blocks, remote_blocks, op)[""]  # type: ignore[no-any-return]
+    if not coalesce and isinstance(pairing, Pairing) and pairing.matches(local_spec, remote_spec):
+        few = _few_legs(pairing.groups, local_blocks, remote_blocks, local_spec.num_blocks, remote_spec.num_blocks,
+                        op)
+        if few is not None:
+            return TransferPlan(local_spec, remote_spec, op, few, pairing.whole_rows, pairing.split_rows, False)
     lb = as_block_ids(local_blocks, local_spec.num_blocks, "local")
     rb = as_block_ids(remote_blocks, remote_spec.num_blocks, "remote")
     if lb.shape[0] != rb.shape[0]:
@@ -285,6 +290,39 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
                               DescriptorList(ro, leg.remote_kind), member_major=leg.member_major))
         legs = tuple(merged)
     return TransferPlan(local_spec, remote_spec, op, legs, whole, split, coalesce)
+
+
+#: Requests of at most this many blocks, given as lists of ints, are planned without numpy
+#: round trips: a one-block transfer's index arrays are built straight from its ints.
+FEW_BLOCKS = 16
+
+
+def _few_legs(groups: Sequence[Group], local: Any, remote: Any, local_n: int, remote_n: int,
+              op: Op) -> tuple[Leg, ...] | None:
+    """:func:`_legs` for a few whole-row blocks given as ints, or None for the general path.
+
+    Anything the general path would refuse (out of range, duplicates, not ints, mismatched
+    lengths) also returns None, so its typed errors and messages stay the only ones.
+    """
+    if type(local) is not list or type(remote) is not list:
+        return None
+    n = len(local)
+    if not 0 < n <= FEW_BLOCKS or len(remote) != n or any(g.lbase.shape[0] != 1 for g in groups):
+        return None
+    for v in local + remote:
+        if type(v) is not int:
+            return None
+    if min(local) < 0 or max(local) >= local_n or min(remote) < 0 or max(remote) >= remote_n:
+        return None
+    if n > 1 and len(set(local if op is Op.READ else remote)) != n:
+        return None
+    legs = []
+    for g in groups:
+        l0, r0 = int(g.lbase[0]), int(g.rbase[0])
+        li = np.array([v + l0 for v in local], dtype=g.dtype)
+        ri = np.array([v + r0 for v in remote], dtype=g.dtype)
+        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
+    return tuple(legs)
 
 
 def _legs(groups: Sequence[Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg, ...]:

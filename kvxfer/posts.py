@@ -87,6 +87,9 @@ def _prepare_once(backend: Backend, key: str | None, descs: DescriptorList, clea
 def _prepared(backend: Backend, key: str | None, spec: KVCacheSpec, cache: Cache, gran: Granularity,
               kind: MemoryKind, idx: np.ndarray, cleanup: list[Callable[[], None]]) -> tuple[Any, np.ndarray]:
     """A prepared list of ``spec`` and the indices into it for this transfer (see the module doc)."""
+    h = cache.get((gran, kind))
+    if h is not None:  # only whole lists are cached: the common case costs one lookup
+        return h, idx
     strided = spec.descriptor_list(gran, kind, strided=True)
     takes_strided = backend.capabilities.strided_lists
     if takes_strided or strided.num_spans <= MAX_PREPARED_DESCRIPTORS:

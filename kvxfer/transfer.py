@@ -82,9 +82,11 @@ class Transfer:
 
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
-                 started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None):
+                 started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None,
+                 plan: Any = None):
         self._backend = backend
         self._posts = posts
+        self.plan = plan  # what was posted (its run count is computed on request), or None
         self.stats = stats
         self._default_timeout = check_timeout(default_timeout)
         # Absolute (time.monotonic) deadline of a plain wait(); the agent passes the one it
@@ -146,12 +148,7 @@ class Transfer:
             deadline = time.monotonic() + limit
         spins = 0
         while not self.done():
-            if time.monotonic() >= deadline:
-                self.cancel()
-                self._error = TransferTimeoutError(
-                    f"transfer of {self.stats.descriptors} descriptors did not finish within {limit:g} s; "
-                    "it was cancelled. Check that the peer is alive and progressing.")
-                self.status = Status.FAILED
+            if self.expire(time.monotonic(), deadline, limit):
                 self._raise()
             spins += 1
             # Spin first (GPU and shm transfers finish in microseconds), then back off so a
@@ -161,6 +158,20 @@ class Transfer:
             if spins > 64 and not self._spin:
                 time.sleep(min(1e-3, 1e-6 * (spins - 64)))
         return self
+
+    def expire(self, now: float, deadline: float | None = None, limit: float | None = None) -> bool:
+        """Past ``deadline`` (default: the transfer's own) and still pending: cancel it, make it
+        FAILED with :class:`TransferTimeoutError` and return True. One rule for :meth:`wait`
+        and for an :class:`~kvxfer.owner.Owner`'s loop, which polls instead of waiting."""
+        if self.status is not Status.PENDING or now < (self._deadline if deadline is None else deadline):
+            return False
+        self.cancel()
+        self._error = TransferTimeoutError(
+            f"transfer of {self.stats.descriptors} descriptors did not finish within "
+            f"{self._default_timeout if limit is None else limit:g} s; "
+            "it was cancelled. Check that the peer is alive and progressing.")
+        self.status = Status.FAILED
+        return True
 
     def cancel(self) -> None:
         """Abort if still pending. A finished transfer stays DONE."""

@@ -12,6 +12,10 @@
     class TestMyBackendTwoProcesses(TwoProcessConformance):
         backend = "mybackend"
 
+    class TestMyBackendOwner(BackendConformance):
+        backend = "mybackend"
+        owned = True          # the same cases, every agent driven through kvxfer.Owner
+
 Every transfer test moves real bytes: sources hold random bytes, destinations the sentinel
 0xAA; each test checks the bytes that must have changed against an independent per-layer
 reference copy, and every other byte (other blocks, row padding, the source) for change.
@@ -66,8 +70,8 @@ class BackendConformance(_Base):
     def agents(self, request: pytest.FixtureRequest) -> Iterator[tuple[Agent, Agent]]:
         # Uncoalesced plans index the prepared lists by block id: a backend that ignores the
         # index arrays (and copies 0..n) fails there, while coalesced plans use 0..n.
-        a = Agent("prefill", backend=self.backend, timeout=self.timeout, coalesce=request.param, **self.options)
-        b = Agent("decode", backend=self.backend, timeout=self.timeout, coalesce=request.param, **self.options)
+        a = self.make_agent("prefill", coalesce=request.param)
+        b = self.make_agent("decode", coalesce=request.param)
         try:
             yield a, b
         finally:
@@ -325,7 +329,7 @@ class BackendConformance(_Base):
         # "prefill" restarts: a new agent of the same name, new memory, newer generation.
         a.close()
         src2 = make_cache("packed", num_blocks=12, pad=32, memory=self.memory, seed=99, **GEOM)
-        a2 = Agent("prefill", backend=self.backend, timeout=self.timeout, **self.options)
+        a2 = self.make_agent("prefill")
         try:
             a2.register(src2.views, replicated=True)
             b.add_peer(a2.metadata())

@@ -35,6 +35,18 @@ class _Base:
     notify_timeout: float = 5.0
     #: Every test of the suite ends within this many seconds, hung or not.
     pytestmark = pytest.mark.timeout(180)
+    #: The owner variant: the suite's agents are driven through a :class:`kvxfer.Owner`
+    #: (every call on its thread, transfers submitted and completed by it).
+    owned: bool = False
+
+    def make_agent(self, name: str, **kw: Any) -> Any:
+        """An agent of this backend, or, in the owner variant, one driven by an owner."""
+        agent = Agent(name, backend=self.backend, timeout=self.timeout, **{**self.options, **kw})
+        if not self.owned:
+            return agent
+        from .owned_agent import OwnedAgent
+
+        return OwnedAgent(agent)
 
     @pytest.fixture(autouse=True)
     def _skip_unavailable(self) -> None:

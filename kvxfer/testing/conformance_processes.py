@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .. import Agent
 from ..errors import KvxferError, PeerDisconnectedError, TransferTimeoutError
 from .buffers import SENTINEL, Cache, expected_after, make_cache
 from .conformance_base import DST_BLOCKS, GEOM, SRC_BLOCKS, _Base
@@ -52,7 +51,7 @@ class TwoProcessConformance(_Base):
         peer = self._spawn(remote_kind, seed=7)
         try:
             dst = make_cache(local_kind, num_blocks=16, memory=self.memory, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            with self.make_agent("local") as agent:
                 agent.register(dst.views, replicated=True)
                 before = dst.layer_pages()
                 name = agent.add_peer(peer.metadata)
@@ -69,7 +68,7 @@ class TwoProcessConformance(_Base):
         peer = self._spawn("packed", seed=None)  # remote holds the sentinel
         try:
             src = make_cache("layers", num_blocks=12, memory=self.memory, seed=5, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            with self.make_agent("local") as agent:
                 agent.register(src.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
                 peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
@@ -100,7 +99,7 @@ class TwoProcessConformance(_Base):
         peer = self._spawn("packed", seed=None)
         try:
             cache = make_cache("packed", num_blocks=4, memory=self.memory, **GEOM)
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            with self.make_agent("local") as agent:
                 agent.register(cache.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
                 peer.call({"cmd": "add_peer", "metadata": base64.b64encode(agent.metadata()).decode()})
@@ -113,7 +112,7 @@ class TwoProcessConformance(_Base):
     def test_dead_peer_is_reported_not_waited_on(self) -> None:
         peer = self._spawn("packed", seed=3)
         dst = make_cache("packed", num_blocks=16, memory=self.memory, **GEOM)
-        with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+        with self.make_agent("local") as agent:
             agent.register(dst.views, replicated=True)
             name = agent.add_peer(peer.metadata)
             agent.read(name, DST_BLOCKS, SRC_BLOCKS).wait(self.timeout)
@@ -150,7 +149,7 @@ class TwoProcessConformance(_Base):
             ref = make_cache("packed", num_blocks=self.kill_blocks, seed=31, **self.kill_geometry).layer_pages()
             want = expected_after(dst.layer_pages(), ref, ours, theirs)
             total = dst.num_layers * dst.num_blocks
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            with self.make_agent("local") as agent:
                 agent.register(dst.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
                 mid, stop = threading.Event(), threading.Event()
@@ -207,7 +206,7 @@ class TwoProcessConformance(_Base):
         self.require(op="WRITE")
         peer, src, ours, theirs = self._kill_caches(seed=None, name="victim")
         try:
-            with Agent("local", backend=self.backend, timeout=self.timeout, **self.options) as agent:
+            with self.make_agent("local") as agent:
                 agent.register(src.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
                 assert peer.proc.stdin is not None and peer.proc.stdout is not None

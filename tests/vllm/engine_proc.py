@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-WATCHED = ("kvxfer", "nixl", "external_prefix_cache", "prefix_cache")
+WATCHED = ("kvxfer", "nixl", "external_prefix_cache", "prefix_cache", "inter_token_latency")
 
 
 def metrics(llm: Any) -> dict[str, float]:

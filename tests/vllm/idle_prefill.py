@@ -1,6 +1,6 @@
 """A prefill worker that leases blocks and then never steps, as an idle vLLM engine does.
 
-``python idle_prefill.py PORT [BACKEND_OPTIONS_JSON]``: registers a vLLM-shaped LBHNC cache filled from a seeded
+``python idle_prefill.py PORT [BACKEND_OPTIONS_JSON [ENGINE_ID]]``: registers a vLLM-shaped LBHNC cache filled from a seeded
 pattern, serves its metadata on PORT, leases every block for one request, prints ``ready``
 and then only waits for stdin to close. Nothing here polls the connector: whatever moves
 the decode's READ forward comes from the connector's own helpers.
@@ -52,7 +52,7 @@ def main() -> None:
 
     options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     cfg = ConnectorConfig.from_extra({"insecure": True, "port": int(sys.argv[1]), "backend_options": options}, env={})
-    side = WorkerSide(cfg, ENGINE, 0)
+    side = WorkerSide(cfg, sys.argv[3] if len(sys.argv) > 3 else ENGINE, 0)
     _, views = cache(None)
     register(side, views, serve=True)
     side.start(KvxferConnectorMetadata(sends={REQUEST: 600.0}))
@@ -61,7 +61,7 @@ def main() -> None:
     side.close()
 
 
-def start_idle_prefill(options: dict[str, Any], attempts: int = 3) -> tuple[subprocess.Popen, int]:
+def start_idle_prefill(options: dict[str, Any], attempts: int = 3, engine: str = ENGINE) -> tuple[subprocess.Popen, int]:
     """The prefill process, once it printed ``ready``, and its port.
 
     The port is one that looked free a moment before; another process may take it first
@@ -72,7 +72,7 @@ def start_idle_prefill(options: dict[str, Any], attempts: int = 3) -> tuple[subp
     for attempt in range(attempts):
         port = free_port()
         with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), json.dumps(options)],
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), json.dumps(options), engine],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                     cwd=str(Path(__file__).resolve().parents[2]))
             assert proc.stdout is not None

@@ -109,5 +109,6 @@ def test_killed_prefill_recompute(pairs):
     finally:
         pairs.stop()  # a pair with a dead prefill is not handed to another test
     assert out["tokens"][0] == REFERENCE[tuple(prompt)]
+    # The prefill's metadata was fetched once, before: the READ itself fails (or its metadata
+    # fetched again after a first failure), not a fetch made for this load.
     assert out["delta"].get("vllm:kvxfer_failed_loads") == 1
-    assert out["delta"].get("vllm:kvxfer_handshake_failures") == 1

@@ -15,10 +15,12 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["KvxferConnectorStats", "KvxferPromMetrics", "PER_TRANSFER", "COUNTS", "PROVER_COUNTS"]
+__all__ = ["KvxferConnectorStats", "KvxferPromMetrics", "PER_TRANSFER", "PER_STEP", "COUNTS", "PROVER_COUNTS"]
 
 #: One entry per completed load.
 PER_TRANSFER = ("transfer_seconds", "plan_seconds", "bytes", "descriptors", "runs", "posts", "tokens")
+#: One entry per step that started loads: the seconds ``start_load_kv`` took (no network: microseconds).
+PER_STEP = ("start_seconds",)
 #: One entry (a count) per event.
 #: What the metadata prover counts (:func:`kvxfer.prove.health`) that an operator must see:
 #: helpers that would not start, and peers refused for want of one.
@@ -35,11 +37,11 @@ class KvxferConnectorStats(KVConnectorStats):
         if not self.data:
             self.reset()
         else:
-            for key in PER_TRANSFER + COUNTS:
+            for key in PER_TRANSFER + PER_STEP + COUNTS:
                 self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        fresh: dict[str, list[Any]] = {key: [] for key in PER_TRANSFER + COUNTS}
+        fresh: dict[str, list[Any]] = {key: [] for key in PER_TRANSFER + PER_STEP + COUNTS}
         self.data = fresh
 
     def record_load(self, *, seconds: float, plan_seconds: float, nbytes: int, descriptors: int, runs: int,
@@ -57,7 +59,7 @@ class KvxferConnectorStats(KVConnectorStats):
         return old
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in PER_TRANSFER + COUNTS)
+        return not any(self.data[k] for k in PER_TRANSFER + PER_STEP + COUNTS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, values in other.data.items():
@@ -106,6 +108,9 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                          [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]),
             "bytes": hist("vllm:kvxfer_bytes_transferred", "Bytes per kvxfer load",
                           [float(2 ** (10 + 2 * i)) for i in range(13)]),
+            "start_seconds": hist("vllm:kvxfer_start_load_seconds",
+                                  "Seconds start_load_kv took on steps that started loads (never waits on the network)",
+                                  [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0]),
         }
         self._counters = {
             "tokens": counter("vllm:kvxfer_loaded_tokens", "Prompt tokens whose KV decode loaded through kvxfer"),

@@ -2,18 +2,22 @@
 
 Prefill workers register their cache and serve the agent's metadata on the side channel;
 they release a request's blocks when decode's notification (the request id) arrives, or
-when the lease runs out. Decode workers fetch the prefill's metadata for each load (the
-fetch doubles as a liveness and restart check before any transport memory is touched),
-post one kvxfer READ per request and poll it each step. A failed or late load is reported
-both as failed blocks (``get_block_ids_with_load_errors``) and a failed request, so vLLM
-recomputes those tokens instead of attending over garbage.
+when the lease runs out. Decode workers post one kvxfer READ per request and poll it each
+step. A failed or late load is reported both as failed blocks
+(``get_block_ids_with_load_errors``) and a failed request, so vLLM recomputes those tokens
+instead of attending over garbage.
 
-Everything here runs on the worker's own thread, except two helpers: the metadata server,
-which serves immutable bytes, and, on prefill, a :class:`kvxfer.progress.Pump` that drives
-the transport while blocks are leased. vLLM steps an engine only while it has requests to
-run: a prefill that handed out its last parameters goes idle and would no longer drive
-NIXL, and a decode's READ (its first above all, which needs the prefill to answer the
-connection set-up) would wait until the prefill's next request.
+The engine's thread never waits for the network. The agent belongs to a
+:class:`kvxfer.Owner`: ``start`` only names each prefill (a route whose metadata is fetched
+on a thread of its own, once, and again after a failure a restart explains) and submits the
+READ; ``poll`` reads flags. The owner's thread plans, posts, polls and enforces each load's
+``transfer_timeout``, so a prefill that stops answering fails only its own requests. Two
+other helpers run: the metadata server, which serves immutable bytes, and, on prefill, a
+:class:`kvxfer.progress.Pump` that drives the transport while blocks are leased. vLLM steps
+an engine only while it has requests to run: a prefill that handed out its last parameters
+goes idle and would no longer drive NIXL, and a decode's READ (its first above all, which
+needs the prefill to answer the connection set-up) would wait until the prefill's next
+request.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Any, Mapping
 
 import kvxfer
 from kvxfer import prove
-from kvxfer.errors import KvxferError, MetadataError, TransferTimeoutError
+from kvxfer.errors import HandshakeError, KvxferError
+from kvxfer.owned import OwnedTransfer
 from kvxfer.progress import Pump
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 
@@ -46,6 +51,8 @@ log = logging.getLogger("vllm.kvxfer")
 _EARLY_LIMIT = 4096
 #: The one handle the prefill's pump polls while any request's blocks are leased.
 _LEASED = "leased"
+#: Loads one prefill may hold at once on the owner (past that, its new loads recompute).
+_PER_PREFILL = 1024
 
 
 def agent_name(engine_id: str, rank: int) -> str:
@@ -77,10 +84,14 @@ def _unpinned() -> Iterator[None]:
 @dataclass
 class _Load:
     task: LoadTask
-    peer: str
-    plan: Any
-    transfer: Any
-    deadline: float
+    peer: str  # the prefill's route on the owner
+    transfer: OwnedTransfer
+
+
+def _route(task: LoadTask, rank: int) -> str:
+    """One route per prefill rank: its metadata is fetched once, not per load."""
+    r = task.remote
+    return f"{r.engine_id}@{r.host}:{r.port + rank}"
 
 
 class WorkerSide:
@@ -89,7 +100,8 @@ class WorkerSide:
         self.engine_id = engine_id
         self.rank = rank
         self.stats = KvxferConnectorStats()
-        self.agent: kvxfer.Agent | None = None
+        self.agent: kvxfer.Agent | None = None  # owned by self.owner once registered: use it only there
+        self.owner: kvxfer.Owner | None = None
         self.server: MetadataServer | None = None
         self._loads: dict[str, _Load] = {}
         self._sending: dict[str, float] = {}  # prefill request id -> deadline
@@ -98,6 +110,7 @@ class WorkerSide:
         self._failed_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._pump: Pump[str] | None = None
+        self._routes: set[str] = set()  # prefill ranks named to the owner
         self._prover_seen: dict[str, int] = {}
         # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
         self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
@@ -130,6 +143,9 @@ class WorkerSide:
         except BaseException:
             agent.close()
             raise
+        with _unpinned():  # the owner's thread (and the fetch threads it starts) must not share the engine's core
+            self.owner = kvxfer.Owner(agent, max_pending_per_peer=_PER_PREFILL,
+                                      add_peer_timeout=self.cfg.handshake_timeout, name=f"kvxfer-vllm-owner:{self.rank}")
         self.agent = agent
         if serve:
             self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
@@ -147,6 +163,7 @@ class WorkerSide:
 
     # -- each step ------------------------------------------------------------------------
     def start(self, meta: KvxferConnectorMetadata) -> None:
+        t0 = time.perf_counter()
         now = time.monotonic()
         for rid, lease in meta.sends.items():
             if self._early.pop(rid, None) is not None:
@@ -158,55 +175,53 @@ class WorkerSide:
                 self._pump.add(_LEASED)
         for task in meta.loads:
             self._start_load(task)
+        if meta.loads:
+            self.stats.data["start_seconds"].append(time.perf_counter() - t0)
 
     def _start_load(self, task: LoadTask) -> None:
-        assert self.agent is not None
+        """Hand the load to the owner; no network, no planning here (microseconds)."""
+        assert self.owner is not None
         msg = task.remote.request_id.encode()
-        peer: str | None = None
+        key = _route(task, self.rank)
         try:
-            peer = self._peer(task)
-            if not task.local_block_ids:
-                self.agent.notify(peer, msg)
-                return
-            # The plan read() posts, kept for its run count (what NIXL sends after merging).
-            plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
-            with _unpinned():  # a backend may start a helper thread to deliver the notification
-                t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
-        except KvxferError as exc:
-            self._fail(task, exc, peer)
+            if key not in self._routes:
+                self._routes.add(key)
+                r = task.remote
+                self.owner.route(key, lambda: self._fetch(r.host, r.port + self.rank),
+                                 expect=agent_name(r.engine_id, self.rank))
+            # An empty load posts nothing: its notification still tells prefill to free the blocks.
+            t = self.owner.read(key, task.local_block_ids, task.remote_block_ids, notify=msg,
+                                timeout=self.cfg.transfer_timeout)
+        except KvxferError as exc:  # BackPressureError: that prefill holds too many loads already
+            self._fail(task, exc, None)
             return
-        self._loads[task.request_id] = _Load(task, peer, plan, t, time.monotonic() + self.cfg.transfer_timeout)
+        self._loads[task.request_id] = _Load(task, key, t)
 
-    def _peer(self, task: LoadTask) -> str:
-        assert self.agent is not None
-        r = task.remote
-        try:
-            md = fetch(r.host, r.port + self.rank, token=self._side_token, timeout=self.cfg.handshake_timeout)
-        except KvxferError:
-            self.stats.count("handshake_failures")
-            raise
-        name = self.agent.add_peer(md, timeout=self.cfg.handshake_timeout)
-        if name != agent_name(r.engine_id, self.rank):
-            raise MetadataError(f"{r.host}:{r.port + self.rank} serves agent {name!r}, not prefill engine "
-                                f"{r.engine_id!r} rank {self.rank}")
-        return name
+    def _fetch(self, host: str, port: int) -> bytes:
+        """The route's metadata fetch; runs on a fetch thread of the owner, never the engine's."""
+        return fetch(host, port, token=self._side_token, timeout=self.cfg.handshake_timeout)
 
     def _fail(self, task: LoadTask, exc: BaseException, peer: str | None = None) -> None:
         log.warning("kvxfer: load of request %s failed, vLLM recomputes it: %s", task.request_id, exc)
         self.stats.count("failed_loads")
+        if isinstance(exc, HandshakeError):
+            self.stats.count("handshake_failures")
         if task.local_block_ids:
             self._failed_blocks.update(task.local_block_ids)
             self._failed_recv.add(task.request_id)
             self._done_recv.add(task.request_id)
-        if peer is not None and self.agent is not None:
-            try:  # let prefill free its blocks now rather than at the end of its lease
-                self.agent.notify(peer, task.remote.request_id.encode())
+        if peer is not None and self.owner is not None:
+            try:  # let prefill free its blocks now rather than at the end of its lease (best effort)
+                self.owner.notify(peer, task.remote.request_id.encode())
             except KvxferError:
                 pass
 
     def poll(self) -> tuple[set[str], set[str], set[str]]:
-        """``(finished sending, finished receiving, failed receiving)`` since the last call."""
-        if self.agent is None:
+        """``(finished sending, finished receiving, failed receiving)`` since the last call.
+
+        Reads the loads' flags only: the owner enforces each load's ``transfer_timeout``.
+        """
+        if self.owner is None:
             return set(), set(), set()
         now = time.monotonic()
         for rid, load in list(self._loads.items()):
@@ -219,29 +234,27 @@ class WorkerSide:
                 continue
             if finished:
                 del self._loads[rid]
+                if not load.task.local_block_ids:  # nothing to load: prefill was told to free its blocks
+                    continue
                 s = t.stats
+                assert s is not None
                 self.stats.record_load(seconds=s.seconds or 0.0, plan_seconds=s.plan_seconds, nbytes=s.nbytes,
-                                       descriptors=s.descriptors, runs=load.plan.runs, posts=s.posts,
+                                       descriptors=s.descriptors, runs=t.plan.runs, posts=s.posts,
                                        tokens=load.task.tokens)
                 log.debug("kvxfer: loaded request %s: %d descriptors, %d bytes, %.3f ms", rid, s.descriptors,
                           s.nbytes, 1e3 * (s.seconds or 0.0))
                 self._done_recv.add(rid)
-            elif now > load.deadline:
-                t.cancel()
-                del self._loads[rid]
-                self._fail(load.task, TransferTimeoutError(f"not done within {self.cfg.transfer_timeout:g} s"),
-                           load.peer)
         sending = self._release_sends(now)
         recv, failed = self._done_recv, self._failed_recv
         self._done_recv, self._failed_recv = set(), set()
         return sending, recv, failed
 
     def _release_sends(self, now: float) -> set[str]:
-        assert self.agent is not None
+        assert self.owner is not None
         done: set[str] = set()
         released = 0
         try:
-            notes = self.agent.notifications()
+            notes = self.owner.notifications(timeout=self.cfg.handshake_timeout) if self._sending else {}
         except KvxferError as exc:
             log.warning("kvxfer: reading notifications failed: %s", exc)
             notes = {}
@@ -298,6 +311,7 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.agent is not None:
-            self.agent.close()
+        if self.owner is not None:
+            self.owner.close()  # loads in flight end cancelled; then the agent closes
+            self.owner = None
             self.agent = None

@@ -10,3 +10,8 @@ class TestLoopback(BackendConformance):
 class TestLoopbackVRAM(BackendConformance):
     backend = "loopback"
     memory = "VRAM"  # skipped without CUDA
+
+
+class TestLoopbackOwner(BackendConformance):
+    backend = "loopback"
+    owned = True  # every case through kvxfer.Owner

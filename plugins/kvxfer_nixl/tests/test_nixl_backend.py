@@ -331,3 +331,26 @@ def test_forked_child_changes_process_token() -> None:
     os.waitpid(pid, 0)
     os.close(r)
     assert child_token and child_token != mine
+
+
+class TestNixlConformanceOwner(BackendConformance):
+    """The same suite with every agent driven through kvxfer.Owner (its thread posts and polls)."""
+
+    backend = "nixl"
+    options: dict[str, Any] = {}
+    owned = True
+
+
+class TestNixlConformanceVRAMOwner(BackendConformance):
+    """CUDA tensors through kvxfer.Owner: the device path driven from the owner's thread."""
+
+    backend = "nixl"
+    memory = "VRAM"
+    options: dict[str, Any] = {}
+    owned = True
+
+
+class TestNixlTwoProcessOwner(TwoProcessConformance):
+    backend = "nixl"
+    options: dict[str, Any] = {}
+    owned = True

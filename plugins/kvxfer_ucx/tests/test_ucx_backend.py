@@ -349,3 +349,17 @@ class TestUcxTwoProcessesTcp(TwoProcessConformance):
 
     backend = "ucx"
     options: dict[str, Any] = {"same_host_copy": False, "trusted_network": True, "tls": "self,tcp"}
+
+
+class TestUcxConformanceOwner(BackendConformance):
+    """The same-host copy path with every agent driven through kvxfer.Owner."""
+
+    backend = "ucx"
+    options: dict[str, Any] = {}
+    owned = True
+
+
+class TestUcxTwoProcessesOwner(TwoProcessConformance):
+    backend = "ucx"
+    options: dict[str, Any] = {}
+    owned = True

@@ -1,0 +1,207 @@
+"""What an :class:`~kvxfer.owner.Owner` hands its callers: future-like, safe from any thread.
+
+A caller on an engine's model thread must never wait for the network, so it gets a handle
+at once and asks later: :meth:`OwnedFuture.done` (never blocks), :meth:`~OwnedFuture.wait`,
+:meth:`~OwnedFuture.add_done_callback` and ``await`` in asyncio. The owner's thread is the
+only one that finishes a handle; every other thread only reads it or asks the owner to act.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar
+
+from .deadlines import check_timeout
+from .errors import KvxferError, TransferTimeoutError
+from .transfer import Status, TransferStats
+
+if TYPE_CHECKING:
+    from .owner import Owner
+
+__all__ = ["OwnedFuture", "OwnedTransfer"]
+
+log = logging.getLogger("kvxfer.owner")
+T = TypeVar("T")
+F = TypeVar("F", bound="OwnedFuture[Any]")
+
+
+class _Flag:
+    """A one-shot event, cheaper than :class:`threading.Event` (one lock, no condition)."""
+
+    __slots__ = ("_set", "_lock")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        """Only the owner's thread sets a flag; a second set is a no-op."""
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """No spinning first: a waiter polling beside the owner's thread only fights it for the
+        GIL (one-block owned READs took twice as long that way)."""
+        if self._set:
+            return True
+        got = self._lock.acquire() if timeout is None else self._lock.acquire(timeout=max(0.0, timeout))
+        if got:
+            self._lock.release()  # the next waiter passes too
+        return got or self._set
+
+
+class OwnedFuture(Generic[T]):
+    """The result of one call run on the owner's thread (``add_peer``, ``notify``, ``call``)."""
+
+    def __init__(self, owner: "Owner") -> None:
+        self._owner = owner
+        self._event = _Flag()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self.status = Status.PENDING
+
+    # -- asking ---------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once finished; raises the error if it failed. Never blocks."""
+        if not self._event.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait (see :meth:`wait`) and return the value."""
+        self.wait(timeout)
+        return self._value  # type: ignore[return-value]
+
+    def wait(self: F, timeout: float | None = None) -> F:
+        """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
+        which it does by the transfer's deadline). Raises the error if it failed."""
+        self._owner._check_not_loop("wait")
+        if timeout is None:
+            self._event.wait()
+        elif not self._event.wait(check_timeout(timeout, "wait timeout")):
+            self._timed_out(timeout)
+        self.done()  # raises a failure
+        return self
+
+    def _timed_out(self, timeout: float) -> None:
+        raise TransferTimeoutError(f"not finished within {timeout:g} s")
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once finished: on the owner's thread, or at once on the calling
+        thread when already finished. Keep it short; it must not wait on another handle."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """``await handle`` in asyncio: resumes on the awaiting loop, never blocks it."""
+        import asyncio
+
+        if not self._event.is_set():
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+
+            def wake(_: Any) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+            self.add_done_callback(wake)
+            yield from fut.__await__()
+        self.done()
+        return self._value  # type: ignore[return-value]
+
+    # -- finishing (the owner's thread only) ----------------------------------------------
+    def _finish(self, status: Status, value: T | None = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._value, self._error, self.status = value, error, status
+            callbacks, self._callbacks = self._callbacks, []
+            self._event.set()
+        for fn in callbacks:
+            _call(fn, self)
+
+
+def _call(fn: Callable[[Any], None], arg: Any) -> None:
+    try:
+        fn(arg)
+    except Exception:  # a caller's callback must not stop the owner's loop
+        log.exception("kvxfer: a done callback raised")
+
+
+class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
+    """A READ or WRITE submitted to an owner; ``status``, ``error`` and ``stats`` as on a
+    :class:`~kvxfer.transfer.Transfer` (``stats`` is None until it was posted)."""
+
+    def __init__(self, owner: "Owner", op: Any, route: str, local_blocks: Any, remote_blocks: Any,
+                 notify: bytes | None, deadline: float, timeout: float) -> None:
+        super().__init__(owner)
+        self.op, self.route = op, route
+        self.local_blocks, self.remote_blocks, self.notify = local_blocks, remote_blocks, notify
+        self.deadline, self.timeout = deadline, timeout
+        self.submitted = time.perf_counter()
+        self.stats: TransferStats | None = None
+        self._inner: Any = None  # the agent's Transfer, once posted: the owner's thread only
+        self._posted = _Flag()  # set once posted, or once finished without being posted
+
+    def __repr__(self) -> str:
+        return f"<OwnedTransfer {self.status.value} {self.op.value} from {self.route!r}>"
+
+    def _timed_out(self, timeout: float) -> None:
+        self.cancel()  # as Transfer.wait: a wait that gives up cancels, so nothing writes later
+        if self.status is Status.DONE:
+            return
+        raise TransferTimeoutError(f"{self.op.value} from {self.route!r} did not finish within {timeout:g} s; "
+                                   "it was cancelled. Check that the peer is alive and progressing.")
+
+    @property
+    def plan(self) -> Any:
+        """The plan the agent posted (None until posted)."""
+        inner = self._inner
+        return None if inner is None else inner.plan
+
+    def wait_posted(self, timeout: float | None = None) -> "OwnedTransfer":
+        """Block until the owner posted it (or it ended first; its error, planning's included,
+        raises here): what :meth:`kvxfer.Agent.read` returning means, for callers who want that."""
+        self._owner._check_not_loop("wait_posted")
+        if not self._posted.wait(None if timeout is None else check_timeout(timeout, "wait timeout")):
+            raise TransferTimeoutError(f"{self.op.value} from {self.route!r} was not posted within {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def cancel(self) -> None:
+        """Abort if still pending; once this returns nothing more is written. Safe from any
+        thread: the owner's thread releases the transfer, this call waits for it to have."""
+        if self._event.is_set():
+            return
+        self._owner._cancel(self)
+
+    def _fail(self, error: BaseException) -> None:
+        from .errors import TransferCancelledError
+
+        status = Status.CANCELLED if isinstance(error, TransferCancelledError) else Status.FAILED
+        self._finish(status, None, error if isinstance(error, BaseException) else KvxferError(str(error)))
+
+    def _done(self) -> None:
+        self._finish(Status.DONE, self)
+
+    def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
+        super()._finish(status, value, error)
+        self._posted.set()
