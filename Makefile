@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
+	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot,integrity]"
 	touch $(STAMP)
 
 # System packages some tests need: etcd (the metadata directory) and iproute2 (network
@@ -49,7 +49,7 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 	$(PY_VLLM) -m pip install -q "$(TORCH_SPEC)"
 	$(PY_VLLM) -m pip install -q "$(VLLM_SPEC)" nixl==1.5.1
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY_VLLM) -m pip install -q -e ".[test]"
+	$(PY_VLLM) -m pip install -q -e ".[test,integrity]"
 	touch $@
 
 # Prefill and decode as real vLLM instances on CPU, kvxfer against vLLM's NixlConnector;

@@ -38,6 +38,7 @@ __all__ = [
     "SpecFileError",
     "MissingDependencyError",
     "InvalidTimeoutError",
+    "IntegrityError",
 ]
 
 
@@ -199,3 +200,20 @@ class MissingDependencyError(KvxferError, ImportError):
 
 class InvalidTimeoutError(KvxferError, ValueError):
     """A timeout that is not a finite, positive number of seconds (NaN, inf, 0 or negative)."""
+
+
+class IntegrityError(KvxferError):
+    """Bytes that arrived differ from the source's digests: a corrupt path or stale/reused data.
+
+    ``block`` (the local block id), ``remote_block`` and ``member`` name the first mismatch
+    (None where unknown, e.g. for a row digest); ``mismatches`` counts them all. Callers
+    recompute the request: the destination blocks hold bytes nobody vouches for.
+    """
+
+    def __init__(self, message: str, *, block: int | None = None, remote_block: int | None = None,
+                 member: str | None = None, mismatches: int = 0):
+        super().__init__(message)
+        self.block = block
+        self.remote_block = remote_block
+        self.member = member
+        self.mismatches = mismatches
