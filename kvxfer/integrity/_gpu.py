@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .cells import Spans
-from .digests import CHUNK, _COLS, _xxh3, fold_weights, length_key, mix, sketch_matrix
+from .mm8 import CHUNK, COLS, _xxh3, fold_weights, length_key, mix, sketch_matrix
 
 _consts: dict[Any, Any] = {}
 
@@ -86,7 +86,7 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> np.ndarray:
     except (RuntimeError, AttributeError):  # no int8 GEMM here: float32 is exact for these sizes
         y = (m.float() @ K.float())[:rows].round().to(torch.int32)
     S = [-(-ln // CHUNK) for ln in lengths]
-    y = y.view(B, sum(S), _COLS).to(torch.int64)
+    y = y.view(B, sum(S), COLS).to(torch.int64)
     w = torch.cat([_const(torch, "R", dev, lambda: fold_weights(max(S)))[:k] for k in S])
     t = (y * w[None]).sum(-1).cumsum(1)
     ends = torch.tensor(np.cumsum(S) - 1, device=dev)
