@@ -108,6 +108,11 @@ class Digests:
     values: np.ndarray
     row: bool = False
 
+    def take(self, positions: Any) -> "Digests":
+        """The digests of some of the blocks (by position), for a load that reads part of them."""
+        i = np.asarray(positions, dtype=np.int64)
+        return Digests(self.algorithm, self.blocks[i], self.cells, self.values[i], self.row)
+
     def rows(self) -> "Digests":
         return self if self.row else Digests(self.algorithm, self.blocks, self.cells, _combine(self.values), True)
 

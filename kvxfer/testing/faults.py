@@ -14,6 +14,8 @@ misconfiguration or a reused block would. Kinds: ``flip`` (one bit), ``zero`` (o
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -42,8 +44,23 @@ class Faults:
     removed: list[str] = field(default_factory=list)
 
 
+log = logging.getLogger("kvxfer.testing.faults")
+
+#: What :class:`CorruptingBackend` can do to a delivered READ.
+CORRUPTIONS = ("flip", "zero", "swap", "stale")
+
+
 class FaultyBackend(Backend):
     name = "faulty"
+
+    @property  # type: ignore[override]
+    def peers_authenticated(self) -> bool:  # the core sets it on us; the inner backend acts on it
+        inner = self.__dict__.get("inner")
+        return bool(inner.peers_authenticated) if inner is not None else False
+
+    @peers_authenticated.setter
+    def peers_authenticated(self, value: bool) -> None:
+        self.inner.peers_authenticated = value
 
     def __init__(self, agent_name: str, *, inner: str = "loopback", faults: Faults | None = None, **options: Any):
         super().__init__(agent_name)
@@ -118,23 +135,26 @@ class FaultyBackend(Backend):
         self.inner.close()
 
 
-#: What :class:`CorruptingBackend` can do to a delivered READ.
-CORRUPTIONS = ("flip", "zero", "swap", "stale")
-
-
 @dataclass
 class Corruption:
     """Which damage, drawn from ``seed``; ``page``: bytes a zeroed page or a swapped block spans.
 
-    ``every``: corrupt one READ in that many (1: all). ``done`` counts damaged transfers.
+    ``every``: corrupt one READ in that many (1: all). ``trigger``: a path; READs are damaged
+    only while it exists (an engine in another process is switched on and off that way).
+    ``done`` counts damaged transfers.
     """
 
     kind: str | None = None
     seed: int = 0
     page: int = 4096
     every: int = 1
+    trigger: str | None = None
     done: int = 0
     seen: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in CORRUPTIONS + (None,):
+            raise ValueError(f"corruption kind {self.kind!r}; known: {', '.join(CORRUPTIONS)}")
 
 
 def _span_bytes(addr: int, n: int, kind: Any, device: int) -> np.ndarray:
@@ -167,10 +187,10 @@ class CorruptingBackend(FaultyBackend):
 
     name = "corrupting"
 
-    def __init__(self, agent_name: str, *, inner: str = "loopback", corruption: Corruption | None = None,
-                 **options: Any):
+    def __init__(self, agent_name: str, *, inner: str = "loopback",
+                 corruption: Corruption | dict[str, Any] | None = None, **options: Any):
         super().__init__(agent_name, inner=inner, **options)
-        self.corruption = corruption or Corruption()
+        self.corruption = Corruption(**corruption) if isinstance(corruption, dict) else corruption or Corruption()
         self._lists: dict[int, DescriptorList] = {}
 
     def prepare(self, peer: str | None, descs: DescriptorList) -> Any:
@@ -183,7 +203,8 @@ class CorruptingBackend(FaultyBackend):
              notification: bytes | None) -> Any:
         c = self.corruption
         plan = None
-        if op is Op.READ and c.kind is not None and id(local) in self._lists:
+        if op is Op.READ and c.kind is not None and id(local) in self._lists and (
+                c.trigger is None or os.path.exists(c.trigger)):
             c.seen += 1
             if c.seen % c.every == 0:
                 d = self._lists[id(local)]
@@ -219,6 +240,8 @@ class CorruptingBackend(FaultyBackend):
         if done and len(xfer) > 2 and xfer[2] is not None:
             self._apply(xfer[2])
             self.corruption.done += 1
+            log.warning("kvxfer.testing.faults: damaged a delivered READ (%s, %d so far)", xfer[2][0],
+                        self.corruption.done)
             xfer[2] = None
         return done
 

@@ -34,6 +34,7 @@ from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
+from . import params as _params  # replay and integrity checks (issue 19/23): kept in params.py
 from .registration import describe_spec, discovered_spec, spec_from_vllm
 from .stats import PROVER_COUNTS, KvxferConnectorStats
 
@@ -131,6 +132,8 @@ class WorkerSide:
             agent.close()
             raise
         self.agent = agent
+        if serve:  # integrity: this engine's scheduler may digest the blocks it hands out
+            _params.offer_digests(self.engine_id, agent, tp_size)
         if serve:
             self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
@@ -170,8 +173,11 @@ class WorkerSide:
                 return
             # The plan read() posts, kept for its run count (what NIXL sends after merging).
             plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
+            # integrity: refuse a late load before it reads; verify the prefill's digests after DONE
+            _params.refuse_late(task.remote)
+            expect = _params.load_digests(task.remote, task.remote_block_ids) if self.cfg.digests else None
             with _unpinned():  # a backend may start a helper thread to deliver the notification
-                t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg)
+                t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg, expect=expect)
         except KvxferError as exc:
             self._fail(task, exc, peer)
             return
@@ -194,6 +200,9 @@ class WorkerSide:
     def _fail(self, task: LoadTask, exc: BaseException, peer: str | None = None) -> None:
         log.warning("kvxfer: load of request %s failed, vLLM recomputes it: %s", task.request_id, exc)
         self.stats.count("failed_loads")
+        extra = _params.failure_count(exc)  # integrity: digest mismatch or expired params
+        if extra:
+            self.stats.count(extra)
         if task.local_block_ids:
             self._failed_blocks.update(task.local_block_ids)
             self._failed_recv.add(task.request_id)
@@ -299,5 +308,6 @@ class WorkerSide:
             self.server.close()
             self.server = None
         if self.agent is not None:
+            _params.withdraw_digests(self.engine_id)  # integrity
             self.agent.close()
             self.agent = None
