@@ -12,7 +12,20 @@ from typing import Any, Mapping
 from .integrity.verified import gather_check, pairing_check, require
 from .pairing import Pairing
 
-__all__ = ["for_read", "for_many"]
+__all__ = ["for_read", "for_many", "canary"]
+
+
+def canary(agent: Any, name: str, blocks: tuple[int, int], timeout: float | None) -> None:
+    """Check the peer's canary; a peer whose canary arrives wrong is dropped again."""
+    from .integrity.canary import check
+
+    try:
+        local, remote = blocks
+        check(agent, name, local_block=int(local), remote_block=int(remote), timeout=timeout)
+    except BaseException:
+        if name in agent.peers:
+            agent.remove_peer(name)
+        raise
 
 
 def for_read(agent: Any, peer: Any, local_blocks: Any, remote_blocks: Any, expect: Any) -> Any:

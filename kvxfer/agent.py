@@ -183,7 +183,8 @@ class Agent:
                             self.spec).encode()
         return seal(raw, self._key) if self._key is not None else raw
 
-    def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> str:
+    def add_peer(self, metadata: bytes, *, timeout: float | None = None,
+                 canary: tuple[int, int] | None = None) -> str:
         """Add (or refresh) a peer from its metadata; returns its name.
 
         ``timeout`` bounds the call, proving untrusted metadata in a helper process included
@@ -195,13 +196,19 @@ class Agent:
         refused here with a :class:`~kvxfer.errors.LayoutMismatchError` subclass, before
         any connection is made (see :meth:`check`). Every failure is a :class:`KvxferError`,
         and a failed call leaves neither the agent nor its backend holding anything of it.
+        ``canary=(local scratch block, peer's canary block)``: read the canary the peer wrote
+        with :func:`kvxfer.integrity.canary.fill` and refuse the peer if it arrives wrong.
         """
         self._check_open()
         try:
             if timeout is None:
-                return self._add_peer(metadata)
-            with deadline_scope(timeout):
-                return self._add_peer(metadata)
+                name = self._add_peer(metadata)
+            else:
+                with deadline_scope(timeout):
+                    name = self._add_peer(metadata)
+            if canary is not None:
+                _checks.canary(self, name, canary, timeout)
+            return name
         except KvxferError:
             raise
         except Exception as exc:  # a transport's parser leaking its own exception on hostile bytes

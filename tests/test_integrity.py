@@ -275,3 +275,32 @@ def test_heterogeneous_read_many_verifies_the_cells_it_copies(kind: str) -> None
         for p in pa:
             p.close()
         faults.uninstall()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_canary_at_connect_refuses_a_path_that_moves_wrong_bytes(backend: str) -> None:
+    from kvxfer.integrity import canary
+
+    faults.install()
+    try:
+        X = _pages(np.random.default_rng(4))
+        c = faults.Corruption("flip", page=PAGE)
+        with kvxfer.Agent("prefill", backend="corrupting", inner=backend) as p, \
+                kvxfer.Agent("decode", backend="corrupting", inner=backend, corruption=c) as d:
+            p.register(_cache("packed", X)[0])
+            canary.fill(p, 15)
+            dst, logical = _cache("layers", None)
+            d.register(dst)
+            with pytest.raises(IntegrityError, match="canary from 'prefill' arrived wrong"):
+                d.add_peer(p.metadata(), canary=(0, 15))
+            assert "prefill" not in d.peers
+            d.add_peer(p.metadata())  # the control: without the canary the broken path is accepted
+            c.kind = None
+            d.remove_peer("prefill")
+            d.add_peer(p.metadata(), canary=(0, 15))  # a clean path passes
+            expect = np.stack([canary.pattern("prefill", f"layer.{i}", PAGE) for i in range(L)])
+            assert (logical()[:, 0] == expect).all()
+            with pytest.raises(IntegrityError):  # a block that holds no canary fails
+                canary.check(d, "prefill", local_block=1, remote_block=14)
+    finally:
+        faults.uninstall()

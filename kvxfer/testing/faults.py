@@ -140,7 +140,8 @@ class Corruption:
     """Which damage, drawn from ``seed``; ``page``: bytes a zeroed page or a swapped block spans.
 
     ``every``: corrupt one READ in that many (1: all). ``trigger``: a path; READs are damaged
-    only while it exists (an engine in another process is switched on and off that way).
+    only while it exists, with the kind it names if it names one (an engine in another
+    process is switched on and off that way).
     ``done`` counts damaged transfers.
     """
 
@@ -178,6 +179,15 @@ def _put(addr: int, data: np.ndarray, kind: Any, device: int) -> None:
         np.frombuffer((ctypes.c_uint8 * data.size).from_address(addr), dtype=np.uint8)[:] = data
 
 
+def _triggered(path: str, kind: str | None) -> str | None:
+    try:
+        with open(path) as f:
+            named = f.read().strip()
+    except OSError:
+        return kind
+    return named if named in CORRUPTIONS else kind
+
+
 class CorruptingBackend(FaultyBackend):
     """Forwards to ``inner`` and damages one span of each finished READ (see :data:`CORRUPTIONS`).
 
@@ -203,6 +213,8 @@ class CorruptingBackend(FaultyBackend):
              notification: bytes | None) -> Any:
         c = self.corruption
         plan = None
+        if c.trigger is not None:
+            c.kind = _triggered(c.trigger, c.kind)
         if op is Op.READ and c.kind is not None and id(local) in self._lists and (
                 c.trigger is None or os.path.exists(c.trigger)):
             c.seen += 1
