@@ -52,8 +52,8 @@ def _groups(spans: Spans, cols: np.ndarray) -> list[list[int]]:
 def _rows(torch: Any, spans: Spans, group: list[int]) -> Any:
     """``[B, n]`` uint8 view (in place when possible) or gathered copy of one group's cells."""
     a = spans.allocations[int(spans.alloc[group[0]])]
-    dev = f"cuda:{a.device}"
-    mem = torch.as_tensor(_CudaSpan(a.address, a.nbytes), device=dev)
+    mem = torch.as_tensor(_CudaSpan(a.address, a.nbytes), device=f"cuda:{a.device}")
+    dev = mem.device
     n = int(spans.length[group].sum())
     base, stride, subs = int(spans.base[group[0]]) - a.address, int(spans.stride[group[0]]), int(spans.substride[group[0]])
     b, s = spans.block, spans.sub

@@ -32,6 +32,9 @@ __all__ = ["ALGORITHMS", "Digests", "compute", "hash_spans", "verify"]
 
 ALGORITHMS = ("xxh3", "mm8")
 MAX_DIGEST_BLOCKS = 1 << 20
+#: Threads that hash host cells of one large digest set (1: the caller's thread only). Worth
+#: raising only where the hash library releases the GIL; BENCHMARKS.md has the measurement.
+THREADS = 1
 _MAGIC = b"KVXD1"
 def _host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
@@ -80,11 +83,23 @@ def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
         return out
     h = _xxh3()
     addr = spans.addresses()
+    jobs = []
     for c in cols.tolist():
         a = spans.allocations[int(spans.alloc[c])]
-        mv, n = _host_view(a.address, a.nbytes), int(spans.length[c])
-        offs = (addr[:, c] - a.address).tolist()
+        jobs.append((c, _host_view(a.address, a.nbytes), int(spans.length[c]), (addr[:, c] - a.address).tolist()))
+
+    def run(job: tuple[int, memoryview, int, list[int]]) -> None:
+        c, mv, n, offs = job
         out[:, c] = [h(mv[o:o + n]) for o in offs]
+
+    if THREADS > 1 and len(jobs) > 1 and int(spans.length[cols].sum()) * B >= 1 << 24:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(run, jobs))
+    else:
+        for job in jobs:
+            run(job)
     return out
 
 
