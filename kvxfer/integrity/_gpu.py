@@ -69,7 +69,28 @@ def _rows(torch: Any, spans: Spans, group: list[int]) -> Any:
     return view[bi, torch.from_numpy(s).to(dev)]
 
 
-def _mm8(torch: Any, x: Any, lengths: list[int]) -> np.ndarray:
+#: Which product worked on this machine: "int_mm" (B column-major), "int_mm-rowmajor" or "float32".
+PRODUCT: list[str] = []
+
+
+def _product(torch: Any, m: Any, K: Any) -> Any:
+    """``m @ K`` exactly in int32: the int8 tensor-core GEMM where torch offers it, else float32
+    (exact too: every sum stays under 2**24), remembering which worked."""
+    tries = {"int_mm": lambda: torch._int_mm(m, K.t().contiguous().t()),
+             "int_mm-rowmajor": lambda: torch._int_mm(m, K),
+             "float32": lambda: (m.float() @ K.float()).round().to(torch.int32)}
+    for name in PRODUCT[:1] or list(tries):
+        try:
+            y = tries[name]()
+        except (RuntimeError, AttributeError):
+            continue
+        if not PRODUCT:
+            PRODUCT.append(name)
+        return y
+    raise RuntimeError("no exact int8 product on this device")
+
+
+def _mm8(torch: Any, x: Any, lengths: list[int]) -> Any:
     """mm8 of consecutive cells of each row of ``x`` ``[B, sum(lengths)]`` -> int64 ``[B, C]``."""
     B, n = x.shape
     dev = x.device
@@ -81,10 +102,7 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> np.ndarray:
     if rows <= 16:  # _int_mm wants more than 16 rows; zero rows add nothing
         m = torch.cat([m, m.new_zeros(17 - rows, CHUNK)])
     K = _const(torch, "K", dev, sketch_matrix)
-    try:
-        y = torch._int_mm(m, K)[:rows]
-    except (RuntimeError, AttributeError):  # no int8 GEMM here: float32 is exact for these sizes
-        y = (m.float() @ K.float())[:rows].round().to(torch.int32)
+    y = _product(torch, m, K)[:rows]
     S = [-(-ln // CHUNK) for ln in lengths]
     y = y.view(B, sum(S), COLS).to(torch.int64)
     w = torch.cat([_const(torch, "R", dev, lambda: fold_weights(max(S)))[:k] for k in S])
@@ -93,7 +111,7 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> np.ndarray:
     d = t.index_select(1, ends)
     d[:, 1:] = d[:, 1:] - t.index_select(1, ends[:-1])
     keys = torch.tensor([length_key(ln) for ln in lengths], dtype=torch.int64, device=dev)
-    return mix(d ^ keys[None, :]).cpu().numpy()
+    return mix(d ^ keys[None, :])  # still on the device: the caller copies all groups at once
 
 
 def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
@@ -101,12 +119,14 @@ def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
 
     out = np.empty((spans.block.shape[0], cols.shape[0]), np.uint64)
     at = {int(c): i for i, c in enumerate(cols.tolist())}
+    pending: dict[Any, list[tuple[list[int], Any]]] = {}  # device -> groups still on it
     with torch.no_grad():
         for g in _groups(spans, cols):
             x = _rows(torch, spans, g)
             lengths = [int(spans.length[c]) for c in g]
             if algorithm == "mm8":
-                vals = _mm8(torch, x, lengths).view(np.uint64)
+                pending.setdefault(x.device, []).append((g, _mm8(torch, x, lengths)))
+                continue
             else:
                 h, host = _xxh3(), x.cpu().numpy()
                 edges = np.concatenate([[0], np.cumsum(lengths)]).tolist()
@@ -114,4 +134,11 @@ def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
                                 np.uint64).reshape(-1, len(g))
             for i, c in enumerate(g):
                 out[:, at[c]] = vals[:, i]
+        for groups in pending.values():  # one copy to the host per device, not one per group
+            host = torch.cat([v for _, v in groups], dim=1).cpu().numpy().view(np.uint64)
+            i = 0
+            for g, _ in groups:
+                for c in g:
+                    out[:, at[c]] = host[:, i]
+                    i += 1
     return out
