@@ -15,9 +15,9 @@ import pytest
 import kvxfer
 from kvxfer.errors import IntegrityError
 from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.digests import DigestMeta, SchedulerDigests, worker_digests
 from kvxfer.integrations.vllm.params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError,
-                                             RemoteKV, digests_for, expiry, failure_count, load_digests,
-                                             offer_digests, refuse_late, withdraw_digests)
+                                             RemoteKV, expiry, failure_count, load_digests, refuse_late)
 
 TOKEN = b"secret"
 
@@ -68,12 +68,27 @@ def _pair():
     return src, dst, p, d
 
 
+def _issue(p: kvxfer.Agent, blocks: tuple[int, ...], step_blocks: list[int], tp: int = 1) -> dict:
+    """What the connector does in one step: plan, worker digests (each rank), attach to the params."""
+    sched = SchedulerDigests(TOKEN, tp)
+    sched.want("r")
+    todo = sched.plan({"r": 5, "other": 3}, lambda rid: step_blocks)
+    assert todo == {"r": step_blocks}
+    params = _remote(block_ids=blocks, tp_size=tp).to_params(TOKEN)
+    sched.issue("r", params, RemoteKV.from_params(params, TOKEN, 128))
+    meta = DigestMeta()
+    for rank in range(tp):
+        meta.aggregate(worker_digests(p, rank, todo))
+    sched.attach(meta)
+    return params
+
+
 def test_params_digests_catch_a_replay_after_the_blocks_were_reused() -> None:
     src, dst, p, d = _pair()
     try:
-        offer_digests("e", p, tp_size=1)
-        params = _remote(digests=digests_for("e", [4, 9, 2])).to_params(TOKEN)
-        remote = RemoteKV.from_params(params, TOKEN, 128)
+        params = _issue(p, (4, 9, 2), [4, 9, 2, 7])  # the step digested one block more than the params name
+        remote = RemoteKV.from_params(params, TOKEN, 128)  # signed again, with the digests
+        assert remote.digests is not None and remote.parsed_digests().blocks.tolist() == [4, 9, 2]
         # A first use that reads only the last two blocks (the first was a local prefix hit).
         d.read("p", [0, 1], [9, 2], expect=load_digests(remote, [9, 2])).wait(10)
         assert all((dst[k][[0, 1]] == src[k][[9, 2]]).all() for k in src)
@@ -84,11 +99,21 @@ def test_params_digests_catch_a_replay_after_the_blocks_were_reused() -> None:
         # The control: without the digests the replay "succeeds" with the other request's bytes.
         d.read("p", [3, 5, 6], [4, 9, 2]).wait(10)
         assert (dst["layer.1"][5] == 7).all()
+        two = RemoteKV.from_params(_issue(p, (4, 9, 2), [4, 9, 2], tp=2), TOKEN, 128)
+        with pytest.raises(ParamsError):  # two ranks' sets in params of a TP=1 prefill
+            RemoteKV.from_params(RemoteKV(**{**two.__dict__, "tp_size": 1}).to_params(TOKEN), TOKEN, 128)
     finally:
-        withdraw_digests("e")
         d.close()
         p.close()
-    assert digests_for("e", [1]) is None
+
+
+def test_params_without_this_steps_digests_go_out_as_they_are() -> None:
+    sched = SchedulerDigests(TOKEN, 1)
+    params = _remote().to_params(TOKEN)
+    before = dict(params)
+    sched.issue("r", params, RemoteKV.from_params(params, TOKEN, 128))
+    sched.attach(DigestMeta({0: {"someone-else": "x"}}))
+    assert params == before and not sched.issued
 
 
 def test_digests_for_other_blocks_are_refused_at_parsing() -> None:

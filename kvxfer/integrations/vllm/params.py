@@ -27,13 +27,12 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from kvxfer.errors import IntegrityError, KvxferError, MetadataError, MissingDependencyError
+from kvxfer.errors import IntegrityError, KvxferError, MetadataError
 
 __all__ = ["RemoteKV", "ParamsError", "ParamsExpiredError", "ParamsReplayError", "NonceBook", "PARAMS_VERSION",
-           "wants_remote_prefill", "wants_remote_decode", "expiry", "refuse_late", "load_digests", "offer_digests",
-           "withdraw_digests", "digests_for", "failure_count"]
+           "wants_remote_prefill", "wants_remote_decode", "expiry", "refuse_late", "load_digests", "failure_count"]
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -100,7 +99,7 @@ class RemoteKV:
     tp_size: int
     nonce: str = field(default_factory=_new_nonce)
     expires: float = field(default_factory=_default_expiry)  # wall-clock seconds (time.time())
-    digests: str | None = None  # kvxfer.integrity.Digests (rows) of block_ids, as text
+    digests: str | None = None  # per TP rank, kvxfer.integrity.Digests (rows) of block_ids as text, ","-joined
 
     def __post_init__(self) -> None:
         _text("remote_engine_id", self.engine_id, MAX_ID)
@@ -175,19 +174,25 @@ class RemoteKV:
             raise ParamsError(f"{remote.num_tokens} tokens need {need} blocks of {block_size}, "
                               f"params list {len(remote.block_ids)}")
         if remote.digests is not None:
-            d = remote.parsed_digests()
-            if d.blocks.tolist() != list(remote.block_ids) or not d.row:
-                raise ParamsError("kvxfer digests do not cover the parameters' blocks")
+            if remote.digests.count(",") != remote.tp_size - 1:
+                raise ParamsError(f"kvxfer digests must hold one set per prefill rank ({remote.tp_size})")
+            for rank in range(remote.tp_size):
+                d = remote.parsed_digests(rank)
+                if d.blocks.tolist() != list(remote.block_ids) or not d.row:
+                    raise ParamsError("kvxfer digests do not cover the parameters' blocks")
         return remote
 
-    def parsed_digests(self) -> Any:
-        """The carried :class:`kvxfer.integrity.Digests`, or None; malformed ones are a ParamsError."""
+    def parsed_digests(self, rank: int = 0) -> Any:
+        """Rank ``rank``'s carried :class:`kvxfer.integrity.Digests`, or None; malformed: ParamsError."""
         if self.digests is None:
             return None
         from kvxfer.integrity import Digests
 
+        parts = self.digests.split(",")
+        if not 0 <= rank < len(parts):
+            raise ParamsError(f"kvxfer digests hold no set for rank {rank}")
         try:
-            return Digests.from_text(self.digests)
+            return Digests.from_text(parts[rank])
         except MetadataError as exc:
             raise ParamsError(f"kvxfer digests are malformed: {exc}") from None
 
@@ -230,9 +235,9 @@ def refuse_late(remote: RemoteKV, now: float | None = None) -> None:
                                  "the prefill's lease may be over, so nothing was read")
 
 
-def load_digests(remote: RemoteKV, remote_ids: Sequence[int]) -> Any:
-    """The digests of the blocks one load reads (a slice of the request's), or None."""
-    d = remote.parsed_digests()
+def load_digests(remote: RemoteKV, remote_ids: Sequence[int], rank: int = 0) -> Any:
+    """Rank ``rank``'s digests of the blocks one load reads (a slice of the request's), or None."""
+    d = remote.parsed_digests(rank)
     if d is None:
         return None
     at = {b: i for i, b in enumerate(remote.block_ids)}
@@ -246,30 +251,3 @@ def failure_count(exc: BaseException) -> str | None:
     if isinstance(exc, ParamsExpiredError):
         return "expired_params"
     return None
-
-
-# -- prefill: digests of the blocks it hands out -----------------------------------------------
-#: engine id -> digest function of that engine's (single) worker, when it runs in this process.
-_DIGESTERS: dict[str, Callable[[Sequence[int]], str]] = {}
-
-
-def offer_digests(engine_id: str, agent: Any, tp_size: int) -> None:
-    """Let this process's scheduler digest blocks when it hands out params (TP=1 workers only:
-    with more ranks each holds other bytes and lives in its own process)."""
-    if tp_size == 1:
-        _DIGESTERS[engine_id] = lambda ids: agent.digest(list(ids), rows=True).to_text()
-
-
-def withdraw_digests(engine_id: str) -> None:
-    _DIGESTERS.pop(engine_id, None)
-
-
-def digests_for(engine_id: str, block_ids: Sequence[int]) -> str | None:
-    fn = _DIGESTERS.get(engine_id)
-    if fn is None:
-        return None
-    try:
-        return fn(block_ids)
-    except (MissingDependencyError, KvxferError) as exc:
-        log.warning("kvxfer: params go out without digests: %s", exc)
-        return None

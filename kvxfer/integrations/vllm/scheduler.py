@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
-from .params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError, RemoteKV, digests_for, expiry,
+from .digests import SchedulerDigests
+from .params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError, RemoteKV, expiry,
                      wants_remote_decode, wants_remote_prefill)
 from .stats import KvxferConnectorStats
 
@@ -42,6 +43,7 @@ class SchedulerSide:
         self._loads: list[LoadTask] = []
         self._sends: dict[str, float] = {}
         self._nonces = NonceBook()  # decode: a params set is used once
+        self.digests = SchedulerDigests(cfg.token, tp_size)  # prefill: digests for the params it hands out
 
     # -- decode ---------------------------------------------------------------------------
     def _parse(self, request: "Request") -> RemoteKV | None:
@@ -75,6 +77,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if wants_remote_decode(params) and self.cfg.digests:
+            self.digests.want(request.request_id)
         if not wants_remote_prefill(params):
             return
         remote = self._parse(request)
@@ -101,6 +105,7 @@ class SchedulerSide:
             return False, None
         if not wants_remote_decode(params):
             return False, None
+        self.digests.forget(request.request_id)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: free now
         tokens = int(request.num_computed_tokens)
@@ -110,10 +115,12 @@ class SchedulerSide:
         ids = tuple(int(b) for b in block_ids[:needed])
         c = self.cfg
         remote = RemoteKV(self.engine_id, c.host, c.port, request.request_id, ids, tokens, self.tp_size,
-                          expires=expiry(time.time(), c.lease_seconds, c.transfer_timeout, c.handshake_timeout),
-                          digests=digests_for(self.engine_id, ids) if c.digests else None)
+                          expires=expiry(time.time(), c.lease_seconds, c.transfer_timeout, c.handshake_timeout))
         self._sends[request.request_id] = self.cfg.lease_seconds
-        return True, remote.to_params(self.cfg.token)
+        out = remote.to_params(self.cfg.token)
+        if c.digests:  # digests.py: this step's worker digests are added to ``out`` before it leaves
+            self.digests.issue(request.request_id, out, remote)
+        return True, out
 
     # -- every step -----------------------------------------------------------------------
     def build_connector_meta(self) -> KvxferConnectorMetadata:

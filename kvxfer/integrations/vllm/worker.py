@@ -132,8 +132,6 @@ class WorkerSide:
             agent.close()
             raise
         self.agent = agent
-        if serve:  # integrity: this engine's scheduler may digest the blocks it hands out
-            _params.offer_digests(self.engine_id, agent, tp_size)
         if serve:
             self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
@@ -175,7 +173,7 @@ class WorkerSide:
             plan = self.agent.plan(peer, task.local_block_ids, task.remote_block_ids)
             # integrity: refuse a late load before it reads; verify the prefill's digests after DONE
             _params.refuse_late(task.remote)
-            expect = _params.load_digests(task.remote, task.remote_block_ids) if self.cfg.digests else None
+            expect = _params.load_digests(task.remote, task.remote_block_ids, self.rank) if self.cfg.digests else None
             with _unpinned():  # a backend may start a helper thread to deliver the notification
                 t = self.agent.read(peer, task.local_block_ids, task.remote_block_ids, notify=msg, expect=expect)
         except KvxferError as exc:
@@ -308,6 +306,5 @@ class WorkerSide:
             self.server.close()
             self.server = None
         if self.agent is not None:
-            _params.withdraw_digests(self.engine_id)  # integrity
             self.agent.close()
             self.agent = None
