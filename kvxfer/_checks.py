@@ -31,7 +31,8 @@ def canary(agent: Any, name: str, blocks: tuple[int, int], timeout: float | None
 def for_read(agent: Any, peer: Any, local_blocks: Any, remote_blocks: Any, expect: Any) -> Any:
     if expect is None and not agent.verify:
         return None
-    expect = require(expect, peer.name)
+    if not isinstance(expect, (list, tuple)):
+        expect = require(expect, peer.name)
     pairing = agent._pairing(peer)
     if isinstance(pairing, Pairing):
         return pairing_check(agent.spec, expect, local_blocks, remote_blocks, peer.name)

@@ -304,3 +304,27 @@ def test_canary_at_connect_refuses_a_path_that_moves_wrong_bytes(backend: str) -
                 canary.check(d, "prefill", local_block=1, remote_block=14)
     finally:
         faults.uninstall()
+
+
+def test_a_write_is_verified_by_its_destination_with_the_writers_digests() -> None:
+    from kvxfer.integrity import check_received
+
+    faults.install()
+    try:
+        X = _pages(np.random.default_rng(6))
+        with kvxfer.Agent("w") as w, kvxfer.Agent("r") as r:
+            w.register(_cache("packed", X)[0])
+            dst, logical = _cache("layers", None)
+            r.register(dst)
+            w.add_peer(r.metadata())
+            msg = w.digest(RB).to_text().encode()
+            w.write("r", RB, LB, notify=msg).wait(10)
+            (got,) = r.notifications()["w"]
+            check_received(r, LB, Digests.from_text(got.decode()))
+            assert (logical()[:, LB] == X[:, RB]).all()
+            dst["layer.2"][LB[1], 100] ^= 4  # the control: a flipped bit after the write is caught
+            with pytest.raises(IntegrityError) as e:
+                check_received(r, LB, Digests.from_text(got.decode()))
+            assert (e.value.block, e.value.member) == (int(LB[1]), "layer.2")
+    finally:
+        faults.uninstall()

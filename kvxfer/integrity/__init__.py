@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .cells import Cells, Spans, cells_for, gather_cells, local_spans, source_spans
 from .digests import ALGORITHMS, Digests, compute, verify
+from .verified import check_received
 
-__all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "compute", "gather_cells", "local_spans",
-           "source_spans", "verify"]
+__all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "check_received", "compute", "gather_cells",
+           "local_spans", "source_spans", "verify"]

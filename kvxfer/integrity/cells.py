@@ -47,6 +47,36 @@ class Cells:
         return bool((self.offsets == 0).all()) and len(set(self.members)) == len(self.members)
 
     @classmethod
+    def tokens(cls, spec: KVCacheSpec, n: int) -> "Cells":
+        """The bytes of a block's first ``n`` tokens: what a partly filled last block holds.
+
+        Per member page, one cell per index of the axes outside the token axis (``N``); a
+        page with no token axis (or described only by its size) is one whole-page cell.
+        """
+        names: list[str] = []
+        offs: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        for m in spec.members:
+            p = m.page
+            if p is None or p.is_opaque or "N" not in p.axes:
+                names.append(m.name)
+                offs.append(np.zeros(1, np.int64))
+                lens.append(np.array([m.size], np.int64))
+                continue
+            i = p.axes.index("N")
+            if not 0 < n <= p.shape[i]:
+                raise IntegrityError(f"member {m.name!r}: {n} tokens of a {p.shape[i]}-token page", member=m.name)
+            inner = int(np.prod(p.shape[i + 1:], dtype=np.int64)) * p.itemsize
+            outer = p.shape[:i]
+            strides = [int(np.prod(p.shape[k + 1:], dtype=np.int64)) * p.itemsize for k in range(i)]
+            idx = np.indices(outer, dtype=np.int64).reshape(len(outer), -1) if outer else np.zeros((0, 1), np.int64)
+            o = (idx * np.array(strides, np.int64)[:, None]).sum(axis=0) if outer else np.zeros(1, np.int64)
+            names.extend([m.name] * o.shape[0])
+            offs.append(o)
+            lens.append(np.full(o.shape[0], n * inner, np.int64))
+        return cls(tuple(names), np.concatenate(offs), np.concatenate(lens))
+
+    @classmethod
     def pages(cls, spec: KVCacheSpec, members: Sequence[str] | None = None) -> "Cells":
         """One cell per member page: the default, and what names a block and member."""
         by = {m.name: m for m in spec.members}

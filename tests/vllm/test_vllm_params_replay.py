@@ -58,22 +58,25 @@ def test_expiry_leaves_a_whole_load_inside_the_lease() -> None:
 
 
 def _pair():
+    """Prefill and decode caches shaped as vLLM CPU's: per layer ``[B, H, N, C]`` (heads outside tokens)."""
     rng = np.random.default_rng(0)
-    src = {f"layer.{i}": rng.integers(0, 256, (16, 512), dtype=np.uint8) for i in range(3)}
-    dst = {k: np.full_like(v, 0xAA) for k, v in src.items()}
+    src = {f"layer.{i}": rng.integers(-9999, 9999, (16, 2, 128, 4), dtype=np.int16) for i in range(3)}
+    dst = {k: np.full_like(v, 0x2A2A) for k, v in src.items()}
     p, d = kvxfer.Agent("p"), kvxfer.Agent("d")
-    p.register(src)
-    d.register(dst)
+    p.register(src, dims="BHND")
+    d.register(dst, dims="BHND")
     d.add_peer(p.metadata())
     return src, dst, p, d
 
 
 def _issue(p: kvxfer.Agent, blocks: tuple[int, ...], step_blocks: list[int], tp: int = 1) -> dict:
     """What the connector does in one step: plan, worker digests (each rank), attach to the params."""
+    from types import SimpleNamespace
+
     sched = SchedulerDigests(TOKEN, tp)
-    sched.want("r")
-    todo = sched.plan({"r": 5, "other": 3}, lambda rid: step_blocks)
-    assert todo == {"r": step_blocks}
+    sched.want(SimpleNamespace(request_id="r", num_computed_tokens=200))
+    todo = sched.plan({"r": 100, "other": 3}, lambda rid: step_blocks)
+    assert todo == {"r": (step_blocks, 300)}  # 300 tokens: two full blocks and 44 tokens of the third
     params = _remote(block_ids=blocks, tp_size=tp).to_params(TOKEN)
     sched.issue("r", params, RemoteKV.from_params(params, TOKEN, 128))
     meta = DigestMeta()
@@ -88,7 +91,8 @@ def test_params_digests_catch_a_replay_after_the_blocks_were_reused() -> None:
     try:
         params = _issue(p, (4, 9, 2), [4, 9, 2, 7])  # the step digested one block more than the params name
         remote = RemoteKV.from_params(params, TOKEN, 128)  # signed again, with the digests
-        assert remote.digests is not None and remote.parsed_digests().blocks.tolist() == [4, 9, 2]
+        assert remote.digests is not None and [d.blocks.tolist() for d in remote.parsed_digests()] == [[4, 9], [2]]
+        src["layer.0"][2, :, 44:] = 5  # bytes behind the request's tokens (the next step's KV) are not covered
         # A first use that reads only the last two blocks (the first was a local prefix hit).
         d.read("p", [0, 1], [9, 2], expect=load_digests(remote, [9, 2])).wait(10)
         assert all((dst[k][[0, 1]] == src[k][[9, 2]]).all() for k in src)
@@ -99,6 +103,10 @@ def test_params_digests_catch_a_replay_after_the_blocks_were_reused() -> None:
         # The control: without the digests the replay "succeeds" with the other request's bytes.
         d.read("p", [3, 5, 6], [4, 9, 2]).wait(10)
         assert (dst["layer.1"][5] == 7).all()
+        src["layer.2"][2, 1, 43, 0] += 1  # the last token of the partly filled last block is covered
+        with pytest.raises(IntegrityError) as e:
+            d.read("p", [3, 5, 6], [4, 9, 2], expect=load_digests(remote, [4, 9, 2])).wait(10)
+        assert e.value.remote_block in (9, 2)
         two = RemoteKV.from_params(_issue(p, (4, 9, 2), [4, 9, 2], tp=2), TOKEN, 128)
         with pytest.raises(ParamsError):  # two ranks' sets in params of a TP=1 prefill
             RemoteKV.from_params(RemoteKV(**{**two.__dict__, "tp_size": 1}).to_params(TOKEN), TOKEN, 128)
@@ -124,6 +132,8 @@ def test_digests_for_other_blocks_are_refused_at_parsing() -> None:
         d.close()
         p.close()
     with pytest.raises(ParamsError, match="do not cover"):
-        RemoteKV.from_params(_remote(digests=dig).to_params(TOKEN), TOKEN, 128)
+        RemoteKV.from_params(_remote(digests=dig + ";").to_params(TOKEN), TOKEN, 128)
     with pytest.raises(ParamsError, match="malformed"):
-        RemoteKV.from_params(_remote(digests="bm90IGRpZ2VzdHM=").to_params(TOKEN), TOKEN, 128)
+        RemoteKV.from_params(_remote(digests="bm90IGRpZ2VzdHM=;").to_params(TOKEN), TOKEN, 128)
+    with pytest.raises(ParamsError, match="per rank"):
+        RemoteKV.from_params(_remote(digests=dig).to_params(TOKEN), TOKEN, 128)

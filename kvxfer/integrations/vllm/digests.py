@@ -16,6 +16,11 @@ core. So:
 
 A request whose digests do not arrive in that step goes out without them; decode then
 relies on the nonce and the expiry alone (counted nowhere: nothing failed).
+
+Only the request's tokens are covered: a partly filled last block gets cells of its first
+tokens only (``Cells.tokens``), because with asynchronous scheduling the next step's forward
+may already write the first generated token's KV behind them. Each rank's text is
+``"<full blocks>;<last partial block>"`` (either may be empty).
 """
 
 from __future__ import annotations
@@ -34,15 +39,16 @@ __all__ = ["DigestMeta", "SchedulerDigests", "worker_digests", "RANK_SEP"]
 
 log = logging.getLogger("vllm.kvxfer")
 
-#: Per-rank digest sets inside the params' one ``dig`` string (base64 never holds a comma).
+#: Per-rank digest sets inside the params' one ``dig`` string (base64 never holds these).
 RANK_SEP = ","
+PART_SEP = ";"
 
 
 @dataclass
 class DigestMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: ``{rank: {request id: Digests text}}`` for this step."""
+    """Worker -> scheduler: ``{rank: {request id: (tokens covered, digests text)}}`` for this step."""
 
-    by_rank: dict[int, dict[str, str]] = field(default_factory=dict)
+    by_rank: dict[int, dict[str, tuple[int, str]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, DigestMeta):
@@ -51,16 +57,25 @@ class DigestMeta(KVConnectorWorkerMetadata):
         return self
 
 
-def worker_digests(agent: Any, rank: int, todo: Mapping[str, list[int]]) -> DigestMeta | None:
-    """Digest each listed request's blocks (rows form) on this rank, after the step's forward."""
+def worker_digests(agent: Any, rank: int, todo: Mapping[str, tuple[list[int], int]]) -> DigestMeta | None:
+    """Digest each listed request's first ``tokens`` tokens (rows form) on this rank, after the forward."""
     if not todo or agent is None or agent.spec is None:
         return None
-    out: dict[str, str] = {}
-    for rid, blocks in todo.items():
+    from kvxfer.integrity import Cells
+
+    bt = agent.spec.block_tokens
+    out: dict[str, tuple[int, str]] = {}
+    for rid, (blocks, tokens) in todo.items():
+        full, rest = divmod(tokens, bt)
+        if tokens <= 0 or len(blocks) < full + (rest > 0):
+            continue
         try:
-            out[rid] = agent.digest(blocks, rows=True).to_text()
+            head = agent.digest(blocks[:full], rows=True).to_text() if full else ""
+            tail = agent.digest([blocks[full]], cells=Cells.tokens(agent.spec, rest), rows=True).to_text() if rest else ""
         except (MissingDependencyError, KvxferError) as exc:
             log.warning("kvxfer: request %s goes out without digests: %s", rid, exc)
+            continue
+        out[rid] = (tokens, head + PART_SEP + tail)
     return DigestMeta({rank: out}) if out else None
 
 
@@ -69,22 +84,25 @@ class SchedulerDigests:
 
     def __init__(self, token: bytes | None, tp_size: int) -> None:
         self.token, self.tp_size = token, tp_size
-        self.watch: set[str] = set()  # do_remote_decode requests not finished yet
+        self.watch: dict[str, Any] = {}  # do_remote_decode requests not finished yet
         self.issued: dict[str, tuple[dict[str, Any], RemoteKV]] = {}  # handed out this step
 
-    def want(self, request_id: str) -> None:
-        self.watch.add(request_id)
+    def want(self, request: Any) -> None:
+        self.watch[request.request_id] = request
 
-    def plan(self, scheduled: Mapping[str, int], block_ids: Callable[[str], list[int]]) -> dict[str, list[int]]:
-        """Blocks to digest after this step's forward: every watched request it runs."""
-        return {rid: list(block_ids(rid)) for rid in self.watch if rid in scheduled}
+    def plan(self, scheduled: Mapping[str, int],
+             block_ids: Callable[[str], list[int]]) -> dict[str, tuple[list[int], int]]:
+        """What to digest after this step's forward: every watched request it runs, up to the
+        tokens it will have computed then (called before vLLM advances ``num_computed_tokens``)."""
+        return {rid: (list(block_ids(rid)), int(req.num_computed_tokens) + int(scheduled[rid]))
+                for rid, req in self.watch.items() if rid in scheduled}
 
     def issue(self, request_id: str, params: dict[str, Any], remote: RemoteKV) -> None:
-        self.watch.discard(request_id)
+        self.watch.pop(request_id, None)
         self.issued[request_id] = (params, remote)
 
     def forget(self, request_id: str) -> None:
-        self.watch.discard(request_id)
+        self.watch.pop(request_id, None)
         self.issued.pop(request_id, None)
 
     def attach(self, meta: Any) -> None:
@@ -93,11 +111,11 @@ class SchedulerDigests:
         if not isinstance(meta, DigestMeta):
             return
         for rid, (params, remote) in issued.items():
-            texts = [meta.by_rank.get(r, {}).get(rid) for r in range(self.tp_size)]
-            if any(t is None for t in texts):
-                continue
+            got = [meta.by_rank.get(r, {}).get(rid) for r in range(self.tp_size)]
+            if any(g is None or g[0] != remote.num_tokens for g in got):
+                continue  # not digested this step, or up to another token count
             try:
-                parts = [_take(t, remote.block_ids) for t in texts]  # type: ignore[arg-type]
+                parts = [_check(g[1], remote.block_ids) for g in got]  # type: ignore[index]
                 signed = RemoteKV(**{**remote.__dict__, "digests": RANK_SEP.join(parts)}).to_params(self.token)
             except KvxferError as exc:
                 log.warning("kvxfer: request %s goes out without digests: %s", rid, exc)
@@ -106,12 +124,11 @@ class SchedulerDigests:
             params.update(signed)
 
 
-def _take(text: str, block_ids: tuple[int, ...]) -> str:
-    """The digests of the params' blocks (a prefix of what the step digested)."""
+def _check(text: str, block_ids: tuple[int, ...]) -> str:
+    """The step's digests, once they are seen to name exactly the params' blocks."""
     from kvxfer.integrity import Digests
 
-    d = Digests.from_text(text)
-    n = len(block_ids)
-    if d.blocks[:n].tolist() != list(block_ids):
+    named = [b for part in text.split(PART_SEP) if part for b in Digests.from_text(part).blocks.tolist()]
+    if named != list(block_ids):
         raise KvxferError("the digested blocks are not the blocks the params name")
-    return d.take(range(n)).to_text()
+    return text

@@ -177,22 +177,27 @@ class RemoteKV:
             if remote.digests.count(",") != remote.tp_size - 1:
                 raise ParamsError(f"kvxfer digests must hold one set per prefill rank ({remote.tp_size})")
             for rank in range(remote.tp_size):
-                d = remote.parsed_digests(rank)
-                if d.blocks.tolist() != list(remote.block_ids) or not d.row:
+                parts = remote.parsed_digests(rank)
+                if [b for d in parts for b in d.blocks.tolist()] != list(remote.block_ids) \
+                        or not all(d.row for d in parts):
                     raise ParamsError("kvxfer digests do not cover the parameters' blocks")
         return remote
 
     def parsed_digests(self, rank: int = 0) -> Any:
-        """Rank ``rank``'s carried :class:`kvxfer.integrity.Digests`, or None; malformed: ParamsError."""
+        """Rank ``rank``'s carried :class:`kvxfer.integrity.Digests` (full blocks, then a partly
+        filled last block), or None; malformed ones are a ParamsError."""
         if self.digests is None:
             return None
         from kvxfer.integrity import Digests
 
-        parts = self.digests.split(",")
-        if not 0 <= rank < len(parts):
+        ranks = self.digests.split(",")
+        if not 0 <= rank < len(ranks):
             raise ParamsError(f"kvxfer digests hold no set for rank {rank}")
+        parts = ranks[rank].split(";")
+        if len(parts) != 2:
+            raise ParamsError("kvxfer digests must be '<full blocks>;<last block>' per rank")
         try:
-            return Digests.from_text(parts[rank])
+            return [Digests.from_text(p) for p in parts if p]
         except MetadataError as exc:
             raise ParamsError(f"kvxfer digests are malformed: {exc}") from None
 
@@ -237,11 +242,16 @@ def refuse_late(remote: RemoteKV, now: float | None = None) -> None:
 
 def load_digests(remote: RemoteKV, remote_ids: Sequence[int], rank: int = 0) -> Any:
     """Rank ``rank``'s digests of the blocks one load reads (a slice of the request's), or None."""
-    d = remote.parsed_digests(rank)
-    if d is None:
+    parts = remote.parsed_digests(rank)
+    if parts is None:
         return None
-    at = {b: i for i, b in enumerate(remote.block_ids)}
-    return d.take([at[b] for b in remote_ids])
+    want = set(remote_ids)
+    out = []
+    for d in parts:
+        pos = [i for i, b in enumerate(d.blocks.tolist()) if b in want]
+        if pos:
+            out.append(d.take(pos))
+    return out
 
 
 def failure_count(exc: BaseException) -> str | None:

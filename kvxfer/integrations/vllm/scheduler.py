@@ -78,7 +78,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if wants_remote_decode(params) and self.cfg.digests:
-            self.digests.want(request.request_id)
+            self.digests.want(request)
         if not wants_remote_prefill(params):
             return
         remote = self._parse(request)
