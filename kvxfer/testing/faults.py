@@ -141,7 +141,8 @@ class Corruption:
 
     ``every``: corrupt one READ in that many (1: all). ``trigger``: a path; READs are damaged
     only while it exists, with the kind it names if it names one (an engine in another
-    process is switched on and off that way).
+    process is switched on and off that way), and each damage adds a line to
+    ``trigger + ".done"``.
     ``done`` counts damaged transfers.
     """
 
@@ -254,6 +255,9 @@ class CorruptingBackend(FaultyBackend):
             self.corruption.done += 1
             log.warning("kvxfer.testing.faults: damaged a delivered READ (%s, %d so far)", xfer[2][0],
                         self.corruption.done)
+            if self.corruption.trigger is not None:  # what a test in another process counts
+                with open(self.corruption.trigger + ".done", "a") as f:
+                    f.write(f"{xfer[2][0]}\n")
             xfer[2] = None
         return done
 
