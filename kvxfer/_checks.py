@@ -12,7 +12,30 @@ from typing import Any, Mapping
 from .integrity.verified import gather_check, pairing_check, require
 from .pairing import Pairing
 
-__all__ = ["for_read", "for_many", "canary"]
+__all__ = ["for_read", "for_many", "canary", "digest", "cells_for"]
+
+
+def digest(agent: Any, blocks: Any, cells: Any, algorithm: str, rows: bool) -> Any:
+    from .errors import SpecError
+    from .integrity import compute
+    from .planner import as_block_ids
+
+    if agent.spec is None:
+        raise SpecError("register a KV cache before digesting it")
+    return compute(agent.spec, as_block_ids(blocks, agent.spec.num_blocks, "digest"), cells=cells,
+                   algorithm=algorithm, rows=rows)
+
+
+def cells_for(agent: Any, peers: tuple[str, ...]) -> dict[str, Any]:
+    from .errors import SpecError
+    from .integrity import cells_for as cells
+    from .reshard import cached_gather
+
+    if agent.spec is None:
+        raise SpecError("register a KV cache before asking what to digest")
+    specs = {n: agent._peer(n).spec for n in peers}
+    g = cached_gather(agent.spec, specs)
+    return {n: cells(g, n, agent.spec, specs[n]) for n in g.tables}
 
 
 def canary(agent: Any, name: str, blocks: tuple[int, int], timeout: float | None) -> None:

@@ -32,7 +32,7 @@ from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
-from .planner import Pairing, TransferPlan, as_block_ids, pair, plan, plan_gather
+from .planner import Pairing, TransferPlan, pair, plan, plan_gather
 from .plugin.backend import Backend
 from .plugin.registry import get_backend_class, plugin_manager
 from .posts import Chunk, plan_chunks
@@ -474,21 +474,12 @@ class Agent:
     def digest(self, blocks: Any, *, cells: Any = None, algorithm: str = "auto", rows: bool = False) -> Any:
         """Our :class:`kvxfer.integrity.Digests` of ``blocks``: what a reader passes as ``expect``."""
         self._check_open()
-        if self.spec is None:
-            raise SpecError("register a KV cache before digesting it")
-        from .integrity import compute
-
-        return compute(self.spec, as_block_ids(blocks, self.spec.num_blocks, "digest"), cells=cells,
-                       algorithm=algorithm, rows=rows)
+        return _checks.digest(self, blocks, cells, algorithm, rows)
 
     def cells_for(self, *peers: str) -> dict[str, Any]:
         """Per source peer, the cells it must digest for our reads of another geometry."""
         self._check_open()
-        from .integrity import cells_for
-
-        assert self.spec is not None
-        g = cached_gather(self.spec, {n: self._peer(n).spec for n in peers})
-        return {n: cells_for(g, n, self.spec, self._peer(n).spec) for n in g.tables}
+        return _checks.cells_for(self, peers)
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
