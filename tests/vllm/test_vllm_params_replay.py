@@ -74,8 +74,9 @@ def _issue(p: kvxfer.Agent, blocks: tuple[int, ...], step_blocks: list[int], tp:
     from types import SimpleNamespace
 
     sched = SchedulerDigests(TOKEN, tp)
-    sched.want(SimpleNamespace(request_id="r", num_computed_tokens=200))
-    todo = sched.plan({"r": 100, "other": 3}, lambda rid: step_blocks)
+    sched.want(SimpleNamespace(request_id="r", num_computed_tokens=200, num_prompt_tokens=300))
+    sched.want(SimpleNamespace(request_id="chunk", num_computed_tokens=0, num_prompt_tokens=900))
+    todo = sched.plan({"r": 100, "chunk": 512, "other": 3}, lambda rid: step_blocks)
     assert todo == {"r": (step_blocks, 300)}  # 300 tokens: two full blocks and 44 tokens of the third
     params = _remote(block_ids=blocks, tp_size=tp).to_params(TOKEN)
     sched.issue("r", params, RemoteKV.from_params(params, TOKEN, 128))

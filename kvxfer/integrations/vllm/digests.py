@@ -92,10 +92,16 @@ class SchedulerDigests:
 
     def plan(self, scheduled: Mapping[str, int],
              block_ids: Callable[[str], list[int]]) -> dict[str, tuple[list[int], int]]:
-        """What to digest after this step's forward: every watched request it runs, up to the
-        tokens it will have computed then (called before vLLM advances ``num_computed_tokens``)."""
-        return {rid: (list(block_ids(rid)), int(req.num_computed_tokens) + int(scheduled[rid]))
-                for rid, req in self.watch.items() if rid in scheduled}
+        """What to digest after this step's forward: every watched request it runs whose prompt is
+        complete by then, up to the tokens it will have computed (called before vLLM advances
+        ``num_computed_tokens``); earlier chunks of a long prompt cost nothing."""
+        out = {}
+        for rid, req in self.watch.items():
+            if rid in scheduled:
+                tokens = int(req.num_computed_tokens) + int(scheduled[rid])
+                if tokens >= int(req.num_prompt_tokens):
+                    out[rid] = (list(block_ids(rid)), tokens)
+        return out
 
     def issue(self, request_id: str, params: dict[str, Any], remote: RemoteKV) -> None:
         self.watch.pop(request_id, None)
