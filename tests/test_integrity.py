@@ -328,3 +328,15 @@ def test_a_write_is_verified_by_its_destination_with_the_writers_digests() -> No
             assert (e.value.block, e.value.member) == (int(LB[1]), "layer.2")
     finally:
         faults.uninstall()
+
+
+def test_missing_xxhash_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxfer.errors import MissingDependencyError
+
+    X = _pages(np.random.default_rng(8))
+    with kvxfer.Agent("a") as a:
+        a.register(_cache("layers", X)[0])
+        monkeypatch.setitem(__import__("sys").modules, "xxhash", None)
+        with pytest.raises(MissingDependencyError, match=r"pip install 'kvxfer\[integrity\]'"):
+            a.digest(RB)
+        assert a.digest(RB, algorithm="mm8").algorithm == "mm8"  # the numpy function needs nothing more
