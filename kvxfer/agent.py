@@ -39,6 +39,7 @@ from .posts import Chunk, plan_chunks
 from .reshard import Gather, cached_gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
+from . import _checks
 
 __all__ = ["Agent", "Peer"]
 
@@ -82,10 +83,12 @@ class Agent:
     """
 
     def __init__(self, name: str, backend: str = "loopback", *, timeout: float = 30.0,
-                 coalesce: bool | None = None, token: str | bytes | None = None, **options: Any) -> None:
+                 coalesce: bool | None = None, token: str | bytes | None = None, verify: bool = False,
+                 **options: Any) -> None:
         # Validate the name exactly as peers will when they decode our metadata.
         AgentMetadata(name, 1, backend, b"", None)
         self.timeout = check_timeout(timeout, "Agent timeout")
+        self.verify = bool(verify)  # every read must then carry the source's digests (kvxfer.integrity)
         self._key = token_key(token, "Agent token")
         self.name = name
         self.generation = _new_generation()
@@ -180,7 +183,8 @@ class Agent:
                             self.spec).encode()
         return seal(raw, self._key) if self._key is not None else raw
 
-    def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> str:
+    def add_peer(self, metadata: bytes, *, timeout: float | None = None,
+                 canary: tuple[int, int] | None = None) -> str:
         """Add (or refresh) a peer from its metadata; returns its name.
 
         ``timeout`` bounds the call, proving untrusted metadata in a helper process included
@@ -192,13 +196,19 @@ class Agent:
         refused here with a :class:`~kvxfer.errors.LayoutMismatchError` subclass, before
         any connection is made (see :meth:`check`). Every failure is a :class:`KvxferError`,
         and a failed call leaves neither the agent nor its backend holding anything of it.
+        ``canary=(local scratch block, peer's canary block)``: read the canary the peer wrote
+        with :func:`kvxfer.integrity.canary.fill` and refuse the peer if it arrives wrong.
         """
         self._check_open()
         try:
             if timeout is None:
-                return self._add_peer(metadata)
-            with deadline_scope(timeout):
-                return self._add_peer(metadata)
+                name = self._add_peer(metadata)
+            else:
+                with deadline_scope(timeout):
+                    name = self._add_peer(metadata)
+            if canary is not None:
+                _checks.canary(self, name, canary, timeout)
+            return name
         except KvxferError:
             raise
         except Exception as exc:  # a transport's parser leaking its own exception on hostile bytes
@@ -321,9 +331,14 @@ class Agent:
         return plan(self.spec, peer.spec, local_blocks, remote_blocks, op, coalesce=self._coalesce,
                     pairing=self._pairing(peer))
 
-    def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
-        """Pull the peer's ``remote_blocks`` into our ``local_blocks``."""
-        return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify)
+    def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None, *,
+             expect: Any = None) -> Transfer:
+        """Pull the peer's ``remote_blocks`` into our ``local_blocks``.
+
+        ``expect``: the source's :class:`kvxfer.integrity.Digests` of ``remote_blocks``; the
+        transfer is then verified after DONE and fails with ``IntegrityError`` instead.
+        """
+        return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify, expect)
 
     def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
         """Push our ``local_blocks`` into the peer's ``remote_blocks``."""
@@ -338,7 +353,7 @@ class Agent:
         return store.restore(keys, self, local_blocks)
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
-                  notify: bytes | None, deadline: float | None = None) -> Transfer:
+                  notify: bytes | None, deadline: float | None = None, expect: Any = None) -> Transfer:
         self._check_open()
         caps = self.backend.capabilities
         if op not in caps.ops:
@@ -353,10 +368,11 @@ class Agent:
             deadline = time.monotonic() + self.timeout  # planning and posting count against it too
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
-        return self._post(op, peer, p, notify, t0, deadline)
+        check = _checks.for_read(self, peer, local_blocks, remote_blocks, expect) if op is Op.READ else None
+        return self._post(op, peer, p, notify, t0, deadline, verify=check)
 
     def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
-              deadline: float, planned: float = 0.0) -> Transfer:
+              deadline: float, planned: float = 0.0, verify: Any = None) -> Transfer:
         """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``."""
         chunks: list[Chunk] = []
         posts: list[_Post] = []
@@ -389,7 +405,7 @@ class Agent:
             msg, key = bytes(notify), peer.key
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
         t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
-                     started=started, on_finish=self._finished, plan=p)
+                     started=started, on_finish=self._finished, plan=p, verify=verify)
         self._inflight.add(t)
         return t
 
@@ -405,15 +421,16 @@ class Agent:
         transfer_finished(self, t)
 
     def read_many(self, local_blocks: Any, remote_blocks: Mapping[str, Any],
-                  notify: bytes | None = None) -> TransferGroup:
+                  notify: bytes | None = None, *, expect: Mapping[str, Any] | None = None) -> TransferGroup:
         """Gather ``local_blocks`` from several peers: ``{peer: its block ids}``, one request.
 
         For peers of another TP or PP size: each local member's heads and layers come from
         the peer that holds them (chosen as :mod:`kvxfer.reshard` says); a remote block
         smaller than ours fills ``k`` consecutive ids per local block. Peers given that hold
-        nothing needed are not read and, with ``notify``, are told at once.
+        nothing needed are not read and, with ``notify``, are told at once. ``expect``: each
+        peer's digests (of :meth:`cells_for` cells where geometries differ), verified as in :meth:`read`.
         """
-        return self._many(Op.READ, local_blocks, remote_blocks, notify)
+        return self._many(Op.READ, local_blocks, remote_blocks, notify, expect)
 
     def write_many(self, local_blocks: Any, remote_blocks: Mapping[str, Any],
                    notify: bytes | None = None) -> TransferGroup:
@@ -421,7 +438,7 @@ class Agent:
         return self._many(Op.WRITE, local_blocks, remote_blocks, notify)
 
     def _many(self, op: Op, local_blocks: Any, remote_blocks: Mapping[str, Any],
-              notify: bytes | None) -> TransferGroup:
+              notify: bytes | None, expect: Mapping[str, Any] | None = None) -> TransferGroup:
         self._check_open()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout
@@ -447,11 +464,12 @@ class Agent:
         # descriptors) plus its own list preparation, never the posting of the parts before it.
         shared = time.perf_counter() - t0
         total = sum(p.descriptors for p in plans.values())
+        checks = _checks.for_many(self, peers, g, plans, local_blocks, remote_blocks, expect) if op is Op.READ else {}
         parts: dict[str, Transfer] = {}
         try:
             for n, p in plans.items():
                 share = shared * (p.descriptors / total if total else 1 / len(plans))
-                parts[n] = self._post(op, peers[n], p, notify, time.perf_counter(), deadline, share)
+                parts[n] = self._post(op, peers[n], p, notify, time.perf_counter(), deadline, share, checks.get(n))
         except BaseException:
             for t in parts.values():
                 t.cancel()
@@ -461,6 +479,16 @@ class Agent:
             for n in unread:
                 self.backend.notify(peers[n].key, bytes(notify))
         return TransferGroup(parts, unread, self.timeout, started=t0)
+
+    def digest(self, blocks: Any, *, cells: Any = None, algorithm: str = "auto", rows: bool = False) -> Any:
+        """Our :class:`kvxfer.integrity.Digests` of ``blocks``: what a reader passes as ``expect``."""
+        self._check_open()
+        return _checks.digest(self, blocks, cells, algorithm, rows)
+
+    def cells_for(self, *peers: str) -> dict[str, Any]:
+        """Per source peer, the cells it must digest for our reads of another geometry."""
+        self._check_open()
+        return _checks.cells_for(self, peers)
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "StoreFullError",
     "StoreBusyError",
     "BackPressureError",
+    "IntegrityError",
 ]
 
 
@@ -263,3 +264,20 @@ class BackPressureError(KvxferError):
     def __init__(self, message: str, *, pending: int = 0, limit: int = 0, peer: str | None = None) -> None:
         super().__init__(message)
         self.pending, self.limit, self.peer = pending, limit, peer
+
+
+class IntegrityError(KvxferError):
+    """Bytes that arrived differ from the source's digests: a corrupt path or stale/reused data.
+
+    ``block`` (the local block id), ``remote_block`` and ``member`` name the first mismatch
+    (None where unknown, e.g. for a row digest); ``mismatches`` counts them all. Callers
+    recompute the request: the destination blocks hold bytes nobody vouches for.
+    """
+
+    def __init__(self, message: str, *, block: int | None = None, remote_block: int | None = None,
+                 member: str | None = None, mismatches: int = 0):
+        super().__init__(message)
+        self.block = block
+        self.remote_block = remote_block
+        self.member = member
+        self.mismatches = mismatches

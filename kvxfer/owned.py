@@ -155,6 +155,7 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         self.op, self.route = op, route
         self.local_blocks, self.remote_blocks, self.notify = local_blocks, remote_blocks, notify
         self.deadline, self.timeout = deadline, timeout
+        self.expect: Any = None  # a READ's source digests (kvxfer.integrity), checked after DONE
         self.submitted = time.perf_counter()
         self.stats: TransferStats | None = None
         self._inner: Any = None  # the agent's Transfer, once posted: the owner's thread only

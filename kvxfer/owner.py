@@ -94,14 +94,14 @@ class Owner:
 
     # -- submitting (any thread) -----------------------------------------------------------
     def read(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None, *,
-             timeout: float | None = None) -> OwnedTransfer:
+             timeout: float | None = None, expect: Any = None) -> OwnedTransfer:
         """Queue a READ of ``peer``'s ``remote_blocks`` into ``local_blocks``; returns at once.
 
         ``peer`` is a route's key or a peer's name. The block ids are read when the transfer
         is posted: do not change them after submitting. ``timeout`` (default: the agent's)
-        counts from now.
+        counts from now. ``expect``: the source's digests, verified as :meth:`Agent.read` does.
         """
-        return self._submit(Op.READ, peer, local_blocks, remote_blocks, notify, timeout)
+        return self._submit(Op.READ, peer, local_blocks, remote_blocks, notify, timeout, expect)
 
     def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None, *,
               timeout: float | None = None) -> OwnedTransfer:
@@ -109,12 +109,13 @@ class Owner:
         return self._submit(Op.WRITE, peer, local_blocks, remote_blocks, notify, timeout)
 
     def _submit(self, op: Op, key: str, local: Any, remote: Any, notify: bytes | None,
-                timeout: float | None) -> OwnedTransfer:
+                timeout: float | None, expect: Any = None) -> OwnedTransfer:
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise TypeError("notify must be bytes")
         limit = self.agent.timeout if timeout is None else check_timeout(timeout)
         t = OwnedTransfer(self, op, key, local, remote, None if notify is None else bytes(notify),
                           time.monotonic() + limit, limit)
+        t.expect = expect
         with self._cond:
             self._check_open()
             route = self._routes.get(key)
@@ -372,7 +373,7 @@ class Owner:
                 moved = True
                 try:
                     t._inner = self.agent._transfer(t.op, route.peer, t.local_blocks, t.remote_blocks, t.notify,
-                                                    deadline=t.deadline)
+                                                    deadline=t.deadline, expect=t.expect)
                 except BaseException as exc:
                     self._end(t, exc)
                     self._maybe_refresh(route, exc)

@@ -83,7 +83,7 @@ class Transfer:
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
                  started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None,
-                 plan: Any = None):
+                 plan: Any = None, verify: Callable[[], None] | None = None):
         self._backend = backend
         self._posts = posts
         self.plan = plan  # what was posted (its run count is computed on request), or None
@@ -94,6 +94,7 @@ class Transfer:
         self._deadline = time.monotonic() + self._default_timeout if deadline is None else deadline
         self._on_done = on_done
         self._on_finish = on_finish
+        self._verify = verify  # runs after the data is in, before DONE is reported (kvxfer.integrity)
         self._started = started if started is not None else time.perf_counter()
         self._spin = bool(backend.capabilities.needs_progress)
         self._telemetry = type(backend).telemetry is not _no_telemetry
@@ -130,6 +131,14 @@ class Transfer:
         if self._telemetry:
             self._collect_telemetry()
         self._release()
+        if self._verify is not None:
+            try:
+                self._verify()
+            except KvxferError as exc:
+                self.status = Status.FAILED
+                self._error = exc
+                self._finish()
+                raise
         self.status = Status.DONE
         try:
             if self._on_done is not None:

@@ -49,7 +49,7 @@ def main() -> None:
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="float32",
               enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
               num_gpu_blocks_override=cfg.get("num_blocks"), disable_log_stats=False, seed=0,
-              kv_transfer_config=ktc)
+              kv_transfer_config=ktc, **cfg.get("llm_args", {}))
     send({"ready": True, "start_seconds": time.perf_counter() - t0})
     for line in sys.stdin:
         req = json.loads(line)

@@ -155,14 +155,15 @@ class Engine:
 
 def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, blhnc: bool = False, num_blocks: int = 256,
-                 cpus: str | None = None) -> Engine:
+                 cpus: str | None = None, llm_args: dict[str, Any] | None = None) -> Engine:
     """Start one instance in the background; :meth:`Engine.wait_ready` waits for it.
 
     ``cpus``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this instance (a pair's prefill and
     decode get a core each, see :func:`pair_cpus`); None leaves vLLM's automatic binding.
     """
     r, w = os.pipe()
-    cfg = {"model": str(model), "fd": w, "kv_transfer_config": kv_transfer_config, "num_blocks": num_blocks}
+    cfg = {"model": str(model), "fd": w, "kv_transfer_config": kv_transfer_config, "num_blocks": num_blocks,
+           "llm_args": llm_args or {}}
     e = dict(os.environ)
     e.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "INFO"})
     if blhnc:

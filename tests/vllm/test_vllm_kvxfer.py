@@ -73,8 +73,12 @@ def _forge(params: dict, **fields) -> dict:
     """Re-sign altered parameters with the shared token, as a buggy (not a hostile) prefill would."""
     from kvxfer.integrations.vllm.params import RemoteKV
 
+    import secrets
+
     r = RemoteKV.from_params(params, TOKEN.encode(), BLOCK)
-    return RemoteKV(**{**r.__dict__, **fields}).to_params(TOKEN.encode())
+    # Altered blocks would no longer match the digests, and a fresh nonce keeps the set single-use.
+    fresh = {"digests": None, "nonce": secrets.token_hex(16)}
+    return RemoteKV(**{**r.__dict__, **fresh, **fields}).to_params(TOKEN.encode())
 
 
 def test_blocks_outside_prefill_cache_recompute(pairs):

@@ -32,6 +32,7 @@ _DEFAULTS: dict[str, Any] = {
     "handshake_timeout": 5.0,
     "lease_seconds": 120.0,
     "min_tokens": 1,
+    "digests": True,
 }
 
 
@@ -59,6 +60,8 @@ class ConnectorConfig:
     handshake_timeout: float = 5.0
     lease_seconds: float = 120.0
     min_tokens: int = 1
+    #: Prefill: put row digests in the params (where it can); decode: verify them (docs/integrity.md).
+    digests: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
@@ -101,8 +104,9 @@ class ConnectorConfig:
         min_tokens = _want("min_tokens", v["min_tokens"], int)
         if min_tokens < 1:
             raise ConnectorConfigError("kv_connector_extra_config['min_tokens'] must be >= 1")
+        digests = _want("digests", v["digests"], bool)
         return cls(backend, options, host, bind_host, port, token, insecure, times["transfer_timeout"],
-                   times["handshake_timeout"], times["lease_seconds"], min_tokens)
+                   times["handshake_timeout"], times["lease_seconds"], min_tokens, digests)
 
     def rank_port(self, rank: int) -> int:
         """Each worker rank serves its own metadata on ``port + rank``."""

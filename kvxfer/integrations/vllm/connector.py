@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConnectorConfig, ConnectorConfigError
+from .digests import worker_digests
 from .metadata import KvxferConnectorMetadata
 from .scheduler import SchedulerSide
 from .stats import KvxferConnectorStats, KvxferPromMetrics
@@ -133,7 +134,22 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._sched is not None
-        return self._sched.build_connector_meta()
+        meta = self._sched.build_connector_meta()
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None:  # integrity: the blocks each worker digests after this step
+            meta.digest = self._sched.digests.plan(scheduler_output.num_scheduled_tokens,
+                                                   lambda rid: manager.get_block_ids(rid)[0])
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:  # integrity: this step's digests join the params it handed out
+            self._sched.digests.attach(connector_output.kv_connector_worker_meta)
+
+    def build_connector_worker_meta(self) -> Any:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return worker_digests(self._worker.agent, self._worker.rank, getattr(meta, "digest", {}))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None

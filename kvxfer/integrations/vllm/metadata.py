@@ -31,3 +31,5 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadTask] = field(default_factory=list)
     #: Prefill: request id -> seconds its blocks stay reserved for decode at most.
     sends: dict[str, float] = field(default_factory=dict)
+    #: Prefill: request id -> blocks each worker digests after this step's forward (digests.py).
+    digest: dict[str, list[int]] = field(default_factory=dict)

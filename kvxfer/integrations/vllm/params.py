@@ -9,6 +9,12 @@ forgery.
 
 The top-level names (``do_remote_prefill``, ``remote_block_ids``...) are the ones vLLM's own
 P/D routers already pass along; kvxfer's own fields live under ``"kvxfer"``.
+
+Replay (docs/integrity.md): the signed set carries a one-time ``nonce`` (decode refuses a
+second use), an expiry ``exp`` that ends before the prefill's lease by more than a load may
+take (a load that could start after its lease is refused before it reads), and, where the
+prefill can compute them, row digests of the blocks (``dig``): a set replayed at another
+decode after the blocks were freed and reused fails verification. Each refusal means recompute.
 """
 
 from __future__ import annotations
@@ -16,15 +22,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import IntegrityError, KvxferError, MetadataError
 
-__all__ = ["RemoteKV", "ParamsError", "PARAMS_VERSION", "wants_remote_prefill", "wants_remote_decode"]
+__all__ = ["RemoteKV", "ParamsError", "ParamsExpiredError", "ParamsReplayError", "NonceBook", "PARAMS_VERSION",
+           "wants_remote_prefill", "wants_remote_decode", "expiry", "refuse_late", "load_digests", "failure_count"]
 
-PARAMS_VERSION = 1
+log = logging.getLogger("vllm.kvxfer")
+
+PARAMS_VERSION = 2
+MAX_DIGEST_TEXT = 8 << 20  # base64 of row digests: 16 bytes per block plus the member list
 MAX_BLOCKS = 1 << 20  # a 134M-token prompt at 128 tokens per block: far beyond any context
 MAX_ID = 512
 MAX_HOST = 255
@@ -33,6 +46,22 @@ _LABEL = b"kvxfer-vllm-params"
 
 class ParamsError(KvxferError, ValueError):
     """Transfer parameters are malformed, out of range, or fail authentication."""
+
+
+class ParamsExpiredError(ParamsError):
+    """The parameters' expiry has passed: the prefill's lease may end before a load would."""
+
+
+class ParamsReplayError(ParamsError):
+    """These parameters (their nonce) were already used at this decode."""
+
+
+def _new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def _default_expiry() -> float:
+    return time.time() + 60.0
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -68,6 +97,9 @@ class RemoteKV:
     block_ids: tuple[int, ...]
     num_tokens: int
     tp_size: int
+    nonce: str = field(default_factory=_new_nonce)
+    expires: float = field(default_factory=_default_expiry)  # wall-clock seconds (time.time())
+    digests: str | None = None  # per TP rank, kvxfer.integrity.Digests (rows) of block_ids as text, ","-joined
 
     def __post_init__(self) -> None:
         _text("remote_engine_id", self.engine_id, MAX_ID)
@@ -81,10 +113,18 @@ class RemoteKV:
             raise ParamsError(f"remote_block_ids must hold 1..{MAX_BLOCKS} block ids")
         for b in ids:
             _int("remote_block_ids[i]", b, 0, (1 << 31) - 1)
+        n = self.nonce
+        if not isinstance(n, str) or not 16 <= len(n) <= 64 or any(c not in "0123456789abcdef" for c in n):
+            raise ParamsError("kvxfer nonce must be 16..64 lowercase hex digits")
+        if isinstance(self.expires, bool) or not isinstance(self.expires, (int, float)) \
+                or not 0 < self.expires < 1e11:
+            raise ParamsError("kvxfer expiry must be a positive wall-clock time in seconds")
+        if self.digests is not None and (not isinstance(self.digests, str) or len(self.digests) > MAX_DIGEST_TEXT):
+            raise ParamsError(f"kvxfer digests must be a string of at most {MAX_DIGEST_TEXT} characters")
 
     def _signed_bytes(self) -> bytes:
         fields = [PARAMS_VERSION, self.engine_id, self.host, self.port, self.request_id, list(self.block_ids),
-                  self.num_tokens, self.tp_size]
+                  self.num_tokens, self.tp_size, self.nonce, float(self.expires), self.digests]
         return _LABEL + json.dumps(fields, separators=(",", ":")).encode()
 
     def tag(self, token: bytes | None) -> str:
@@ -102,7 +142,8 @@ class RemoteKV:
             "remote_block_ids": list(self.block_ids),
             "remote_num_tokens": self.num_tokens,
             "remote_tp_size": self.tp_size,
-            "kvxfer": {"v": PARAMS_VERSION, "tag": self.tag(token)},
+            "kvxfer": {"v": PARAMS_VERSION, "tag": self.tag(token), "nonce": self.nonce,
+                       "exp": float(self.expires), "dig": self.digests},
         }
 
     @classmethod
@@ -122,7 +163,7 @@ class RemoteKV:
                 raise ParamsError(f"remote_block_ids must be a list of at most {MAX_BLOCKS} ids")
             remote = cls(params["remote_engine_id"], params["remote_host"], params["remote_port"],
                          params["remote_request_id"], tuple(ids), params["remote_num_tokens"],
-                         params["remote_tp_size"])
+                         params["remote_tp_size"], ours["nonce"], ours["exp"], ours["dig"])
         except KeyError as exc:
             raise ParamsError(f"kvxfer params lack {exc.args[0]!r}") from None
         if not hmac.compare_digest(tag, remote.tag(token)):
@@ -132,4 +173,91 @@ class RemoteKV:
         if len(remote.block_ids) != need:
             raise ParamsError(f"{remote.num_tokens} tokens need {need} blocks of {block_size}, "
                               f"params list {len(remote.block_ids)}")
+        if remote.digests is not None:
+            if remote.digests.count(",") != remote.tp_size - 1:
+                raise ParamsError(f"kvxfer digests must hold one set per prefill rank ({remote.tp_size})")
+            for rank in range(remote.tp_size):
+                parts = remote.parsed_digests(rank)
+                if [b for d in parts for b in d.blocks.tolist()] != list(remote.block_ids) \
+                        or not all(d.row for d in parts):
+                    raise ParamsError("kvxfer digests do not cover the parameters' blocks")
         return remote
+
+    def parsed_digests(self, rank: int = 0) -> Any:
+        """Rank ``rank``'s carried :class:`kvxfer.integrity.Digests` (full blocks, then a partly
+        filled last block), or None; malformed ones are a ParamsError."""
+        if self.digests is None:
+            return None
+        from kvxfer.integrity import Digests
+
+        ranks = self.digests.split(",")
+        if not 0 <= rank < len(ranks):
+            raise ParamsError(f"kvxfer digests hold no set for rank {rank}")
+        parts = ranks[rank].split(";")
+        if len(parts) != 2:
+            raise ParamsError("kvxfer digests must be '<full blocks>;<last block>' per rank")
+        try:
+            return [Digests.from_text(p) for p in parts if p]
+        except MetadataError as exc:
+            raise ParamsError(f"kvxfer digests are malformed: {exc}") from None
+
+
+def expiry(now: float, lease_seconds: float, transfer_timeout: float, handshake_timeout: float) -> float:
+    """When a decode must stop starting loads: the lease minus the longest a load may take.
+
+    The prefill's lease starts when its worker learns of the send, after this is computed, so
+    a load that starts by the expiry ends before the lease does (the config keeps the lease
+    at least twice that long).
+    """
+    return now + lease_seconds - (transfer_timeout + handshake_timeout)
+
+
+class NonceBook:
+    """Decode: nonces seen, each kept until its parameters expire (they are refused after)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+
+    def claim(self, remote: RemoteKV, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if remote.expires <= now:
+            raise ParamsExpiredError(f"kvxfer params expired {now - remote.expires:.3g} s ago")
+        if remote.nonce in self._seen:
+            raise ParamsReplayError("kvxfer params were already used at this decode (nonce seen); refused")
+        if len(self._seen) > 4096:
+            self._seen = {n: e for n, e in self._seen.items() if e > now}
+        self._seen[remote.nonce] = remote.expires
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def refuse_late(remote: RemoteKV, now: float | None = None) -> None:
+    """Worker, right before it reads: past the expiry the prefill may have reused the blocks."""
+    now = time.time() if now is None else now
+    if now >= remote.expires:
+        raise ParamsExpiredError(f"load would start {now - remote.expires:.3g} s after its parameters expired; "
+                                 "the prefill's lease may be over, so nothing was read")
+
+
+def load_digests(remote: RemoteKV, remote_ids: Sequence[int], rank: int = 0) -> Any:
+    """Rank ``rank``'s digests of the blocks one load reads (a slice of the request's), or None."""
+    parts = remote.parsed_digests(rank)
+    if parts is None:
+        return None
+    want = set(remote_ids)
+    out = []
+    for d in parts:
+        pos = [i for i, b in enumerate(d.blocks.tolist()) if b in want]
+        if pos:
+            out.append(d.take(pos))
+    return out
+
+
+def failure_count(exc: BaseException) -> str | None:
+    """The counter a failed load adds to, beside ``failed_loads``."""
+    if isinstance(exc, IntegrityError):
+        return "integrity_failures"
+    if isinstance(exc, ParamsExpiredError):
+        return "expired_params"
+    return None

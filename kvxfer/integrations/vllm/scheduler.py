@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
-from .params import ParamsError, RemoteKV, wants_remote_decode, wants_remote_prefill
+from .digests import SchedulerDigests
+from .params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError, RemoteKV, expiry,
+                     wants_remote_decode, wants_remote_prefill)
 from .stats import KvxferConnectorStats
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ class SchedulerSide:
         self._remote: dict[str, RemoteKV | None] = {}
         self._loads: list[LoadTask] = []
         self._sends: dict[str, float] = {}
+        self._nonces = NonceBook()  # decode: a params set is used once
+        self.digests = SchedulerDigests(cfg.token, tp_size)  # prefill: digests for the params it hands out
 
     # -- decode ---------------------------------------------------------------------------
     def _parse(self, request: "Request") -> RemoteKV | None:
@@ -49,9 +54,12 @@ class SchedulerSide:
                 if remote.tp_size != self.tp_size:
                     raise ParamsError(f"prefill runs TP={remote.tp_size}, this decode TP={self.tp_size}; "
                                       "kvxfer's vLLM connector pairs equal TP sizes")
+                self._nonces.claim(remote)
             except ParamsError as exc:
                 log.warning("kvxfer: request %s recomputes its prompt: %s", rid, exc)
                 self.stats.count("rejected_params")
+                if isinstance(exc, (ParamsExpiredError, ParamsReplayError)):
+                    self.stats.count("expired_params" if isinstance(exc, ParamsExpiredError) else "replayed_params")
                 remote = None
             self._remote[rid] = remote
         return self._remote[rid]
@@ -69,6 +77,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if wants_remote_decode(params) and self.cfg.digests:
+            self.digests.want(request)
         if not wants_remote_prefill(params):
             return
         remote = self._parse(request)
@@ -95,16 +105,22 @@ class SchedulerSide:
             return False, None
         if not wants_remote_decode(params):
             return False, None
+        self.digests.forget(request.request_id)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: free now
         tokens = int(request.num_computed_tokens)
         needed = math.ceil(tokens / self.block_size)
         if tokens <= 0 or len(block_ids) < needed:
             return False, None
-        remote = RemoteKV(self.engine_id, self.cfg.host, self.cfg.port, request.request_id,
-                          tuple(int(b) for b in block_ids[:needed]), tokens, self.tp_size)
+        ids = tuple(int(b) for b in block_ids[:needed])
+        c = self.cfg
+        remote = RemoteKV(self.engine_id, c.host, c.port, request.request_id, ids, tokens, self.tp_size,
+                          expires=expiry(time.time(), c.lease_seconds, c.transfer_timeout, c.handshake_timeout))
         self._sends[request.request_id] = self.cfg.lease_seconds
-        return True, remote.to_params(self.cfg.token)
+        out = remote.to_params(self.cfg.token)
+        if c.digests:  # digests.py: this step's worker digests are added to ``out`` before it leaves
+            self.digests.issue(request.request_id, out, remote)
+        return True, out
 
     # -- every step -----------------------------------------------------------------------
     def build_connector_meta(self) -> KvxferConnectorMetadata:

@@ -26,6 +26,7 @@ PER_STEP = ("start_seconds",)
 #: helpers that would not start, and peers refused for want of one.
 PROVER_COUNTS = ("start_failures", "unavailable")
 COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends",
+          "integrity_failures", "expired_params", "replayed_params",
           *(f"prover_{k}" for k in PROVER_COUNTS))
 
 
@@ -118,6 +119,12 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             "rejected_params": counter("vllm:kvxfer_rejected_params",
                                        "Transfer params refused by decode (malformed or unauthenticated)"),
             "handshake_failures": counter("vllm:kvxfer_handshake_failures", "Side-channel fetches that failed"),
+            "integrity_failures": counter("vllm:kvxfer_integrity_failures",
+                                          "Loads whose bytes differed from the prefill's digests (recomputed)"),
+            "expired_params": counter("vllm:kvxfer_expired_params",
+                                      "Params refused as expired, at parsing or before the read (recomputed)"),
+            "replayed_params": counter("vllm:kvxfer_replayed_params",
+                                       "Params refused because their nonce was already used here (recomputed)"),
             "sends_done": counter("vllm:kvxfer_sends_done", "Prefill requests whose blocks decode released"),
             "expired_sends": counter("vllm:kvxfer_expired_sends", "Prefill requests freed after the lease expired"),
             "prover_start_failures": counter("vllm:kvxfer_prover_start_failures",

@@ -39,6 +39,7 @@ from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
+from . import params as _params  # replay and integrity checks (issue 19/23): kept in params.py
 from .registration import describe_spec, discovered_spec, spec_from_vllm
 from .stats import PROVER_COUNTS, KvxferConnectorStats
 
@@ -189,9 +190,14 @@ class WorkerSide:
                 r = task.remote
                 self.owner.route(key, lambda: self._fetch(r.host, r.port + self.rank),
                                  expect=agent_name(r.engine_id, self.rank))
+            # integrity: refuse a late load before it is queued (the expiry leaves transfer_timeout
+            # plus handshake_timeout of margin, so a read that starts later is still inside the
+            # lease); verify the prefill's digests after DONE
+            _params.refuse_late(task.remote)
+            expect = _params.load_digests(task.remote, task.remote_block_ids, self.rank) if self.cfg.digests else None
             # An empty load posts nothing: its notification still tells prefill to free the blocks.
             t = self.owner.read(key, task.local_block_ids, task.remote_block_ids, notify=msg,
-                                timeout=self.cfg.transfer_timeout)
+                                timeout=self.cfg.transfer_timeout, expect=expect)
         except KvxferError as exc:  # BackPressureError: that prefill holds too many loads already
             self._fail(task, exc, None)
             return
@@ -206,6 +212,9 @@ class WorkerSide:
         self.stats.count("failed_loads")
         if isinstance(exc, HandshakeError):
             self.stats.count("handshake_failures")
+        extra = _params.failure_count(exc)  # integrity: digest mismatch or expired params
+        if extra:
+            self.stats.count(extra)
         if task.local_block_ids:
             self._failed_blocks.update(task.local_block_ids)
             self._failed_recv.add(task.request_id)

@@ -1,0 +1,23 @@
+"""Row digests and verified transfers: catch bytes that arrive wrong, or the right layout over
+the wrong data (docs/integrity.md says why each choice).
+
+A digest is computed per **cell**: a byte range ``(member, offset, length)`` of one block's
+member page. By default every member page is one cell, so a digest names a block and a
+member and does not depend on where the page lives: a packed row, a per-layer region, DRAM
+or VRAM all give the same value for the same logical bytes. A heterogeneous read (another TP
+size or block size) moves byte ranges of pages; the destination names those ranges with
+:func:`cells_for` and the source digests exactly them.
+
+``Agent.digest(blocks)`` computes a source's :class:`Digests`; ``Agent.read(..., expect=d)``
+(or ``Agent(verify=True)`` with ``expect``) verifies after DONE and raises
+:class:`~kvxfer.errors.IntegrityError` naming the block and member on a mismatch.
+"""
+
+from __future__ import annotations
+
+from .cells import Cells, Spans, cells_for, gather_cells, local_spans, source_spans
+from .digests import ALGORITHMS, Digests, compute, verify
+from .verified import check_received
+
+__all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "check_received", "compute", "gather_cells",
+           "local_spans", "source_spans", "verify"]

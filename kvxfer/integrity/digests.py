@@ -1,0 +1,230 @@
+"""The two digest functions, their wire form, and the comparison that names a block and member.
+
+``xxh3``: xxh3-64 of each cell's bytes (the ``xxhash`` library): the fastest kept hash on a
+CPU core. ``mm8``: a linear sketch that a GPU computes with one int8 matrix product (tensor
+cores), then folded and mixed to 64 bits; defined exactly over integers, so numpy and torch
+give identical values. docs/integrity.md compares them and says what each catches.
+
+Either side can compute either function on either memory kind (a VRAM cell under ``xxh3`` is
+copied to the host first; a DRAM cell under ``mm8`` takes numpy's float32 product, exact for
+these sizes), so a DRAM source and a VRAM destination still agree: the verifier always uses
+the function named in the digests it was given.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import IntegrityError, MetadataError
+from ..layout import KVCacheSpec
+from ..memory import MemoryKind
+from .cells import MAX_CELLS, Cells, Spans, source_spans
+from .mm8 import CHUNK, COLS, _xxh3, finalize, fold_weights, sketch_matrix
+
+__all__ = ["ALGORITHMS", "Digests", "compute", "hash_spans", "verify"]
+
+ALGORITHMS = ("xxh3", "mm8")
+MAX_DIGEST_BLOCKS = 1 << 20
+#: Threads that hash host cells of one large digest set (1: the caller's thread only). Worth
+#: raising only where the hash library releases the GIL; BENCHMARKS.md has the measurement.
+THREADS = 1
+_MAGIC = b"KVXD1"
+def _host_view(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
+
+
+def _host_cells(spans: Spans, c: int) -> np.ndarray:
+    """``[B, length]`` copy of column ``c``'s host cells (numpy fancy indexing, one pass)."""
+    a = spans.allocations[int(spans.alloc[c])]
+    arr = np.frombuffer(_host_view(a.address, a.nbytes), dtype=np.uint8)
+    off = spans.addresses()[:, c] - a.address
+    return arr[off[:, None] + np.arange(int(spans.length[c]))[None, :]]
+
+
+def _mm8_rows(rows: np.ndarray) -> np.ndarray:
+    """mm8 of each row of ``[B, n]`` uint8 (one cell per row) -> int64 [B]."""
+    b, n = rows.shape
+    s = -(-n // CHUNK)
+    if n % CHUNK:
+        rows = np.concatenate([rows, np.zeros((b, s * CHUNK - n), np.uint8)], axis=1)
+    x = rows.view(np.int8).reshape(b * s, CHUNK).astype(np.float32)
+    y = (x @ sketch_matrix().astype(np.float32)).astype(np.int64).reshape(b, s, COLS)
+    d = (y * fold_weights(s)[None]).sum(axis=(1, 2))
+    return finalize(d, n)
+
+
+def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
+    """``[B, C]`` uint64 digests of every cell copy described by ``spans``."""
+    if algorithm not in ALGORITHMS:
+        raise IntegrityError(f"unknown digest algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    B, C = spans.block.shape[0], spans.base.shape[0]
+    out = np.zeros((B, C), dtype=np.uint64)
+    if B == 0 or C == 0:
+        return out
+    vram = np.array([spans.allocations[int(a)].kind is MemoryKind.VRAM for a in spans.alloc])
+    if vram.any():
+        from ._gpu import hash_vram
+
+        cols = np.flatnonzero(vram)
+        out[:, cols] = hash_vram(spans, cols, algorithm)
+    cols = np.flatnonzero(~vram)
+    if not cols.size:
+        return out
+    if algorithm == "mm8":
+        for c in cols.tolist():
+            out[:, c] = _mm8_rows(_host_cells(spans, c)).view(np.uint64)
+        return out
+    h = _xxh3()
+    addr = spans.addresses()
+    jobs = []
+    for c in cols.tolist():
+        a = spans.allocations[int(spans.alloc[c])]
+        jobs.append((c, _host_view(a.address, a.nbytes), int(spans.length[c]), (addr[:, c] - a.address).tolist()))
+
+    def run(job: tuple[int, memoryview, int, list[int]]) -> None:
+        c, mv, n, offs = job
+        out[:, c] = [h(mv[o:o + n]) for o in offs]
+
+    if THREADS > 1 and len(jobs) > 1 and int(spans.length[cols].sum()) * B >= 1 << 24:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(run, jobs))
+    else:
+        for job in jobs:
+            run(job)
+    return out
+
+
+def _combine(values: np.ndarray) -> np.ndarray:
+    """One digest per row from its cells' digests (odd weights: one changed cell always shows)."""
+    w = fold_weights(values.shape[1])[:, 0]
+    return finalize((values.view(np.int64) * w[None, :]).sum(axis=1), values.shape[1]).view(np.uint64)[:, None]
+
+
+@dataclass(frozen=True, eq=False)
+class Digests:
+    """Digests of ``cells`` for source blocks ``blocks``: ``values[i, c]`` (or one per row).
+
+    ``row`` digests (``values`` of shape ``[B, 1]``) combine a block's cells into one value,
+    small enough for request parameters; a mismatch then names the block but not the member.
+    """
+
+    algorithm: str
+    blocks: np.ndarray
+    cells: Cells
+    values: np.ndarray
+    row: bool = False
+
+    def take(self, positions: Any) -> "Digests":
+        """The digests of some of the blocks (by position), for a load that reads part of them."""
+        i = np.asarray(positions, dtype=np.int64)
+        return Digests(self.algorithm, self.blocks[i], self.cells, self.values[i], self.row)
+
+    def rows(self) -> "Digests":
+        return self if self.row else Digests(self.algorithm, self.blocks, self.cells, _combine(self.values), True)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Digests) and (self.algorithm, self.row) == (other.algorithm, other.row)
+                and np.array_equal(self.blocks, other.blocks) and self.cells == other.cells
+                and np.array_equal(self.values, other.values))
+
+    def encode(self) -> bytes:
+        head = json.dumps({"a": self.algorithm, "r": self.row, "m": list(self.cells.members),
+                           "o": self.cells.offsets.tolist(), "l": self.cells.lengths.tolist(),
+                           "b": int(self.blocks.shape[0])}, separators=(",", ":")).encode()
+        return (_MAGIC + struct.pack("<I", len(head)) + head + self.blocks.astype("<i8").tobytes()
+                + self.values.astype("<u8").tobytes())
+
+    def to_text(self) -> str:
+        return base64.b64encode(self.encode()).decode()
+
+    @classmethod
+    def from_text(cls, text: Any) -> "Digests":
+        if not isinstance(text, str) or len(text) > 64 << 20:
+            raise MetadataError("digests must be a bounded base64 string")
+        try:
+            raw = base64.b64decode(text.encode(), validate=True)
+        except Exception as exc:
+            raise MetadataError(f"digests are not base64: {exc}") from None
+        return cls.decode(raw)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Digests":
+        """Parse untrusted bytes: every size bounded, every field typed, or a MetadataError."""
+        try:
+            if not isinstance(raw, (bytes, bytearray)) or raw[:5] != _MAGIC or len(raw) < 9:
+                raise ValueError("not kvxfer digests")
+            (n,) = struct.unpack_from("<I", raw, 5)
+            if n > len(raw) - 9:
+                raise ValueError("header longer than the message")
+            h = json.loads(bytes(raw[9:9 + n]))
+            if not isinstance(h, dict) or set(h) != {"a", "r", "m", "o", "l", "b"}:
+                raise ValueError("unexpected header fields")
+            algo, row, names, offs, lens, nb = h["a"], h["r"], h["m"], h["o"], h["l"], h["b"]
+            if algo not in ALGORITHMS or not isinstance(row, bool):
+                raise ValueError(f"unknown algorithm {algo!r}")
+            if not (isinstance(names, list) and isinstance(offs, list) and isinstance(lens, list)
+                    and 0 < len(names) == len(offs) == len(lens) <= MAX_CELLS):
+                raise ValueError("cells must be equal, bounded lists")
+            if not all(isinstance(x, str) and 0 < len(x) <= 256 for x in names):
+                raise ValueError("member names must be short strings")
+            if not all(type(x) is int and 0 <= x < 1 << 40 for x in offs + lens):
+                raise ValueError("cell offsets and lengths must be bounded integers")
+            if type(nb) is not int or not 0 <= nb <= MAX_DIGEST_BLOCKS:
+                raise ValueError("block count out of range")
+            cols = 1 if row else len(names)
+            body = raw[9 + n:]
+            if len(body) != 8 * nb * (1 + cols):
+                raise ValueError(f"{len(body)} body bytes for {nb} blocks of {cols} digests")
+            blocks = np.frombuffer(body, "<i8", nb).astype(np.int64)
+            values = np.frombuffer(body, "<u8", nb * cols, 8 * nb).astype(np.uint64).reshape(nb, cols)
+            cells = Cells(tuple(names), np.array(offs, np.int64), np.array(lens, np.int64))
+        except (ValueError, TypeError, struct.error, RecursionError) as exc:
+            raise MetadataError(f"digests rejected: {exc}") from None
+        return cls(algo, blocks, cells, values, row)
+
+
+def default_algorithm(spec: KVCacheSpec) -> str:
+    """``mm8`` when the cache lives in VRAM (the GPU computes it), ``xxh3`` otherwise."""
+    return "mm8" if MemoryKind.VRAM in spec.kinds else "xxh3"
+
+
+def compute(spec: KVCacheSpec, blocks: Any, *, cells: Cells | None = None, algorithm: str = "auto",
+            rows: bool = False) -> Digests:
+    """Digests of ``blocks`` of a locally registered cache (the source side of a transfer)."""
+    b = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if b.shape[0] > MAX_DIGEST_BLOCKS:
+        raise IntegrityError(f"{b.shape[0]} blocks: at most {MAX_DIGEST_BLOCKS} per digest set")
+    cells = Cells.pages(spec) if cells is None else cells
+    algo = default_algorithm(spec) if algorithm == "auto" else algorithm
+    d = Digests(algo, b.copy(), cells, hash_spans(source_spans(spec, b, cells), algo))
+    return d.rows() if rows else d
+
+
+def verify(expected: Digests, spans: Spans, local_blocks: np.ndarray) -> None:
+    """Recompute ``expected``'s cells where ``spans`` says our copy lives; raise on any difference."""
+    got = hash_spans(spans, expected.algorithm)
+    if expected.row:
+        got = _combine(got)
+    if got.shape != expected.values.shape:
+        raise IntegrityError(f"digests cover {expected.values.shape} cells, this transfer {got.shape}")
+    bad = got != expected.values
+    if not bad.any():
+        return
+    i, c = (int(x) for x in np.argwhere(bad)[0])
+    lb, rb = int(local_blocks[i]), int(expected.blocks[i])
+    member = None if expected.row else expected.cells.members[c]
+    where = "row digest (member not known)" if expected.row else (
+        f"member {member!r} bytes {int(expected.cells.offsets[c])}+{int(expected.cells.lengths[c])}")
+    raise IntegrityError(f"block {lb} (source block {rb}): {where} differs from the source's digest; "
+                         f"{int(bad.sum())} of {bad.size} digests differ. The bytes are not the source's: "
+                         "recompute this request", block=lb, remote_block=rb, member=member,
+                         mismatches=int(bad.sum()))
