@@ -338,7 +338,7 @@ class Agent:
         ``expect``: the source's :class:`kvxfer.integrity.Digests` of ``remote_blocks``; the
         transfer is then verified after DONE and fails with ``IntegrityError`` instead.
         """
-        return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify, expect)
+        return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify, expect=expect)
 
     def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:
         """Push our ``local_blocks`` into the peer's ``remote_blocks``."""
