@@ -86,6 +86,7 @@ def check_plugins() -> list[Check]:
 _NIXL_PROBE = f"""
 import json, importlib.metadata as md
 out = {{"version": md.version("nixl")}}
+import kvxfer_nixl._nixl  # the backend's UCX workarounds first (plugins/kvxfer_nixl/_nixl.py)
 from nixl._api import nixl_agent, nixl_agent_config
 a = nixl_agent("kvxfer-doctor", nixl_agent_config(backends=["UCX"]))
 out["plugins"] = sorted(a.get_plugin_list())

@@ -15,8 +15,32 @@ from typing import Any, Sequence
 
 import numpy as np
 
-import nixl._api as nx
-import nixl._bindings as _nb
+
+def _skip_absent_rdma() -> None:
+    """Keep UCX from loading its InfiniBand modules on a host with no RDMA device.
+
+    The nixl-cu13 1.5.1 wheel bundles its own libnl-route. Where the system also has
+    libibverbs (rdma-core, pulled in by packages such as fio), UCX's ib module loads the
+    system's libnl-route beside the bundled one, and the process dies of SIGSEGV in
+    ``rtnl_tc_unregister`` when it exits, after all its work is done (RELIABILITY.md,
+    "NIXL exits"). With no device under ``/sys/class/infiniband`` those modules serve
+    nothing, so they are not loaded; hosts with RDMA devices, and a ``UCX_MODULES`` the
+    user set, are left alone. Must run before NIXL loads UCX (this module's import).
+    """
+    if "UCX_MODULES" in os.environ:
+        return
+    try:
+        devices = os.listdir("/sys/class/infiniband")
+    except OSError:
+        devices = []
+    if not devices:
+        os.environ["UCX_MODULES"] = "^ib,rdmacm"
+
+
+_skip_absent_rdma()
+
+import nixl._api as nx  # noqa: E402  (UCX reads UCX_MODULES when NIXL loads it)
+import nixl._bindings as _nb  # noqa: E402
 from kvxfer import Allocation, MemoryKind
 from kvxfer.errors import (
     BackendError,
