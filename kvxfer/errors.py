@@ -38,6 +38,9 @@ __all__ = [
     "SpecFileError",
     "MissingDependencyError",
     "InvalidTimeoutError",
+    "InvalidArgumentError",
+    "UnknownOptionError",
+    "BlockIdTypeError",
 ]
 
 
@@ -199,3 +202,26 @@ class MissingDependencyError(KvxferError, ImportError):
 
 class InvalidTimeoutError(KvxferError, ValueError):
     """A timeout that is not a finite, positive number of seconds (NaN, inf, 0 or negative)."""
+
+
+class InvalidArgumentError(KvxferError, TypeError, ValueError):
+    """A public call got an argument of the wrong type or value (``notify="x"``, ``op="COPY"``).
+
+    It is also a ``TypeError`` and a ``ValueError``, so code written against the builtin
+    exceptions keeps working; callers that catch :class:`KvxferError` see it too.
+    """
+
+
+class UnknownOptionError(InvalidArgumentError):
+    """A backend was given an option it does not take; ``valid`` lists the ones it does."""
+
+    def __init__(self, message: str, valid: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.valid = tuple(valid)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.valid))
+
+
+class BlockIdTypeError(InvalidArgumentError):
+    """Block ids that are not integers (floats, bools, strings): never rounded, always refused."""
