@@ -41,6 +41,7 @@ __all__ = [
     "InvalidArgumentError",
     "UnknownOptionError",
     "BlockIdTypeError",
+    "VerificationError",
 ]
 
 
@@ -225,3 +226,7 @@ class UnknownOptionError(InvalidArgumentError):
 
 class BlockIdTypeError(InvalidArgumentError):
     """Block ids that are not integers (floats, bools, strings): never rounded, always refused."""
+
+
+class VerificationError(KvxferError):
+    """Bytes a transfer delivered are not the source's, or bytes outside it changed (demo, bench)."""

@@ -25,7 +25,7 @@ LB, RB = np.array([5, 0, 3]), np.array([2, 7, 4])
 
 def _quick_start() -> str:
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Use\n+```python\n(.*?)```", text, re.S)
+    block = re.search(r"## Use\n.*?```python\n(.*?)```", text, re.S)
     assert block, "README has a Use section with a python block"
     return block.group(1)
 

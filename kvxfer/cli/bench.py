@@ -19,13 +19,15 @@ from typing import Any
 import numpy as np
 
 from .args import add_json, int_list, plain, positive_int
-from .output import CliError, check_memory, emit_json
+from ..extras import install_hint
+from .output import CliError, check_memory, emit_json, require_cuda
+from .progress import Steps
 from .table import Column, count, print_table
 
 __all__ = ["add_parser", "run", "plot"]
 
 LAYOUTS = {"packed": True, "layers": False}
-PLOT_INSTALL = "pip install 'kvxfer[plot]'"
+PLOT_INSTALL = install_hint("plot")
 
 
 def add_parser(sub: Any) -> None:
@@ -42,12 +44,15 @@ def add_parser(sub: Any) -> None:
                         "default packed:packed,layers:packed")
     p.add_argument("--op", choices=("read", "write"), default="read", help="read pulls into the local cache, "
                                                                             "write pushes into the remote one")
-    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per point, after one warm-up")
-    p.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per point, after one warm-up "
+                                                                  "(default 3)")
+    p.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM",
+                   help="where both caches live: host memory (DRAM, the default) or GPU memory (VRAM, needs CUDA)")
     p.add_argument("--options", default="{}", metavar="JSON", help="backend options, for example "
                                                                    "'{\"progress_thread\": true}'")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds")
+    p.add_argument("--seed", type=int, default=0, help="seed of the source bytes and of the random block ids "
+                                                          "(default 0)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds (default 120)")
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s and descriptors against request size "
                                                       f"(needs matplotlib: {PLOT_INSTALL})")
     add_json(p)
@@ -83,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]], d
         if not os.path.isdir(folder):
             raise CliError(f"--plot: folder {folder} does not exist")
         _pyplot()  # fail before measuring, not after
+    if args.memory == "VRAM":
+        require_cuda("--memory VRAM")
     caps = get_backend_class(args.backend).capabilities
     if args.processes == 2 and not caps.cross_process:
         raise CliError(f"backend {args.backend!r} cannot cross processes; use --processes 1")
@@ -114,30 +121,40 @@ def run(args: argparse.Namespace) -> int:
     if args.memory == "DRAM":  # the remote cache and one local cache at a time
         check_memory(2 * pool * geometry.row, "this bench")
     rows: list[dict[str, Any]] = []
-    progress, task = _progress(len(layouts) * len(sizes) * (args.repeat + 1))
-    with progress:
+    fill = f"{pool:,} blocks of {geometry.row / 1e6:.2f} MB"
+    with Steps("kvxfer bench", len(layouts) * len(sizes) * (args.repeat + 1)) as steps:
         for remote_layout in dict.fromkeys(r for _, r in layouts):
             if args.processes == 2:
-                peer: Any = PeerProcess.spawn(args.backend, name="remote", preset=args.preset, layout=remote_layout,
-                                              blocks=pool, memory=args.memory, options=options,
-                                              seed=args.seed if source_remote else None, timeout=args.timeout)
+                with steps.step(f"starting the remote process ({remote_layout}, {fill}"
+                                f"{', filled' if source_remote else ''})"):
+                    peer: Any = PeerProcess.spawn(args.backend, name="remote", preset=args.preset,
+                                                  layout=remote_layout, blocks=pool, memory=args.memory,
+                                                  options=options, seed=args.seed if source_remote else None,
+                                                  timeout=args.timeout)
             else:
-                cache = allocate(geometry, pool, packed=LAYOUTS[remote_layout], memory=args.memory)
-                if source_remote:
-                    cache.fill_blocks(args.seed)
-                peer = InProcessPeer(args.backend, cache, name="remote", options=options)
+                with steps.step(f"allocating the remote cache ({remote_layout}, {fill}"
+                                f"{', filled' if source_remote else ''})"):
+                    cache = allocate(geometry, pool, packed=LAYOUTS[remote_layout], memory=args.memory)
+                    if source_remote:
+                        cache.fill_blocks(args.seed)
+                    peer = InProcessPeer(args.backend, cache, name="remote", options=options)
             try:
                 for local_layout in (lo for lo, r in layouts if r == remote_layout):
-                    local = allocate(geometry, pool, packed=LAYOUTS[local_layout], memory=args.memory)
-                    if not source_remote:
-                        local.fill_blocks(args.seed)
+                    with steps.step(f"allocating the local cache ({local_layout}, {fill}"
+                                    f"{', filled' if not source_remote else ''})"):
+                        local = allocate(geometry, pool, packed=LAYOUTS[local_layout], memory=args.memory)
+                        if not source_remote:
+                            local.fill_blocks(args.seed)
                     with Agent("local", backend=args.backend, timeout=args.timeout, **options) as agent:
-                        local.register(agent)
-                        name = agent.add_peer(peer.metadata)
-                        agent.read(name, [], []).wait()  # connect outside the timed runs
+                        with steps.step("registering and connecting"):
+                            local.register(agent)
+                            name = agent.add_peer(peer.metadata)
+                            agent.read(name, [], []).wait()  # connect outside the timed runs
                         for tokens in sizes:
                             n = geometry.blocks_for(tokens)
-                            pt = _measure(args, agent, name, peer, local, n, pool, lambda: progress.advance(task))
+                            point = f"{local_layout}:{remote_layout} {tokens:,} tokens"
+                            with steps.step(f"{point}, {args.repeat + 1} runs"):
+                                pt = _measure(args, agent, name, peer, local, n, pool, steps, point)
                             rows.append(_row(args, f"{local_layout}:{remote_layout}", tokens, n, pt))
                     del local
             finally:
@@ -163,21 +180,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, agent: Any, name: str, peer: Any, local: Any, n: int, pool: int,
-             tick: Any) -> _Point:
-    from ..demo import VerificationError
+             steps: Steps, point: str) -> _Point:
+    from ..errors import VerificationError
 
     rng = np.random.default_rng((args.seed, n))
     src, dst = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
     pt = _Point()
     for i in range(args.repeat + 1):  # run 0 warms up (plans, prepared lists, page faults)
-        if args.op == "read":
-            local.reset()
-            t = agent.read(name, dst, src).wait(args.timeout)
-            problem = local.verify(dst, src, args.seed)
-        else:
-            peer.call({"cmd": "fill", "byte": 0xAA})
-            t = agent.write(name, src, dst).wait(args.timeout)
-            problem = peer.call({"cmd": "verify", "dst": dst.tolist(), "src": src.tolist(), "seed": args.seed})["problem"]
+        run = "warm-up" if i == 0 else f"run {i}/{args.repeat}"
+        with steps.step(f"{point}, {run}: transfer"):
+            if args.op == "read":
+                local.reset()
+                t = agent.read(name, dst, src).wait(args.timeout)
+            else:
+                peer.call({"cmd": "fill", "byte": 0xAA})
+                t = agent.write(name, src, dst).wait(args.timeout)
+        with steps.step(f"{point}, {run}: verifying {n:,} blocks and the sentinel"):
+            if args.op == "read":
+                problem = local.verify(dst, src, args.seed)
+            else:
+                problem = peer.call({"cmd": "verify", "dst": dst.tolist(), "src": src.tolist(),
+                                     "seed": args.seed})["problem"]
         if problem:
             raise VerificationError(f"VERIFY FAILED at {n} blocks: {problem}")
         pt.verified += 1
@@ -185,7 +208,7 @@ def _measure(args: argparse.Namespace, agent: Any, name: str, peer: Any, local: 
             pt.seconds.append(t.stats.seconds)
             pt.plan.append(t.stats.plan_seconds)
         pt.stats = t.stats
-        tick()
+        steps.advance()
     return pt
 
 
@@ -197,17 +220,6 @@ def _row(args: argparse.Namespace, layout: str, tokens: int, blocks: int, pt: _P
             "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "mode": s.mode, "path": s.path,
             "median_seconds": med, "min_seconds": min(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
             "plan_seconds": statistics.median(pt.plan), "verified": pt.verified}
-
-
-def _progress(total: int) -> tuple[Any, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .table import console
-
-    con = console(stderr=True)
-    progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con,
-                        transient=True, disable=not con.is_terminal)
-    return progress, progress.add_task("bench", total=total)
 
 
 def _pyplot() -> Any:

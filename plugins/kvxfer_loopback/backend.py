@@ -29,6 +29,7 @@ import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
 from kvxfer.spans import SpanIndex
+from kvxfer.extras import install_hint
 from kvxfer.errors import BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
 
 _LIVE: dict[str, "LoopbackBackend"] = {}
@@ -192,7 +193,7 @@ class LoopbackBackend(Backend):
         try:
             import torch
         except ImportError:
-            raise UnsupportedError("VRAM copies in the loopback backend need torch: pip install 'kvxfer[torch]'") from None
+            raise UnsupportedError(f"VRAM copies in the loopback backend need torch: {install_hint('torch')}") from None
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         keep: list[Any] = []
