@@ -48,8 +48,7 @@ def deregistered(agent: "Agent") -> None:
 def peer_added(agent: "Agent", peer: "Peer") -> None:
     """The path the bytes will take (the backend's, or the device path) and how blocks pair."""
     mode = _mode(peer)
-    path = getattr(agent.backend, "peer_path", None)
-    where = path(peer.key) if callable(path) else None
+    where = _path(agent, peer)
     _info(f"agent {agent.name!r} added peer {peer.name!r} (generation {peer.generation}) over "
           f"{agent.backend_name}{f' ({where})' if where else ''}; pairing {mode}"
           f"{' as a source (add_source)' if peer.source else ''}",
@@ -66,6 +65,20 @@ def peer_restarted(agent: "Agent", old: "Peer", generation: int) -> None:
 def peer_removed(agent: "Agent", peer: "Peer") -> None:
     _info(f"agent {agent.name!r} removed peer {peer.name!r}", event="remove_peer", agent=agent.name,
           peer=peer.name, generation=peer.generation)
+
+
+def _path(agent: "Agent", peer: "Peer") -> str | None:
+    """The backend's word on the path to ``peer``, where it has one (``peer_path``)."""
+    ask = getattr(agent.backend, "peer_path", None)
+    if not callable(ask):
+        return None
+    try:
+        where = ask(peer.key)
+    except Exception:  # a log line must never fail add_peer
+        return None
+    if isinstance(where, tuple):
+        return ": ".join(str(w) for w in where if w)
+    return str(where) if where else None
 
 
 def _mode(peer: "Peer") -> str:
