@@ -11,11 +11,11 @@ written so that metadata pasted where a name belongs gives a short message and a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from .agent import Agent, Peer
-    from .layout import KVCacheSpec
+# The agent and its peers are typed loosely (``Any``) on purpose: agent.py imports this module,
+# and a type-only import back would be an import circle all the same.
+Agent = Peer = KVCacheSpec = Any
 
 __all__ = ["registered", "deregistered", "peer_added", "peer_restarted", "peer_removed", "unknown_peer_message"]
 
@@ -27,25 +27,25 @@ def _info(message: str, **facts: Any) -> None:
         log.info(message, extra={"kvxfer": facts})
 
 
-def _describe(spec: "KVCacheSpec") -> str:
+def _describe(spec: KVCacheSpec) -> str:
     kinds = sorted({a.kind.value for a in spec.allocations})
     n = sum(a.nbytes for a in spec.allocations)
     size = f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
     return f"{len(spec.regions)} region(s), {len(spec.allocations)} allocation(s), {size} of {'+'.join(kinds)}"
 
 
-def registered(agent: "Agent", spec: "KVCacheSpec") -> None:
+def registered(agent: Agent, spec: KVCacheSpec) -> None:
     _info(f"agent {agent.name!r} registered {_describe(spec)} with backend {agent.backend_name!r} "
           f"(generation {agent.generation})", event="register", agent=agent.name, backend=agent.backend_name,
           generation=agent.generation, regions=len(spec.regions),
           nbytes=sum(a.nbytes for a in spec.allocations))
 
 
-def deregistered(agent: "Agent") -> None:
+def deregistered(agent: Agent) -> None:
     _info(f"agent {agent.name!r} deregistered its KV cache", event="deregister", agent=agent.name)
 
 
-def peer_added(agent: "Agent", peer: "Peer") -> None:
+def peer_added(agent: Agent, peer: Peer) -> None:
     """The path the bytes will take (the backend's, or the device path) and how blocks pair."""
     mode = _mode(peer)
     where = _path(agent, peer)
@@ -56,18 +56,18 @@ def peer_added(agent: "Agent", peer: "Peer") -> None:
           backend=agent.backend_name, path=where, pairing=mode, source=peer.source)
 
 
-def peer_restarted(agent: "Agent", old: "Peer", generation: int) -> None:
+def peer_restarted(agent: Agent, old: Peer, generation: int) -> None:
     _info(f"agent {agent.name!r}: peer {old.name!r} restarted (generation {old.generation} -> {generation}); "
           "its connection and prepared lists are dropped", event="peer_restart", agent=agent.name,
           peer=old.name, old_generation=old.generation, generation=generation)
 
 
-def peer_removed(agent: "Agent", peer: "Peer") -> None:
+def peer_removed(agent: Agent, peer: Peer) -> None:
     _info(f"agent {agent.name!r} removed peer {peer.name!r}", event="remove_peer", agent=agent.name,
           peer=peer.name, generation=peer.generation)
 
 
-def _path(agent: "Agent", peer: "Peer") -> str | None:
+def _path(agent: Agent, peer: Peer) -> str | None:
     """The backend's word on the path to ``peer``, where it has one (``peer_path``)."""
     ask = getattr(agent.backend, "peer_path", None)
     if not callable(ask):
@@ -81,7 +81,7 @@ def _path(agent: "Agent", peer: "Peer") -> str | None:
     return str(where) if where else None
 
 
-def _mode(peer: "Peer") -> str:
+def _mode(peer: Peer) -> str:
     """``whole-row``, ``split`` or ``mixed`` once both caches are known; else why not yet."""
     pairing = peer.pairing
     if pairing is None:

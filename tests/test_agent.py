@@ -25,8 +25,7 @@ GEOM = {"num_layers": 3, "page": 128}
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, object]]:
-    faults.install()
+def pair(faulty: None) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, object]]:
     f = faults.Faults()
     src = make_cache("packed", num_blocks=8, seed=3, **GEOM)
     dst = make_cache("packed", num_blocks=8, **GEOM)
@@ -40,7 +39,6 @@ def pair() -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, 
     finally:
         a.close()
         b.close()
-        faults.uninstall()
 
 
 def test_wait_times_out_cancels_and_keeps_raising(pair) -> None:
@@ -108,32 +106,28 @@ def test_close_cancels_inflight(pair) -> None:
     assert t.status is kvxfer.Status.CANCELLED
 
 
-def test_max_descriptors_splits_posts_and_notifies_once() -> None:
+def test_max_descriptors_splits_posts_and_notifies_once(faulty: None) -> None:
     """A backend that takes few descriptors per post still gets one notification, after all data."""
 
-    faults.install()
-    try:
-        src = make_cache("layers", num_blocks=10, seed=5, **GEOM)
-        dst = make_cache("layers", num_blocks=10, **GEOM)
-        a = kvxfer.Agent("p", backend="faulty", inner="loopback")
-        b = kvxfer.Agent("d", backend="faulty", inner="loopback", coalesce=False)
-        from dataclasses import replace
+    src = make_cache("layers", num_blocks=10, seed=5, **GEOM)
+    dst = make_cache("layers", num_blocks=10, **GEOM)
+    a = kvxfer.Agent("p", backend="faulty", inner="loopback")
+    b = kvxfer.Agent("d", backend="faulty", inner="loopback", coalesce=False)
+    from dataclasses import replace
 
-        b.backend.capabilities = replace(b.backend.capabilities, max_descriptors=4)  # type: ignore[misc]
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
-        b.add_peer(a.metadata())
-        a.add_peer(b.metadata())
-        blocks = [9, 0, 3, 7, 1]
-        t = b.read("p", blocks, blocks, notify=b"all")
-        assert t.stats.posts == 4  # 5 blocks x 3 layers = 15 descriptors in posts of <= 4
-        t.wait(5)
-        assert a.notifications() == {"d": [b"all"]}
-        np.testing.assert_array_equal(dst.layer_pages()[:, blocks], src.layer_pages()[:, blocks])
-        a.close()
-        b.close()
-    finally:
-        faults.uninstall()
+    b.backend.capabilities = replace(b.backend.capabilities, max_descriptors=4)  # type: ignore[misc]
+    a.register(src.views, replicated=True)
+    b.register(dst.views, replicated=True)
+    b.add_peer(a.metadata())
+    a.add_peer(b.metadata())
+    blocks = [9, 0, 3, 7, 1]
+    t = b.read("p", blocks, blocks, notify=b"all")
+    assert t.stats.posts == 4  # 5 blocks x 3 layers = 15 descriptors in posts of <= 4
+    t.wait(5)
+    assert a.notifications() == {"d": [b"all"]}
+    np.testing.assert_array_equal(dst.layer_pages()[:, blocks], src.layer_pages()[:, blocks])
+    a.close()
+    b.close()
 
 
 def test_coalescing_follows_capabilities() -> None:
@@ -183,16 +177,12 @@ def test_add_peer_rules() -> None:
         kvxfer.Agent("bad name with spaces")
 
 
-def test_vram_refused_by_dram_only_backend() -> None:
+def test_vram_refused_by_dram_only_backend(faulty: None) -> None:
     spec = kvxfer.spec_from_pointers((0x1000, 4096, 0), num_blocks=4, members=[("a", 1024)], kind="VRAM")
-    faults.install()
-    try:
-        with kvxfer.Agent("x", backend="faulty", inner="loopback") as a:
-            a.backend.capabilities = kvxfer.Capabilities()  # type: ignore[misc]  # DRAM only
-            with pytest.raises(UnsupportedError, match="VRAM"):
-                a.register(spec)
-    finally:
-        faults.uninstall()
+    with kvxfer.Agent("x", backend="faulty", inner="loopback") as a:
+        a.backend.capabilities = kvxfer.Capabilities()  # type: ignore[misc]  # DRAM only
+        with pytest.raises(UnsupportedError, match="VRAM"):
+            a.register(spec)
 
 
 def test_reregistration_is_a_new_generation() -> None:

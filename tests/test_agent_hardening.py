@@ -44,15 +44,6 @@ def rss_mb() -> float:
     return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
 
 
-@pytest.fixture
-def faulty() -> Iterator[None]:
-    faults.install()
-    try:
-        yield
-    finally:
-        faults.uninstall()
-
-
 def doc_of(raw: bytes) -> dict:
     assert raw.startswith(MAGIC)
     return json.loads(raw[len(MAGIC):])

@@ -14,11 +14,11 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
 
 import numpy as np
 import pytest
+from common import wait_until
 from etcd_fixtures import cluster_name, etcd_server, no_thread_left, own_etcd  # noqa: F401  (fixtures)
 
 from kvxfer import Agent
@@ -32,17 +32,6 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "plu
                                                     os.environ.get("PYTHONPATH", "")]))
 MARGIN = 5.0  # slack over a deadline before "no hang" is considered broken (a loaded 2-core CI box)
 GEOMETRY = dict(blocks=16, layers=4, page=4096)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
 
 
 def start_worker(url: str, cluster: str, name: str, role: str, *, backend: str = "loopback", seed: int | None = None,

@@ -22,7 +22,7 @@ from .args import add_json, int_list, plain, positive_int
 from ..extras import install_hint
 from .output import CliError, check_memory, emit_json, require_cuda
 from .progress import Steps
-from .table import Column, count, print_table
+from ..table import Column, count, print_table
 
 __all__ = ["add_parser", "run", "plot"]
 

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(r: dict[str, Any], geometry: Any) -> None:
-    from .table import Column, count, print_table
+    from ..table import Column, count, print_table
 
     print(f"kvxfer demo: decode pulled {r['blocks']} blocks ({r['tokens']} tokens) of {geometry.description}; "
           f"{geometry.row / 1e6:.2f} MB rows")

@@ -23,7 +23,7 @@ from typing import Any
 from ..extras import install_hint
 from .args import add_json
 from .output import CliError, emit_json
-from .table import Column, print_table
+from ..table import Column, print_table
 
 __all__ = ["add_parser", "run", "Check"]
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import IO, Any, Iterator
 
-from .table import dumps
+from ..table import dumps
 
 __all__ = ["CliError", "json_stdout", "emit_json", "check_memory", "cuda_devices", "require_cuda"]
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from .args import add_json, positive_int, rank_of
 from .output import CliError, emit_json
-from .table import Column, count, print_table
+from ..table import Column, count, print_table
 
 __all__ = ["add_parser", "plan_rows", "explain", "EXIT_REFUSED"]
 

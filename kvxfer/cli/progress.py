@@ -39,7 +39,7 @@ class Steps:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
             from rich.progress import TimeElapsedColumn
 
-            from .table import console
+            from ..table import console
 
             columns = [SpinnerColumn(), TextColumn("{task.description}")]
             if self.total:

@@ -1,0 +1,50 @@
+"""Fixtures any test file may use; pytest finds them here (the helpers behind them: common.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from common import Errors
+from kvxfer.testing import faults
+
+
+@pytest.fixture
+def errors() -> Errors:
+    """An ``on_error`` for a MetadataServer that the test can read back."""
+    return Errors()
+
+
+@pytest.fixture
+def faulty() -> Iterator[None]:
+    """The ``faulty`` backend (:mod:`kvxfer.testing.faults`) registered for this test only."""
+    faults.install()
+    try:
+        yield
+    finally:
+        faults.uninstall()
+
+
+@pytest.fixture(scope="module")
+def private_site(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], dict[str, str]]:
+    """Install a distribution where only the test's subprocesses see it, never into ``.venv``.
+
+    ``pip install --target`` into a private folder, given back as the environment
+    (``PYTHONPATH``) a subprocess needs; the shared environment, and every other process
+    using it, never see the distribution, so nothing needs uninstalling afterwards.
+    """
+    def install(src: Path) -> dict[str, str]:
+        build = tmp_path_factory.mktemp("build") / src.name
+        shutil.copytree(src, build, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+        target = tmp_path_factory.mktemp("site")
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                            "--target", str(target), str(build)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *sys.path])}
+    return install
