@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     order = [f"{lo}:{r}" for lo, r in layouts]
     rows.sort(key=lambda r: (order.index(r["layout"]), r["tokens"]))
     if args.plot:
-        plot(rows, args.plot, title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, "
-                                    f"{geometry.name}, {args.memory}")
+        plot(rows, args.plot, title=f"kvxfer bench: {args.backend}, {processes(args.processes)}, {args.op}, "
+                                    f"{geometry.name}, {args.memory}", note=caption(rows, args.backend))
     if args.json:
         emit_json(rows)
         return 0
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                        Column("median_seconds", "median ms", lambda v: f"{v * 1e3:.2f}"),
                        Column("gbps", "GB/s", "{:.2f}"), Column("plan_seconds", "plan ms", lambda v: f"{v * 1e3:.3f}"),
                        Column("verified", "verified runs")],
-                title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, {geometry.name} "
+                title=f"kvxfer bench: {args.backend}, {processes(args.processes)}, {args.op}, {geometry.name} "
                       f"({geometry.row / 1e6:.2f} MB rows), {args.memory}; median of {args.repeat}",
                 caption=f"plot: {args.plot}" if args.plot else None)
     return 0
@@ -218,7 +218,7 @@ def _row(args: argparse.Namespace, layout: str, tokens: int, blocks: int, pt: _P
     return {"backend": args.backend, "processes": args.processes, "op": args.op, "memory": args.memory,
             "preset": args.preset, "layout": layout, "tokens": tokens, "blocks": blocks,
             "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "mode": s.mode, "path": s.path,
-            "median_seconds": med, "min_seconds": min(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
+            "median_seconds": med, "min_seconds": min(pt.seconds), "max_seconds": max(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
             "plan_seconds": statistics.median(pt.plan), "verified": pt.verified}
 
 
@@ -235,27 +235,64 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
-    """GB/s and descriptors per transfer against request size, one line per layout pair."""
+def processes(n: int) -> str:
+    return "1 process" if n == 1 else f"{n} processes"
+
+
+def caption(rows: list[dict[str, Any]], backend: str) -> str:
+    """What the backend's cost per descriptor means for the layouts, from these rows."""
+    top = max(r["tokens"] for r in rows)
+    last = {r["layout"]: r for r in rows if r["tokens"] == top and r["gbps"]}
+    base = last.get("packed:packed")
+    out = []
+    if base is not None:
+        for layout, r in last.items():
+            if layout != "packed:packed":
+                out.append(f"at {top:,} tokens, {layout} carries {r['descriptors'] / base['descriptors']:,.0f}x "
+                           f"the descriptors of packed:packed and moves at {r['gbps'] / base['gbps']:.2f}x its GB/s")
+    if backend == "loopback":
+        why = ("loopback copies with memmove inside one process, so a descriptor costs little more than its bytes "
+               "and both layouts run at memory speed; over a transport each descriptor is a work request, and "
+               "per-layer layouts pay for every one (BENCHMARKS.md)")
+    else:
+        why = (f"{backend} pays per descriptor, so the layouts that need fewer descriptors per block move faster "
+               "for the same bytes")
+    text = "; ".join(out + [why])
+    return text[0].upper() + text[1:] + ". Points: median; bars: min to max of the timed runs."
+
+
+def plot(rows: list[dict[str, Any]], path: str, *, title: str, note: str = "") -> None:
+    """GB/s (median, min-max bars) and descriptors per transfer against request size, one line per
+    layout pair, with ``note`` as the caption under both panels."""
+    import textwrap
+
     plt = _pyplot()
-    fig, (ax_bw, ax_desc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_bw, ax_desc) = plt.subplots(1, 2, figsize=(11, 4.8))
     for layout in dict.fromkeys(r["layout"] for r in rows):
         mine = [r for r in rows if r["layout"] == layout]
         xs = [r["tokens"] for r in mine]
-        ax_bw.plot(xs, [r["gbps"] for r in mine], marker="o", label=layout)
+        med = [r["gbps"] for r in mine]
+        lo = [r["bytes"] / r["max_seconds"] / 1e9 if r.get("max_seconds") else g for r, g in zip(mine, med)]
+        hi = [r["bytes"] / r["min_seconds"] / 1e9 if r.get("min_seconds") else g for r, g in zip(mine, med)]
+        ax_bw.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+                       marker="o", capsize=3, label=layout)
         ax_desc.plot(xs, [r["descriptors"] for r in mine], marker="o", label=layout)
     sizes = sorted({r["tokens"] for r in rows})
-    for ax, ylabel in ((ax_bw, "GB/s (median)"), (ax_desc, "descriptors per transfer")):
+    for ax, ylabel in ((ax_bw, "GB/s (median; bars: min-max)"), (ax_desc, "descriptors per transfer")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [f"{x:,}" for x in sizes])
         ax.minorticks_off()
+        ax.margins(x=0.08, y=0.12)  # no marker cut in half at an edge
         ax.set_xlabel("request size (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(title="local:remote")
     ax_desc.set_yscale("log")
-    ax_bw.set_ylim(bottom=0)
+    ax_bw.set_ylim(bottom=0, top=max(r["bytes"] / r["min_seconds"] / 1e9 if r.get("min_seconds") else r["gbps"] or 0
+                                     for r in rows) * 1.15 or None)
     fig.suptitle(title)
-    fig.tight_layout()
+    if note:
+        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, 160)), fontsize=8, va="bottom", ha="left")
+    fig.tight_layout(rect=(0, 0.1 if note else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
