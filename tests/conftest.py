@@ -7,12 +7,17 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
+import kvxfer
 from common import Errors
 from kvxfer.testing import faults
+from kvxfer.testing.buffers import make_cache
+
+#: The faulty pair's caches: 3 layers of 128-byte pages.
+FAULTY_GEOMETRY = {"num_layers": 3, "page": 128}
 
 
 @pytest.fixture
@@ -29,6 +34,26 @@ def faulty() -> Iterator[None]:
         yield
     finally:
         faults.uninstall()
+
+
+@pytest.fixture
+def faulty_pair(faulty: None) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, Any, Any]]:
+    """Prefill ``p`` and decode ``d`` over the faulty backend (loopback inside), both holding an
+    8-block packed cache (``p``'s seeded), ``d`` with a 0.2 s deadline and the ``Faults`` that
+    the test arms: ``(p, d, faults, p's cache, d's cache)``."""
+    f = faults.Faults()
+    src = make_cache("packed", num_blocks=8, seed=3, **FAULTY_GEOMETRY)
+    dst = make_cache("packed", num_blocks=8, **FAULTY_GEOMETRY)
+    a = kvxfer.Agent("p", backend="faulty", inner="loopback")
+    b = kvxfer.Agent("d", backend="faulty", inner="loopback", faults=f, timeout=0.2)
+    a.register(src.views, replicated=True)
+    b.register(dst.views, replicated=True)
+    b.add_peer(a.metadata())
+    try:
+        yield a, b, f, src, dst
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ cancellation, failure mapping, peer bookkeeping, coalescing by capability."""
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -18,31 +17,13 @@ from kvxfer.errors import (
     TransferTimeoutError,
     UnsupportedError,
 )
-from kvxfer.testing import faults
 from kvxfer.testing.buffers import SENTINEL, make_cache
 
 GEOM = {"num_layers": 3, "page": 128}
 
 
-@pytest.fixture
-def pair(faulty: None) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, object]]:
-    f = faults.Faults()
-    src = make_cache("packed", num_blocks=8, seed=3, **GEOM)
-    dst = make_cache("packed", num_blocks=8, **GEOM)
-    a = kvxfer.Agent("p", backend="faulty", inner="loopback")
-    b = kvxfer.Agent("d", backend="faulty", inner="loopback", faults=f, timeout=0.2)
-    a.register(src.views, replicated=True)
-    b.register(dst.views, replicated=True)
-    b.add_peer(a.metadata())
-    try:
-        yield a, b, f, src, dst
-    finally:
-        a.close()
-        b.close()
-
-
-def test_wait_times_out_cancels_and_keeps_raising(pair) -> None:
-    a, b, f, src, dst = pair
+def test_wait_times_out_cancels_and_keeps_raising(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0, 1], [2, 3])
     with pytest.raises(TransferTimeoutError, match="within 0.05 s"):
@@ -54,15 +35,15 @@ def test_wait_times_out_cancels_and_keeps_raising(pair) -> None:
     assert (dst.layer_pages() == SENTINEL).all()
 
 
-def test_default_timeout_applies(pair) -> None:
-    a, b, f, src, dst = pair
+def test_default_timeout_applies(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     with pytest.raises(TransferTimeoutError):
         b.read("p", [0], [0]).wait()  # the agent's timeout=0.2
 
 
-def test_cancel(pair) -> None:
-    a, b, f, src, dst = pair
+def test_cancel(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0], [0])
     t.cancel()
@@ -71,24 +52,24 @@ def test_cancel(pair) -> None:
         t.wait(1)
 
 
-def test_disconnect_during_poll_is_reported(pair) -> None:
-    a, b, f, src, dst = pair
+def test_disconnect_during_poll_is_reported(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     f.disconnect_on_poll = 3
     with pytest.raises(PeerDisconnectedError):
         b.read("p", [0], [0]).wait(5)
 
 
-def test_foreign_exception_becomes_backend_error(pair) -> None:
-    a, b, f, src, dst = pair
+def test_foreign_exception_becomes_backend_error(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     f.raise_foreign_on_poll = 1
     with pytest.raises(BackendError, match="injected"):
         b.read("p", [0], [0]).wait(5)
 
 
-def test_failed_post_leaks_nothing(pair) -> None:
-    a, b, f, src, dst = pair
+def test_failed_post_leaks_nothing(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.fail_post = True
     with pytest.raises(PeerDisconnectedError):
         b.read("p", [0], [0])
@@ -98,8 +79,8 @@ def test_failed_post_leaks_nothing(pair) -> None:
     np.testing.assert_array_equal(dst.layer_pages()[:, 4], src.layer_pages()[:, 5])
 
 
-def test_close_cancels_inflight(pair) -> None:
-    a, b, f, src, dst = pair
+def test_close_cancels_inflight(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0], [0])
     b.close()
