@@ -121,3 +121,16 @@ def test_contributing_plugin_template_builds_and_is_discovered(tmp_path: Path, p
     assert r.returncode == 0, r.stderr
     available, reason, install = json.loads(r.stdout)
     assert not available and "my_transport_lib" in reason and install == "pip install kvxfer-mybackend"
+
+
+def test_install_hints_name_the_requirements_pyproject_declares() -> None:
+    """A hint is the extra's own requirements, so it works wherever kvxfer is installed."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from kvxfer.extras import install_hint
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("nixl", "ucx", "etcd", "metrics", "plot", "torch"):
+        hint = install_hint(extra)
+        assert hint.startswith("pip install " + " ".join(f"'{r}'" for r in extras[extra])), (extra, hint)
+    assert install_hint("no-such-extra") == "pip install -e '.[no-such-extra]' in a kvxfer checkout"
