@@ -25,8 +25,12 @@ class Errors:
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-               interval: float = 0.02) -> Any:
-    """Poll ``pred`` until it returns something true (returned), or fail after ``timeout``."""
+               interval: float = 0.05) -> Any:
+    """Poll ``pred`` until it returns something true (returned), or fail after ``timeout``.
+
+    ``interval`` stays coarse: a predicate may ask etcd, and 50 requests a second from a
+    test slowed a loaded etcd enough to miss a 30 s wait.
+    """
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
