@@ -28,8 +28,8 @@ def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "cond
                interval: float = 0.05) -> Any:
     """Poll ``pred`` until it returns something true (returned), or fail after ``timeout``.
 
-    ``interval`` stays coarse: a predicate may ask etcd, and 50 requests a second from a
-    test slowed a loaded etcd enough to miss a 30 s wait.
+    ``interval`` stays coarse because a predicate may ask etcd: the etcd tests always polled
+    at 50 ms, and one failed its 30 s wait once when polled at 20 ms on the loaded VM.
     """
     deadline = time.monotonic() + timeout
     while True:
