@@ -33,7 +33,6 @@ from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata, seal, unseal
 from . import lifecycle
-from .lifecycle import unknown_peer_message
 from .observe import transfer_finished
 from .planner import Pairing, TransferPlan, pair, plan, plan_gather
 from .plugin.backend import Backend, check_options
@@ -241,9 +240,8 @@ class Agent:
         if not isinstance(key, str) or not key:
             self._forget_remote(key if isinstance(key, str) and key else md.name)
             raise BackendError(f"backend {self.backend_name!r} returned {key!r} as the key of peer {md.name!r}")
-        self._peers[md.name] = added = Peer(md.name, md.generation, key, md.spec, pairing=pairing,
-                                            source=self._adding_source)
-        lifecycle.peer_added(self, added)
+        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing, source=self._adding_source)
+        lifecycle.peer_added(self, self._peers[md.name])
         return md.name
 
     def _forget_remote(self, key: str) -> None:
@@ -292,8 +290,7 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         self._check_open()
-        peer = self._peer(name)
-        self._drop_peer(peer)
+        self._drop_peer(peer := self._peer(name))
         lifecycle.peer_removed(self, peer)
 
     @property
@@ -314,7 +311,7 @@ class Agent:
     def _peer(self, name: str) -> Peer:
         peer = self._peers.get(name) if isinstance(name, str) else None
         if peer is None:
-            raise UnknownPeerError(unknown_peer_message(name, self._peers))
+            raise UnknownPeerError(lifecycle.unknown_peer_message(name, self._peers))
         return peer
 
     # -- transfers ------------------------------------------------------------------------
