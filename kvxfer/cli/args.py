@@ -1,7 +1,7 @@
 """Argument types and flags the subcommands share.
 
 Apart from :mod:`kvxfer.cli.app` (which imports every subcommand to build the parser) so a
-subcommand, or :mod:`kvxfer.demo`, can use them without importing the parser back.
+subcommand (the demo included) can use them without importing the parser back.
 """
 
 from __future__ import annotations
