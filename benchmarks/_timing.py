@@ -1,7 +1,7 @@
 """Wall-clock sampling and the table printer shared by the benchmark scripts.
 
 Run them as ``python benchmarks/x.py``. Tables go through kvxfer's one printer
-(:mod:`kvxfer.cli.table`): rows are dicts, columns say how to format them, and ``--json``
+(:mod:`kvxfer.table`): rows are dicts, columns say how to format them, and ``--json``
 output can reuse the same rows.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from kvxfer.cli.table import Column, count, print_table
+from kvxfer.table import Column, count, print_table
 
 __all__ = ["samples", "Column", "count", "print_table"]
 

@@ -35,7 +35,7 @@ from _timing import samples
 
 import kvxfer
 from kvxfer.metadata import unseal
-from kvxfer.cli.table import Column, print_table
+from kvxfer.table import Column, print_table
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, encode_header, exchange
 from kvxfer.sidechannel.frames import EXCHANGE, HELLO
 from kvxfer.testing.buffers import SENTINEL, make_cache
@@ -43,7 +43,7 @@ from kvxfer.tokens import token_key
 
 
 class Table:
-    """Rows for the project's one table printer (:mod:`kvxfer.cli.table`), filled column by column."""
+    """Rows for the project's one table printer (:mod:`kvxfer.table`), filled column by column."""
 
     def __init__(self, title: str) -> None:
         self.title, self.cols, self.rows = title, [], []  # type: ignore[var-annotated]

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from kvxfer import Allocation
-from kvxfer.cli.table import Column, print_table
+from kvxfer.table import Column, print_table
 from kvxfer.prove import Prover
 
 

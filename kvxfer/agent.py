@@ -18,6 +18,7 @@ from .fdlimit import limit_error, raise_soft_limit
 from .errors import (
     AgentClosedError,
     BackendError,
+    InvalidArgumentError,
     KvxferError,
     MetadataError,
     SpecError,
@@ -31,9 +32,10 @@ from .group import TransferGroup
 from .layout import Granularity, KVCacheSpec
 from .memory import MemoryKind, Op
 from .metadata import AgentMetadata, seal, unseal
+from . import lifecycle
 from .observe import transfer_finished
 from .planner import Pairing, TransferPlan, pair, plan, plan_gather
-from .plugin.backend import Backend
+from .plugin.backend import Backend, check_options
 from .plugin.registry import get_backend_class, plugin_manager
 from .posts import Chunk, plan_chunks
 from .reshard import Gather, cached_gather, pair_source
@@ -94,6 +96,7 @@ class Agent:
         self.generation = _new_generation()
         self.backend_name = backend
         cls = get_backend_class(backend)
+        check_options(cls, options)
         raise_soft_limit()  # transports hold descriptors per peer; once per process
         self.backend: Backend = cls(name, **options)
         self.backend.peers_authenticated = self._key is not None  # add_peer checks every tag first
@@ -156,6 +159,7 @@ class Agent:
         self._held = kv
         for peer in self._peers.values():
             peer.pairing = None  # planned against the previous local spec
+        lifecycle.registered(self, spec)
         return spec
 
     def deregister(self) -> None:
@@ -174,6 +178,7 @@ class Agent:
         self._reg_handle = None
         for peer in self._peers.values():
             peer.pairing = None
+        lifecycle.deregistered(self)
 
     # -- peers ----------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -231,6 +236,7 @@ class Agent:
                 if md.spec != known.spec:
                     raise MetadataError(f"peer {md.name!r} sent a different spec under the same generation")
                 return known.name
+            lifecycle.peer_restarted(self, known, md.generation)
             self._drop_peer(known)
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
         try:
@@ -245,6 +251,7 @@ class Agent:
             self._forget_remote(key if isinstance(key, str) and key else md.name)
             raise BackendError(f"backend {self.backend_name!r} returned {key!r} as the key of peer {md.name!r}")
         self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing, source=self._adding_source)
+        lifecycle.peer_added(self, self._peers[md.name])
         return md.name
 
     def _forget_remote(self, key: str) -> None:
@@ -293,7 +300,8 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         self._check_open()
-        self._drop_peer(self._peer(name))
+        self._drop_peer(peer := self._peer(name))
+        lifecycle.peer_removed(self, peer)
 
     @property
     def peers(self) -> dict[str, Peer]:
@@ -311,10 +319,9 @@ class Agent:
         self.backend.remove_remote(peer.key)
 
     def _peer(self, name: str) -> Peer:
-        peer = self._peers.get(name)
+        peer = self._peers.get(name) if isinstance(name, str) else None
         if peer is None:
-            raise UnknownPeerError(f"unknown peer {name!r}; add it with add_peer(metadata) first "
-                                   f"(known: {', '.join(sorted(self._peers)) or 'none'})")
+            raise UnknownPeerError(lifecycle.unknown_peer_message(name, self._peers))
         return peer
 
     # -- transfers ------------------------------------------------------------------------
@@ -360,7 +367,7 @@ class Agent:
             raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
         if notify is not None:
             if not isinstance(notify, (bytes, bytearray)):
-                raise TypeError("notify must be bytes")
+                raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
             if not caps.notifications:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
@@ -445,7 +452,7 @@ class Agent:
         if op not in self.backend.capabilities.ops:
             raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
         if not isinstance(remote_blocks, Mapping) or not remote_blocks:
-            raise TypeError("remote_blocks must map each peer's name to its block ids")
+            raise InvalidArgumentError("remote_blocks must map each peer's name to its block ids")
         if self.spec is None:
             raise SpecError("register a KV cache before transferring")
         peers = {n: self._peer(n) for n in remote_blocks}
@@ -493,6 +500,8 @@ class Agent:
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         self._check_open()
+        if not isinstance(message, (bytes, bytearray)):
+            raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
         self.backend.notify(self._peer(peer).key, bytes(message))
 
     def notifications(self) -> dict[str, list[bytes]]:

@@ -10,11 +10,10 @@ both values (docs/geometry.md explains each rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 from .errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
                      PageFormatMismatchError)
-from .layout import KVCacheSpec, Member
+from .layout import KVCacheSpec, Member, _abbrev, natural_key
 from .pageformat import Shard
 
 __all__ = ["Refusal", "refusals", "check_pairing", "spec_diff", "head_slice"]
@@ -119,7 +118,8 @@ def refusals(local: KVCacheSpec, remote: KVCacheSpec) -> list[Refusal]:
         out.append(Refusal("block_tokens", local.block_tokens, remote.block_tokens, BlockTokensMismatchError))
     lm = {m.name: m for m in local.members}
     rm = {m.name: m for m in remote.members}
-    only_l, only_r = sorted(lm.keys() - rm.keys()), sorted(rm.keys() - lm.keys())
+    only_l = sorted(lm.keys() - rm.keys(), key=natural_key)
+    only_r = sorted(rm.keys() - lm.keys(), key=natural_key)
     if only_l or only_r:
         out.append(Refusal("members", _abbrev(only_l) or "-", _abbrev(only_r) or "-", LayoutMismatchError))
     common = [n for n in lm if n in rm]  # in the local spec's order
@@ -176,8 +176,3 @@ def spec_diff(local: KVCacheSpec, remote: KVCacheSpec) -> list[tuple[str, object
             out.append((f, lv, rv))
     return out
 
-
-def _abbrev(names: Iterable[str], limit: int = 6) -> str:
-    names = list(names)
-    s = ", ".join(names[:limit])
-    return s + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

@@ -46,6 +46,10 @@ __all__ = [
     "StoreBusyError",
     "BackPressureError",
     "IntegrityError",
+    "InvalidArgumentError",
+    "UnknownOptionError",
+    "BlockIdTypeError",
+    "VerificationError",
 ]
 
 
@@ -281,3 +285,30 @@ class IntegrityError(KvxferError):
         self.remote_block = remote_block
         self.member = member
         self.mismatches = mismatches
+
+
+class InvalidArgumentError(KvxferError, TypeError, ValueError):
+    """A public call got an argument of the wrong type or value (``notify="x"``, ``op="COPY"``).
+
+    It is also a ``TypeError`` and a ``ValueError``, so code written against the builtin
+    exceptions keeps working; callers that catch :class:`KvxferError` see it too.
+    """
+
+
+class UnknownOptionError(InvalidArgumentError):
+    """A backend was given an option it does not take; ``valid`` lists the ones it does."""
+
+    def __init__(self, message: str, valid: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.valid = tuple(valid)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.valid))
+
+
+class BlockIdTypeError(InvalidArgumentError):
+    """Block ids that are not integers (floats, bools, strings): never rounded, always refused."""
+
+
+class VerificationError(KvxferError):
+    """Bytes a transfer delivered are not the source's, or bytes outside it changed (demo, bench)."""

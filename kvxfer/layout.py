@@ -150,7 +150,7 @@ class PackedLayout:
         names = [m.name for m in members]
         if len(set(names)) != len(names):
             # Counter, not names.count per name: a hostile spec may carry 65536 members.
-            dup = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+            dup = sorted((n for n, c in collections.Counter(names).items() if c > 1), key=natural_key)
             raise SpecError(f"duplicate member names in one region: {_abbrev(dup)}")
         object.__setattr__(self, "members", members)
 
@@ -385,6 +385,11 @@ class KVCacheSpec:
             tuple(Region.from_dict(r) for r in d["regions"]),
             layout=d["layout"], block_tokens=d["block_tokens"], tp_rank=d["tp_rank"], tp_size=d["tp_size"],
         )
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key putting ``layer.2`` before ``layer.10``: digit runs compare as numbers."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
 
 
 def _abbrev(names: Iterable[str], limit: int = 6) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import OutOfRegistrationError, SpecError
+from .errors import InvalidArgumentError, OutOfRegistrationError, SpecError
 
 __all__ = ["MemoryKind", "Op", "Allocation", "DescriptorList"]
 
@@ -33,6 +33,13 @@ class Op(str, enum.Enum):
 
     READ = "READ"
     WRITE = "WRITE"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Op":
+        """``"read"`` is READ; anything else is a typed refusal naming the two directions."""
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise InvalidArgumentError(f"op must be Op.READ or Op.WRITE ('READ' or 'WRITE'), got {value!r}")
 
 
 def _int(name: str, value: Any, *, lo: int = 0, hi: int = _U64_MAX) -> int:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MissingDependencyError
+from .extras import install_hint
 from .plugin.hookspecs import hookimpl
 
 __all__ = ["PrometheusObserver", "Exporter", "start_exporter", "INSTALL"]
 
-INSTALL = "pip install 'kvxfer[metrics]'"
+INSTALL = install_hint("metrics")
 _DESC_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 _SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 

@@ -56,10 +56,13 @@ def transfer_finished(agent: "Agent", transfer: "Transfer") -> None:
     observers = bool(hook.get_hookimpls())
     failed = transfer.status.value != "DONE"
     level = logging.INFO if failed else logging.DEBUG
-    if not observers and not _xfer_log.isEnabledFor(level):
-        return
     s = transfer.stats
-    if _xfer_log.isEnabledFor(level):
+    # A 0-descriptor transfer that succeeded is a warm-up (a connection opened ahead of time):
+    # nothing an operator needs, and at -vv it would drown the real ones.
+    logged = _xfer_log.isEnabledFor(level) and (failed or s.descriptors > 0)
+    if not observers and not logged:
+        return
+    if logged:
         _xfer_log.log(level, "%s %s %s: %d descriptors, %d bytes, %s", agent.name, s.op, transfer.status.value,
                       s.descriptors, s.nbytes, f"{s.seconds:.6f} s" if s.seconds is not None else "-",
                       extra={"kvxfer": {"agent": agent.name, **stats_dict(s, transfer)}})

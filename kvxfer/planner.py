@@ -20,7 +20,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import BlockCountMismatchError, BlockIdOutOfRangeError, DuplicateBlockIdError, LayoutMismatchError
+from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
+                     LayoutMismatchError)
 from .layout import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind, Op
 from .pairing import Group, Pairing, cached_pairing, pair
@@ -36,13 +37,24 @@ def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
     This runs on every transfer, so the common case (an int64/int32 numpy array) skips the
     conversions; anything else goes through ``np.asarray`` once.
     """
-    arr = blocks if type(blocks) is np.ndarray else np.asarray(blocks)
+    if type(blocks) is np.ndarray:
+        arr = blocks
+    elif isinstance(blocks, (str, bytes, bytearray, memoryview)):
+        raise BlockIdTypeError(f"{side} block ids must be a sequence of integers, got {type(blocks).__name__}")
+    else:
+        try:
+            arr = np.asarray(blocks)
+        except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot hold
+            raise BlockIdTypeError(f"{side} block ids must be a sequence of integers: {exc}") from None
     if arr.ndim != 1:
         arr = arr.reshape(-1)
     kind = arr.dtype.kind
     if kind not in "iu":
         if arr.size:
-            raise BlockIdOutOfRangeError(f"{side} block ids must be integers, got dtype {arr.dtype}")
+            first = arr.reshape(-1)[0]
+            first = first.item() if isinstance(first, np.generic) else first
+            raise BlockIdTypeError(f"{side} block ids must be integers, got {type(first).__name__} "
+                                   f"({first!r}); ids are never rounded")
         arr = arr.astype(np.int64)
     elif kind == "u" or arr.dtype.itemsize > 8:
         arr = arr.astype(np.int64)  # uint64 ids past 2**63 wrap negative and are refused below

@@ -13,6 +13,8 @@ import hashlib
 import hmac
 from typing import Final, Union
 
+from .errors import InvalidArgumentError
+
 __all__ = ["NO_AUTH", "NoAuth", "Token", "token_key", "mac", "TAG_SIZE"]
 
 TAG_SIZE: Final = 32  # HMAC-SHA256
@@ -54,13 +56,13 @@ def token_key(token: object, what: str = "token") -> bytes | None:
         try:
             key = token.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{what} is not valid Unicode (a lone surrogate?)") from None
+            raise InvalidArgumentError(f"{what} is not valid Unicode (a lone surrogate?)") from None
     elif isinstance(token, (bytes, bytearray, memoryview)):
         key = bytes(token)
     else:
-        raise TypeError(f"{what} must be str or bytes (or NO_AUTH), got {type(token).__name__}")
+        raise InvalidArgumentError(f"{what} must be str or bytes (or NO_AUTH), got {type(token).__name__}")
     if not key:
-        raise ValueError(f"an empty {what} authenticates nothing; pass NO_AUTH to run without one")
+        raise InvalidArgumentError(f"an empty {what} authenticates nothing; pass NO_AUTH to run without one")
     return key
 
 

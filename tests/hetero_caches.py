@@ -82,3 +82,12 @@ def untouched(view: np.ndarray, written: np.ndarray) -> bool:
     """Every block not in ``written`` still holds only sentinel bytes."""
     rest = np.setdiff1d(np.arange(view.shape[0]), written)
     return bool((np.ascontiguousarray(view[rest]).view(np.uint8) == SENTINEL).all())
+
+
+def assert_gathered(views: Any, logical: np.ndarray, layers: int, local: np.ndarray, remote: np.ndarray) -> None:
+    """Every layer's K and V pages hold the logical source's ``remote`` blocks at ``local``, and
+    every other block still holds the sentinel."""
+    for layer in range(layers):
+        for kv in (0, 1):
+            assert (views[(layer, kv)][local] == logical[layer, kv][remote]).all(), (layer, kv)
+            assert untouched(views[(layer, kv)], local), (layer, kv)

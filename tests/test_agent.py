@@ -3,7 +3,6 @@ cancellation, failure mapping, peer bookkeeping, coalescing by capability."""
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -18,33 +17,13 @@ from kvxfer.errors import (
     TransferTimeoutError,
     UnsupportedError,
 )
-from kvxfer.testing import faults
 from kvxfer.testing.buffers import SENTINEL, make_cache
 
 GEOM = {"num_layers": 3, "page": 128}
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, object]]:
-    faults.install()
-    f = faults.Faults()
-    src = make_cache("packed", num_blocks=8, seed=3, **GEOM)
-    dst = make_cache("packed", num_blocks=8, **GEOM)
-    a = kvxfer.Agent("p", backend="faulty", inner="loopback")
-    b = kvxfer.Agent("d", backend="faulty", inner="loopback", faults=f, timeout=0.2)
-    a.register(src.views, replicated=True)
-    b.register(dst.views, replicated=True)
-    b.add_peer(a.metadata())
-    try:
-        yield a, b, f, src, dst
-    finally:
-        a.close()
-        b.close()
-        faults.uninstall()
-
-
-def test_wait_times_out_cancels_and_keeps_raising(pair) -> None:
-    a, b, f, src, dst = pair
+def test_wait_times_out_cancels_and_keeps_raising(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0, 1], [2, 3])
     with pytest.raises(TransferTimeoutError, match="within 0.05 s"):
@@ -56,15 +35,15 @@ def test_wait_times_out_cancels_and_keeps_raising(pair) -> None:
     assert (dst.layer_pages() == SENTINEL).all()
 
 
-def test_default_timeout_applies(pair) -> None:
-    a, b, f, src, dst = pair
+def test_default_timeout_applies(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     with pytest.raises(TransferTimeoutError):
         b.read("p", [0], [0]).wait()  # the agent's timeout=0.2
 
 
-def test_cancel(pair) -> None:
-    a, b, f, src, dst = pair
+def test_cancel(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0], [0])
     t.cancel()
@@ -73,24 +52,24 @@ def test_cancel(pair) -> None:
         t.wait(1)
 
 
-def test_disconnect_during_poll_is_reported(pair) -> None:
-    a, b, f, src, dst = pair
+def test_disconnect_during_poll_is_reported(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     f.disconnect_on_poll = 3
     with pytest.raises(PeerDisconnectedError):
         b.read("p", [0], [0]).wait(5)
 
 
-def test_foreign_exception_becomes_backend_error(pair) -> None:
-    a, b, f, src, dst = pair
+def test_foreign_exception_becomes_backend_error(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     f.raise_foreign_on_poll = 1
     with pytest.raises(BackendError, match="injected"):
         b.read("p", [0], [0]).wait(5)
 
 
-def test_failed_post_leaks_nothing(pair) -> None:
-    a, b, f, src, dst = pair
+def test_failed_post_leaks_nothing(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.fail_post = True
     with pytest.raises(PeerDisconnectedError):
         b.read("p", [0], [0])
@@ -100,40 +79,36 @@ def test_failed_post_leaks_nothing(pair) -> None:
     np.testing.assert_array_equal(dst.layer_pages()[:, 4], src.layer_pages()[:, 5])
 
 
-def test_close_cancels_inflight(pair) -> None:
-    a, b, f, src, dst = pair
+def test_close_cancels_inflight(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0], [0])
     b.close()
     assert t.status is kvxfer.Status.CANCELLED
 
 
-def test_max_descriptors_splits_posts_and_notifies_once() -> None:
+def test_max_descriptors_splits_posts_and_notifies_once(faulty: None) -> None:
     """A backend that takes few descriptors per post still gets one notification, after all data."""
 
-    faults.install()
-    try:
-        src = make_cache("layers", num_blocks=10, seed=5, **GEOM)
-        dst = make_cache("layers", num_blocks=10, **GEOM)
-        a = kvxfer.Agent("p", backend="faulty", inner="loopback")
-        b = kvxfer.Agent("d", backend="faulty", inner="loopback", coalesce=False)
-        from dataclasses import replace
+    src = make_cache("layers", num_blocks=10, seed=5, **GEOM)
+    dst = make_cache("layers", num_blocks=10, **GEOM)
+    a = kvxfer.Agent("p", backend="faulty", inner="loopback")
+    b = kvxfer.Agent("d", backend="faulty", inner="loopback", coalesce=False)
+    from dataclasses import replace
 
-        b.backend.capabilities = replace(b.backend.capabilities, max_descriptors=4)  # type: ignore[misc]
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
-        b.add_peer(a.metadata())
-        a.add_peer(b.metadata())
-        blocks = [9, 0, 3, 7, 1]
-        t = b.read("p", blocks, blocks, notify=b"all")
-        assert t.stats.posts == 4  # 5 blocks x 3 layers = 15 descriptors in posts of <= 4
-        t.wait(5)
-        assert a.notifications() == {"d": [b"all"]}
-        np.testing.assert_array_equal(dst.layer_pages()[:, blocks], src.layer_pages()[:, blocks])
-        a.close()
-        b.close()
-    finally:
-        faults.uninstall()
+    b.backend.capabilities = replace(b.backend.capabilities, max_descriptors=4)  # type: ignore[misc]
+    a.register(src.views, replicated=True)
+    b.register(dst.views, replicated=True)
+    b.add_peer(a.metadata())
+    a.add_peer(b.metadata())
+    blocks = [9, 0, 3, 7, 1]
+    t = b.read("p", blocks, blocks, notify=b"all")
+    assert t.stats.posts == 4  # 5 blocks x 3 layers = 15 descriptors in posts of <= 4
+    t.wait(5)
+    assert a.notifications() == {"d": [b"all"]}
+    np.testing.assert_array_equal(dst.layer_pages()[:, blocks], src.layer_pages()[:, blocks])
+    a.close()
+    b.close()
 
 
 def test_coalescing_follows_capabilities() -> None:
@@ -183,16 +158,12 @@ def test_add_peer_rules() -> None:
         kvxfer.Agent("bad name with spaces")
 
 
-def test_vram_refused_by_dram_only_backend() -> None:
+def test_vram_refused_by_dram_only_backend(faulty: None) -> None:
     spec = kvxfer.spec_from_pointers((0x1000, 4096, 0), num_blocks=4, members=[("a", 1024)], kind="VRAM")
-    faults.install()
-    try:
-        with kvxfer.Agent("x", backend="faulty", inner="loopback") as a:
-            a.backend.capabilities = kvxfer.Capabilities()  # type: ignore[misc]  # DRAM only
-            with pytest.raises(UnsupportedError, match="VRAM"):
-                a.register(spec)
-    finally:
-        faults.uninstall()
+    with kvxfer.Agent("x", backend="faulty", inner="loopback") as a:
+        a.backend.capabilities = kvxfer.Capabilities()  # type: ignore[misc]  # DRAM only
+        with pytest.raises(UnsupportedError, match="VRAM"):
+            a.register(spec)
 
 
 def test_reregistration_is_a_new_generation() -> None:

@@ -15,7 +15,6 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -42,15 +41,6 @@ HAS_PROC = Path("/proc/self/status").exists()
 
 def rss_mb() -> float:
     return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
-
-
-@pytest.fixture
-def faulty() -> Iterator[None]:
-    faults.install()
-    try:
-        yield
-    finally:
-        faults.uninstall()
 
 
 def doc_of(raw: bytes) -> dict:
@@ -277,26 +267,9 @@ def test_agent_timeouts_must_be_finite_and_positive(bad: object) -> None:
         kvxfer.Agent("a", timeout=bad)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def pair(faulty: None) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faults.Faults, object, object]]:
-    f = faults.Faults()
-    src = make_cache("packed", num_blocks=8, seed=3, **GEOM)
-    dst = make_cache("packed", num_blocks=8, **GEOM)
-    a = kvxfer.Agent("p", backend="faulty")
-    b = kvxfer.Agent("d", backend="faulty", faults=f, timeout=0.2)
-    a.register(src.views, replicated=True)
-    b.register(dst.views, replicated=True)
-    b.add_peer(a.metadata())
-    try:
-        yield a, b, f, src, dst
-    finally:
-        a.close()
-        b.close()
-
-
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1, 0])
-def test_wait_refuses_disabled_deadlines_and_stays_usable(pair, bad: float) -> None:
-    a, b, f, src, dst = pair
+def test_wait_refuses_disabled_deadlines_and_stays_usable(faulty_pair, bad: float) -> None:
+    a, b, f, src, dst = faulty_pair
     t = b.read("p", [1], [2])
     with pytest.raises(InvalidTimeoutError):
         t.wait(bad)
@@ -304,8 +277,8 @@ def test_wait_refuses_disabled_deadlines_and_stays_usable(pair, bad: float) -> N
     np.testing.assert_array_equal(dst.layer_pages()[:, 1], src.layer_pages()[:, 2])
 
 
-def test_planning_and_posting_count_against_the_deadline(pair) -> None:
-    a, b, f, src, dst = pair
+def test_planning_and_posting_count_against_the_deadline(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     f.post_delay = 0.5  # each post takes longer than the agent's 0.2 s timeout
     with pytest.raises(TransferTimeoutError, match="posting"):
@@ -315,8 +288,8 @@ def test_planning_and_posting_count_against_the_deadline(pair) -> None:
     assert (dst.layer_pages() == SENTINEL).all()
 
 
-def test_the_default_deadline_starts_at_the_request(pair) -> None:
-    a, b, f, src, dst = pair
+def test_the_default_deadline_starts_at_the_request(faulty_pair) -> None:
+    a, b, f, src, dst = faulty_pair
     f.hang_posts = True
     t = b.read("p", [0], [0])
     time.sleep(0.3)  # past the agent's 0.2 s timeout before anyone waits

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - machines without nixl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess,
               pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA device"),
-              pytest.mark.skipif(not HAVE_NIXL, reason="needs nixl: pip install 'kvxfer[nixl]'")]
+              pytest.mark.skipif(not HAVE_NIXL, reason="needs nixl: pip install -e '.[nixl]'")]
 two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")
 
 

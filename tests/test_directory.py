@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from common import wait_until
 from etcd_fixtures import etcd_server, no_thread_left  # noqa: F401  (fixtures)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,17 +29,6 @@ from kvxfer.errors import MetadataError, UnknownPeerError
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 
 TOKEN = b"0123456789abcdef-cluster-token"
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.02)
 
 
 class Stores:

@@ -25,8 +25,8 @@ LB, RB = np.array([5, 0, 3]), np.array([2, 7, 4])
 
 def _quick_start() -> str:
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Use\n+```python\n(.*?)```", text, re.S)
-    assert block, "README has a Use section with a python block"
+    block = re.search(r"## Quick start\n.*?```python\n(.*?)```", text, re.S)
+    assert block, "README has a Quick start section with a python block"
     return block.group(1)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from hetero_caches import agent, gqa_rank, logical, untouched
+from hetero_caches import agent, assert_gathered, gqa_rank, logical, untouched
 from kvxfer.reshard import heads_of
 
 LB = np.array([5, 0, 3])
@@ -152,10 +152,7 @@ def test_each_parts_plan_seconds_excludes_the_other_parts_posts(monkeypatch: pyt
             assert st.post_seconds >= step * sum(s.posts for s in parts)
             assert st.wall_seconds is not None and st.wall_seconds >= st.post_seconds + st.plan_seconds
             assert st.seconds is not None and st.nbytes == sum(s.nbytes for s in parts)
-            for l in range(2):
-                for kv in (0, 1):
-                    assert (dec.views[(l, kv)][LB] == X[l, kv][RB]).all()
-                    assert untouched(dec.views[(l, kv)], LB)
+            assert_gathered(dec.views, X, 2, LB, RB)
     finally:
         for p in pa:
             p.close()

@@ -14,11 +14,11 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
 
 import numpy as np
 import pytest
+from common import wait_until
 from etcd_fixtures import cluster_name, etcd_server, no_thread_left, own_etcd  # noqa: F401  (fixtures)
 
 from kvxfer import Agent
@@ -32,17 +32,6 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "plu
                                                     os.environ.get("PYTHONPATH", "")]))
 MARGIN = 5.0  # slack over a deadline before "no hang" is considered broken (a loaded 2-core CI box)
 GEOMETRY = dict(blocks=16, layers=4, page=4096)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
 
 
 def start_worker(url: str, cluster: str, name: str, role: str, *, backend: str = "loopback", seed: int | None = None,
@@ -84,7 +73,7 @@ def test_a_sigkilled_worker_expires(etcd_server: EtcdServer, cluster_name: str,
 @pytest.mark.nixl
 def test_restart_with_a_new_generation_then_transfers_succeed(etcd_server: EtcdServer, cluster_name: str,
                                                               workers: list[WorkerProcess]) -> None:
-    pytest.importorskip("nixl", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+    pytest.importorskip("nixl", reason="nixl is not installed: pip install -e '.[nixl]'")
     g = GEOMETRY
     with EtcdDirectory(etcd_server.url, cluster_name, ttl=2, timeout=5) as d, \
             Agent("d0", backend="nixl", timeout=20) as decode:
@@ -252,14 +241,14 @@ def test_missing_etcd3gw_names_the_install_command() -> None:
             "try:\n    EtcdDirectory('http://127.0.0.1:1')\n"
             "except BackendUnavailableError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
-    assert "pip install 'kvxfer[etcd]'" in out.stdout, out.stderr
+    assert "pip install 'etcd3gw>=2.4'" in out.stdout, out.stderr
 
 
 @pytest.mark.nixl
 def test_fleet_example_moves_verified_requests(etcd_server: EtcdServer) -> None:
     import subprocess
 
-    pytest.importorskip("nixl", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+    pytest.importorskip("nixl", reason="nixl is not installed: pip install -e '.[nixl]'")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fleet.py"), "--prefill", "2", "--decode", "1",
                           "--requests", "4", "--etcd", etcd_server.url, "--cluster", "fleet-test"],
                          capture_output=True, text=True, env=dict(ENV, COLUMNS="120"), timeout=240)

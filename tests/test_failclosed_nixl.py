@@ -29,7 +29,7 @@ pytest.importorskip("kvxfer_nixl")
 try:
     import nixl  # noqa: F401
 except ImportError:
-    pytest.skip("nixl is not installed: pip install 'kvxfer[nixl]'", allow_module_level=True)
+    pytest.skip("nixl is not installed: pip install -e '.[nixl]'", allow_module_level=True)
 
 pytestmark = pytest.mark.nixl
 TIMEOUT = 60.0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from hetero_caches import agent, gqa_rank, logical, mla_rank, untouched
+from hetero_caches import agent, assert_gathered, gqa_rank, logical, mla_rank, untouched
 from kvxfer.errors import (BlockCountMismatchError, BlockTokensMismatchError, HeadSliceMismatchError,
                            LayoutMismatchError, PageFormatMismatchError)
 from kvxfer.reshard import heads_of, may_free, readers, sources
@@ -97,10 +97,7 @@ def test_pp_stages_gather_layer_bands_and_a_missing_layer_is_named() -> None:
             assert untouched(dec.views[(0, 0)], np.array([], dtype=int))
             g = da.read_many(LB, {"s0": RB, "s1": RB}).wait(10)
             assert sorted(g.parts) == ["s0", "s1"]
-            for l in range(layers):
-                for kv in (0, 1):
-                    assert (dec.views[(l, kv)][LB] == X[l, kv][RB]).all()
-                    assert untouched(dec.views[(l, kv)], LB)
+            assert_gathered(dec.views, X, layers, LB, RB)
     finally:
         for p in pa:
             p.close()

@@ -220,4 +220,4 @@ def test_metrics_without_prometheus_client_give_the_install_command() -> None:
         except ImportError as e:
             print(type(e).__name__, e)
     """)
-    assert "MissingDependencyError" in r.stdout and "pip install 'kvxfer[metrics]'" in r.stdout
+    assert "MissingDependencyError" in r.stdout and "pip install 'prometheus-client>=0.17'" in r.stdout

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from geometry_strategies import (SENTINEL, Model, RegionGeom, SideGeom, apply_plan, block_pairs, inside_allocations, models,
                                  no_overlap, pattern, reference_copy, side_geoms)
-from kvxfer import (Allocation, BlockCountMismatchError, BlockIdOutOfRangeError, HeadSliceMismatchError, KVCacheSpec,
+from kvxfer import (Allocation, BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, HeadSliceMismatchError, KVCacheSpec,
                     LayoutMismatchError,
                     Member, Op, PackedLayout, Region, TransferPlan, plan)
 
@@ -358,13 +358,18 @@ def test_layout_mismatch_diff_includes_other_fields() -> None:
     assert {"layout", "block_tokens", "members"} <= fields
 
 
-@pytest.mark.parametrize("blocks", [[-1], [NB], [0, 2**40], np.array([1.0]), np.array([True]), ["a"],
-                                    np.array([2**63], dtype=np.uint64)])
-def test_block_ids_out_of_range_or_not_integers(blocks) -> None:
-    with pytest.raises(BlockIdOutOfRangeError):
-        plan(packed(), packed(base=1 << 24), blocks, [0] * len(blocks))
-    with pytest.raises(BlockIdOutOfRangeError):
-        plan(packed(), packed(base=1 << 24), [0] * len(blocks), blocks)
+@pytest.mark.parametrize("blocks,error", [
+    ([-1], BlockIdOutOfRangeError), ([NB], BlockIdOutOfRangeError), ([0, 2**40], BlockIdOutOfRangeError),
+    (np.array([2**63], dtype=np.uint64), BlockIdOutOfRangeError),
+    # Not integers: a typed error of their own, never rounded to a block.
+    (np.array([1.0]), BlockIdTypeError), ([1.0], BlockIdTypeError), (np.array([True]), BlockIdTypeError),
+    (["a"], BlockIdTypeError), ("01", BlockIdTypeError), ([[0], [1, 2]], BlockIdTypeError)])
+def test_block_ids_out_of_range_or_not_integers(blocks, error) -> None:
+    n = len(blocks)
+    with pytest.raises(error):
+        plan(packed(), packed(base=1 << 24), blocks, [0] * n)
+    with pytest.raises(error):
+        plan(packed(), packed(base=1 << 24), [0] * n, blocks)
 
 
 def test_block_counts_must_match() -> None:

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common import Errors
 from kvxfer.errors import HandshakeError, KvxferError
 from kvxfer.sidechannel import (
     DEFAULT_MAX_MESSAGE,
@@ -46,24 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 PREFILL = b"prefill-agent\x00" + bytes(range(256)) * 8
 DECODE = b"decode-agent\x00" + bytes(range(255, -1, -1)) * 8
 TOKEN = "test-token"
-
-
-class Errors:
-    """Collects what the server reports through ``on_error``, with a blocking ``get``."""
-
-    def __init__(self) -> None:
-        self.q: queue.Queue[HandshakeError] = queue.Queue()
-
-    def __call__(self, error: HandshakeError) -> None:
-        self.q.put(error)
-
-    def get(self) -> HandshakeError:
-        return self.q.get(timeout=30)
-
-
-@pytest.fixture
-def errors() -> Errors:
-    return Errors()
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from common import Errors
 from kvxfer.errors import InvalidTimeoutError
 from kvxfer.sidechannel import (
     HEADER_SIZE,
@@ -41,22 +42,6 @@ REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hostile-test-token"
 PREFILL = b"prefill-metadata:" + bytes(range(256)) * 4
 DECODE = b"decode-metadata:" + bytes(range(256)) * 4
-
-
-class Errors:
-    def __init__(self) -> None:
-        self.q: queue.Queue[HandshakeError] = queue.Queue()
-
-    def __call__(self, error: HandshakeError) -> None:
-        self.q.put(error)
-
-    def get(self) -> HandshakeError:
-        return self.q.get(timeout=30)
-
-
-@pytest.fixture
-def errors() -> Errors:
-    return Errors()
 
 
 @pytest.fixture

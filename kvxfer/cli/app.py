@@ -28,12 +28,19 @@ def build_parser() -> Parser:
 
     ap = Parser(prog="kvxfer", description="Move KV-cache blocks between inference workers.")
     ap.add_argument("--version", action="version", version=f"kvxfer {__version__}")
-    ap.add_argument("-v", "--verbose", action="count", default=0,
-                    help="log to stderr through the 'kvxfer' logger (-v: info, -vv: debug)")
+    _verbose(ap, 0)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for mod in (backends, plan, bench, demo, doctor):
         mod.add_parser(sub)
+    for p in sub.choices.values():  # global options work after the subcommand too
+        _verbose(p, argparse.SUPPRESS)
     return ap
+
+
+def _verbose(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="log to stderr through the 'kvxfer' logger (-v: info, -vv: debug); before or after "
+                        "the command")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

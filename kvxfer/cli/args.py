@@ -1,7 +1,7 @@
 """Argument types and flags the subcommands share.
 
 Apart from :mod:`kvxfer.cli.app` (which imports every subcommand to build the parser) so a
-subcommand, or :mod:`kvxfer.demo`, can use them without importing the parser back.
+subcommand (the demo included) can use them without importing the parser back.
 """
 
 from __future__ import annotations
@@ -12,23 +12,21 @@ __all__ = ["positive_int", "int_list", "rank_of", "plain", "add_json"]
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+    """argparse type: an integer >= 1; ``_`` and ``,`` group digits, a ``k`` suffix means x1024."""
+    part = text.strip().lower().replace("_", "").replace(",", "")
+    mult = 1024 if part.endswith("k") else 1
     try:
-        v = int(text.replace("_", "").replace(",", ""))
+        v = int(part[:-1] if mult > 1 else part) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer such as 4096 or 4k, got {text!r}") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
 
 
 def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers (``1024,4096``); ``k`` means x1024."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        mult = 1024 if part.endswith("k") else 1
-        out.append(positive_int(part[:-1] if mult > 1 else part) * mult)
+    """argparse type: comma-separated positive integers (``1024,4k``); ``k`` means x1024."""
+    out = [positive_int(part) for part in text.split(",") if part.strip()]
     if not out:
         raise argparse.ArgumentTypeError("expected at least one value")
     return out

@@ -7,7 +7,7 @@ from typing import Any
 
 from .args import add_json
 from .output import emit_json
-from .table import Column, print_table
+from ..table import Column, print_table
 
 __all__ = ["add_parser", "backend_rows"]
 

@@ -19,13 +19,15 @@ from typing import Any
 import numpy as np
 
 from .args import add_json, int_list, plain, positive_int
-from .output import CliError, check_memory, emit_json
-from .table import Column, count, print_table
+from ..extras import install_hint
+from .output import CliError, check_memory, emit_json, require_cuda
+from .progress import Steps
+from ..table import Column, count, print_table
 
 __all__ = ["add_parser", "run", "plot"]
 
 LAYOUTS = {"packed": True, "layers": False}
-PLOT_INSTALL = "pip install 'kvxfer[plot]'"
+PLOT_INSTALL = install_hint("plot")
 
 
 def add_parser(sub: Any) -> None:
@@ -42,12 +44,15 @@ def add_parser(sub: Any) -> None:
                         "default packed:packed,layers:packed")
     p.add_argument("--op", choices=("read", "write"), default="read", help="read pulls into the local cache, "
                                                                             "write pushes into the remote one")
-    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per point, after one warm-up")
-    p.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per point, after one warm-up "
+                                                                  "(default 3)")
+    p.add_argument("--memory", choices=("DRAM", "VRAM"), default="DRAM",
+                   help="where both caches live: host memory (DRAM, the default) or GPU memory (VRAM, needs CUDA)")
     p.add_argument("--options", default="{}", metavar="JSON", help="backend options, for example "
                                                                    "'{\"progress_thread\": true}'")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds")
+    p.add_argument("--seed", type=int, default=0, help="seed of the source bytes and of the random block ids "
+                                                          "(default 0)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds (default 120)")
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s and descriptors against request size "
                                                       f"(needs matplotlib: {PLOT_INSTALL})")
     add_json(p)
@@ -83,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]], d
         if not os.path.isdir(folder):
             raise CliError(f"--plot: folder {folder} does not exist")
         _pyplot()  # fail before measuring, not after
+    if args.memory == "VRAM":
+        require_cuda("--memory VRAM")
     caps = get_backend_class(args.backend).capabilities
     if args.processes == 2 and not caps.cross_process:
         raise CliError(f"backend {args.backend!r} cannot cross processes; use --processes 1")
@@ -114,30 +121,40 @@ def run(args: argparse.Namespace) -> int:
     if args.memory == "DRAM":  # the remote cache and one local cache at a time
         check_memory(2 * pool * geometry.row, "this bench")
     rows: list[dict[str, Any]] = []
-    progress, task = _progress(len(layouts) * len(sizes) * (args.repeat + 1))
-    with progress:
+    fill = f"{pool:,} blocks of {geometry.row / 1e6:.2f} MB"
+    with Steps("kvxfer bench", len(layouts) * len(sizes) * (args.repeat + 1)) as steps:
         for remote_layout in dict.fromkeys(r for _, r in layouts):
             if args.processes == 2:
-                peer: Any = PeerProcess.spawn(args.backend, name="remote", preset=args.preset, layout=remote_layout,
-                                              blocks=pool, memory=args.memory, options=options,
-                                              seed=args.seed if source_remote else None, timeout=args.timeout)
+                with steps.step(f"starting the remote process ({remote_layout}, {fill}"
+                                f"{', filled' if source_remote else ''})"):
+                    peer: Any = PeerProcess.spawn(args.backend, name="remote", preset=args.preset,
+                                                  layout=remote_layout, blocks=pool, memory=args.memory,
+                                                  options=options, seed=args.seed if source_remote else None,
+                                                  timeout=args.timeout)
             else:
-                cache = allocate(geometry, pool, packed=LAYOUTS[remote_layout], memory=args.memory)
-                if source_remote:
-                    cache.fill_blocks(args.seed)
-                peer = InProcessPeer(args.backend, cache, name="remote", options=options)
+                with steps.step(f"allocating the remote cache ({remote_layout}, {fill}"
+                                f"{', filled' if source_remote else ''})"):
+                    cache = allocate(geometry, pool, packed=LAYOUTS[remote_layout], memory=args.memory)
+                    if source_remote:
+                        cache.fill_blocks(args.seed)
+                    peer = InProcessPeer(args.backend, cache, name="remote", options=options)
             try:
                 for local_layout in (lo for lo, r in layouts if r == remote_layout):
-                    local = allocate(geometry, pool, packed=LAYOUTS[local_layout], memory=args.memory)
-                    if not source_remote:
-                        local.fill_blocks(args.seed)
+                    with steps.step(f"allocating the local cache ({local_layout}, {fill}"
+                                    f"{', filled' if not source_remote else ''})"):
+                        local = allocate(geometry, pool, packed=LAYOUTS[local_layout], memory=args.memory)
+                        if not source_remote:
+                            local.fill_blocks(args.seed)
                     with Agent("local", backend=args.backend, timeout=args.timeout, **options) as agent:
-                        local.register(agent)
-                        name = agent.add_peer(peer.metadata)
-                        agent.read(name, [], []).wait()  # connect outside the timed runs
+                        with steps.step("registering and connecting"):
+                            local.register(agent)
+                            name = agent.add_peer(peer.metadata)
+                            agent.read(name, [], []).wait()  # connect outside the timed runs
                         for tokens in sizes:
                             n = geometry.blocks_for(tokens)
-                            pt = _measure(args, agent, name, peer, local, n, pool, lambda: progress.advance(task))
+                            point = f"{local_layout}:{remote_layout} {tokens:,} tokens"
+                            with steps.step(f"{point}, {args.repeat + 1} runs"):
+                                pt = _measure(args, agent, name, peer, local, n, pool, steps, point)
                             rows.append(_row(args, f"{local_layout}:{remote_layout}", tokens, n, pt))
                     del local
             finally:
@@ -145,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     order = [f"{lo}:{r}" for lo, r in layouts]
     rows.sort(key=lambda r: (order.index(r["layout"]), r["tokens"]))
     if args.plot:
-        plot(rows, args.plot, title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, "
-                                    f"{geometry.name}, {args.memory}")
+        plot(rows, args.plot, title=f"kvxfer bench: {args.backend}, {processes(args.processes)}, {args.op}, "
+                                    f"{geometry.name}, {args.memory}", note=caption(rows, args.backend))
     if args.json:
         emit_json(rows)
         return 0
@@ -156,28 +173,34 @@ def run(args: argparse.Namespace) -> int:
                        Column("median_seconds", "median ms", lambda v: f"{v * 1e3:.2f}"),
                        Column("gbps", "GB/s", "{:.2f}"), Column("plan_seconds", "plan ms", lambda v: f"{v * 1e3:.3f}"),
                        Column("verified", "verified runs")],
-                title=f"kvxfer bench: {args.backend}, {args.processes} process(es), {args.op}, {geometry.name} "
+                title=f"kvxfer bench: {args.backend}, {processes(args.processes)}, {args.op}, {geometry.name} "
                       f"({geometry.row / 1e6:.2f} MB rows), {args.memory}; median of {args.repeat}",
                 caption=f"plot: {args.plot}" if args.plot else None)
     return 0
 
 
 def _measure(args: argparse.Namespace, agent: Any, name: str, peer: Any, local: Any, n: int, pool: int,
-             tick: Any) -> _Point:
-    from ..demo import VerificationError
+             steps: Steps, point: str) -> _Point:
+    from ..errors import VerificationError
 
     rng = np.random.default_rng((args.seed, n))
     src, dst = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
     pt = _Point()
     for i in range(args.repeat + 1):  # run 0 warms up (plans, prepared lists, page faults)
-        if args.op == "read":
-            local.reset()
-            t = agent.read(name, dst, src).wait(args.timeout)
-            problem = local.verify(dst, src, args.seed)
-        else:
-            peer.call({"cmd": "fill", "byte": 0xAA})
-            t = agent.write(name, src, dst).wait(args.timeout)
-            problem = peer.call({"cmd": "verify", "dst": dst.tolist(), "src": src.tolist(), "seed": args.seed})["problem"]
+        run = "warm-up" if i == 0 else f"run {i}/{args.repeat}"
+        with steps.step(f"{point}, {run}: transfer"):
+            if args.op == "read":
+                local.reset()
+                t = agent.read(name, dst, src).wait(args.timeout)
+            else:
+                peer.call({"cmd": "fill", "byte": 0xAA})
+                t = agent.write(name, src, dst).wait(args.timeout)
+        with steps.step(f"{point}, {run}: verifying {n:,} blocks and the sentinel"):
+            if args.op == "read":
+                problem = local.verify(dst, src, args.seed)
+            else:
+                problem = peer.call({"cmd": "verify", "dst": dst.tolist(), "src": src.tolist(),
+                                     "seed": args.seed})["problem"]
         if problem:
             raise VerificationError(f"VERIFY FAILED at {n} blocks: {problem}")
         pt.verified += 1
@@ -185,7 +208,7 @@ def _measure(args: argparse.Namespace, agent: Any, name: str, peer: Any, local: 
             pt.seconds.append(t.stats.seconds)
             pt.plan.append(t.stats.plan_seconds)
         pt.stats = t.stats
-        tick()
+        steps.advance()
     return pt
 
 
@@ -195,19 +218,8 @@ def _row(args: argparse.Namespace, layout: str, tokens: int, blocks: int, pt: _P
     return {"backend": args.backend, "processes": args.processes, "op": args.op, "memory": args.memory,
             "preset": args.preset, "layout": layout, "tokens": tokens, "blocks": blocks,
             "descriptors": s.descriptors, "posts": s.posts, "bytes": s.nbytes, "mode": s.mode, "path": s.path,
-            "median_seconds": med, "min_seconds": min(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
+            "median_seconds": med, "min_seconds": min(pt.seconds), "max_seconds": max(pt.seconds), "gbps": s.nbytes / med / 1e9 if med else None,
             "plan_seconds": statistics.median(pt.plan), "verified": pt.verified}
-
-
-def _progress(total: int) -> tuple[Any, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .table import console
-
-    con = console(stderr=True)
-    progress = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con,
-                        transient=True, disable=not con.is_terminal)
-    return progress, progress.add_task("bench", total=total)
 
 
 def _pyplot() -> Any:
@@ -223,27 +235,64 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
-    """GB/s and descriptors per transfer against request size, one line per layout pair."""
+def processes(n: int) -> str:
+    return "1 process" if n == 1 else f"{n} processes"
+
+
+def caption(rows: list[dict[str, Any]], backend: str) -> str:
+    """What the backend's cost per descriptor means for the layouts, from these rows."""
+    top = max(r["tokens"] for r in rows)
+    last = {r["layout"]: r for r in rows if r["tokens"] == top and r["gbps"]}
+    base = last.get("packed:packed")
+    out = []
+    if base is not None:
+        for layout, r in last.items():
+            if layout != "packed:packed":
+                out.append(f"at {top:,} tokens, {layout} carries {r['descriptors'] / base['descriptors']:,.0f}x "
+                           f"the descriptors of packed:packed and moves at {r['gbps'] / base['gbps']:.2f}x its GB/s")
+    if backend == "loopback":
+        why = ("loopback copies with memmove inside one process, so a descriptor costs little more than its bytes "
+               "and both layouts run at memory speed; over a transport each descriptor is a work request, and "
+               "per-layer layouts pay for every one (BENCHMARKS.md)")
+    else:
+        why = (f"{backend} pays per descriptor, so the layouts that need fewer descriptors per block move faster "
+               "for the same bytes")
+    text = "; ".join(out + [why])
+    return text[0].upper() + text[1:] + ". Points: median; bars: min to max of the timed runs."
+
+
+def plot(rows: list[dict[str, Any]], path: str, *, title: str, note: str = "") -> None:
+    """GB/s (median, min-max bars) and descriptors per transfer against request size, one line per
+    layout pair, with ``note`` as the caption under both panels."""
+    import textwrap
+
     plt = _pyplot()
-    fig, (ax_bw, ax_desc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_bw, ax_desc) = plt.subplots(1, 2, figsize=(11, 4.8))
     for layout in dict.fromkeys(r["layout"] for r in rows):
         mine = [r for r in rows if r["layout"] == layout]
         xs = [r["tokens"] for r in mine]
-        ax_bw.plot(xs, [r["gbps"] for r in mine], marker="o", label=layout)
+        med = [r["gbps"] for r in mine]
+        lo = [r["bytes"] / r["max_seconds"] / 1e9 if r.get("max_seconds") else g for r, g in zip(mine, med)]
+        hi = [r["bytes"] / r["min_seconds"] / 1e9 if r.get("min_seconds") else g for r, g in zip(mine, med)]
+        ax_bw.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+                       marker="o", capsize=3, label=layout)
         ax_desc.plot(xs, [r["descriptors"] for r in mine], marker="o", label=layout)
     sizes = sorted({r["tokens"] for r in rows})
-    for ax, ylabel in ((ax_bw, "GB/s (median)"), (ax_desc, "descriptors per transfer")):
+    for ax, ylabel in ((ax_bw, "GB/s (median; bars: min-max)"), (ax_desc, "descriptors per transfer")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [f"{x:,}" for x in sizes])
         ax.minorticks_off()
+        ax.margins(x=0.08, y=0.12)  # no marker cut in half at an edge
         ax.set_xlabel("request size (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(title="local:remote")
     ax_desc.set_yscale("log")
-    ax_bw.set_ylim(bottom=0)
+    ax_bw.set_ylim(bottom=0, top=max(r["bytes"] / r["min_seconds"] / 1e9 if r.get("min_seconds") else r["gbps"] or 0
+                                     for r in rows) * 1.15 or None)
     fig.suptitle(title)
-    fig.tight_layout()
+    if note:
+        fig.text(0.01, 0.01, "\n".join(textwrap.wrap(note, 160)), fontsize=8, va="bottom", ha="left")
+    fig.tight_layout(rect=(0, 0.1 if note else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

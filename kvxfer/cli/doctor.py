@@ -20,13 +20,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..extras import install_hint
 from .args import add_json
 from .output import CliError, emit_json
-from .table import Column, print_table
+from ..table import Column, print_table
 
 __all__ = ["add_parser", "run", "Check"]
 
 PROBE_TIMEOUT = 60.0
+#: Where the token is looked for when --token is not given (the vLLM connector's default too).
+TOKEN_ENV = "KVXFER_TOKEN"
 MARK = "KVXFER-DOCTOR "
 
 
@@ -44,7 +47,8 @@ def add_parser(sub: Any) -> None:
                                    "and its transports, CUDA, CPUs and progress threads, the side channel. Each "
                                    "problem comes with a fix; the exit status is 1 when a check fails.")
     p.add_argument("--peer", metavar="HOST:PORT", help="also fetch metadata from a running side-channel server")
-    p.add_argument("--token", default=None, help="the side channel's shared secret, for --peer")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None, help=f"the side channel's shared secret, for --peer "
+                                                                       f"(default: ${TOKEN_ENV})")
     p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:0",
                    help="where to try serving the side channel (default 127.0.0.1:0, a free local port)")
     add_json(p)
@@ -101,11 +105,11 @@ def check_nixl() -> list[Check]:
 
     if importlib.util.find_spec("nixl") is None:
         return [Check("nixl", "warn", "not installed: the nixl backend is unavailable",
-                      "pip install 'kvxfer[nixl]'")]
+                      install_hint("nixl"))]
     data, err = _probe(_NIXL_PROBE, {"NIXL_LOG_LEVEL": "ERROR"})
     if data is None:
         return [Check("nixl", "fail", f"installed, but creating an agent failed: {err}",
-                      "reinstall it (pip install --force-reinstall 'kvxfer[nixl]'); if its UCX plugin is missing, "
+                      f"reinstall it ({install_hint('nixl').replace('pip install', 'pip install --force-reinstall', 1)}); if its UCX plugin is missing, "
                       "point NIXL_PLUGIN_DIR at the folder holding libplugin_UCX.so")]
     if "UCX" not in data["backends"]:
         return [Check("nixl", "fail", f"nixl {data['version']} has no UCX backend (plugins: "
@@ -190,11 +194,11 @@ def check_ucx(gpus: int) -> list[Check]:
     try:
         from kvxfer_ucx._libucp import LIBUCP_ENV, find_libucp
     except ImportError:
-        return [Check("ucx", "warn", "the ucx plugin is not installed", "pip install 'kvxfer[ucx]'")]
+        return [Check("ucx", "warn", "the ucx plugin is not installed", "pip install -e . in a kvxfer checkout")]
     lib = find_libucp()
     if lib is None:
         return [Check("ucx", "warn", "libucp.so not found: the ucx backend is unavailable",
-                      f"pip install 'kvxfer[ucx]', or point {LIBUCP_ENV} at a system libucp.so")]
+                      f"{install_hint('ucx')}, or point {LIBUCP_ENV} at a system libucp.so")]
     tls, version, err = ucx_transports()
     if tls is None:
         return [Check("ucx", "warn", f"libucp at {lib}; cannot list transports: {err}",
@@ -260,17 +264,16 @@ def check_cpus() -> list[Check]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     out = [Check("cpus", "ok", f"{usable} usable of {total}; load {load:.1f}")]
     if usable <= 2:
-        out.append(Check("progress thread", "warn",
-                         f"NIXL's progress thread busy-spins a whole core; with {usable} usable core(s) it starves "
-                         "the threads that move bytes (measurements: BENCHMARKS.md, NIXL section)",
-                         "keep progress_thread off (the default) and let the target call Agent.progress() or "
-                         "Agent.notifications() while it waits"))
+        # Off by default, so nothing is wrong: say why it should stay off here.
+        out.append(Check("progress thread", "info",
+                         f"off (the default), as it should be: NIXL's progress thread busy-spins a whole core, and "
+                         f"with {usable} usable core(s) it would starve the threads that move bytes "
+                         "(measurements: BENCHMARKS.md, NIXL section)"))
     else:
         out.append(Check("progress thread", "ok", f"{usable} cores: one spinning progress thread per agent fits; "
                                                   "still off by default"))
     if load > usable:
-        out.append(Check("load", "warn", f"load {load:.1f} on {usable} cores: measurements will be noisy",
-                         "benchmark on an idle machine, or pin processes with taskset"))
+        out.append(Check("load", "info", f"load {load:.1f} on {usable} cores: benchmarks run now will be noisy"))
     return out
 
 
@@ -320,12 +323,17 @@ def check_sidechannel(listen: tuple[str, int], peer: tuple[str, int] | None, tok
                          "add it to /etc/hosts or DNS, or give peers an IP address"))
     else:
         if addr.startswith("127."):
-            out.append(Check("hostname", "warn", f"{socket.gethostname()!r} resolves to {addr}: peers on other hosts "
-                                                 "cannot reach a server bound by hostname",
-                             "bind MetadataServer to an interface address (or 0.0.0.0) and give peers that address"))
+            # Right for one host; a multi-host deployment binds an interface address instead.
+            out.append(Check("hostname", "info", f"{socket.gethostname()!r} resolves to {addr}: peers on other hosts "
+                                                 "cannot reach a server bound by hostname; bind an interface address",
+                             "kvxfer doctor --listen ADDRESS:0 checks serving on that address"))
         else:
             out.append(Check("hostname", "ok", f"{socket.gethostname()!r} resolves to {addr}"))
-    if peer is not None:
+    if peer is not None and token is None:
+        out.append(Check("peer", "fail", f"{peer[0]}:{peer[1]}: no token to prove to the peer's side channel",
+                         f"kvxfer doctor --peer {peer[0]}:{peer[1]} --token TOKEN (or set {TOKEN_ENV}), the secret "
+                         "the peer's server was started with"))
+    elif peer is not None:
         try:
             t0 = time.perf_counter()
             md = fetch(peer[0], peer[1], token=token, timeout=10)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import sys
 from typing import IO, Any, Iterator
 
-from .table import dumps
+from ..table import dumps
 
-__all__ = ["CliError", "json_stdout", "emit_json", "check_memory"]
+__all__ = ["CliError", "json_stdout", "emit_json", "check_memory", "cuda_devices", "require_cuda"]
 
 
 class CliError(Exception):
@@ -63,3 +64,33 @@ def check_memory(nbytes: int, what: str) -> None:
     if nbytes > 0.8 * available:
         raise CliError(f"{what} needs about {nbytes / 1e9:.1f} GB of host memory and {available / 1e9:.1f} GB is "
                        "available; pass a smaller --tokens or a smaller model")
+
+
+def cuda_devices() -> int:
+    """GPUs torch sees; 0 without importing torch on machines that have no NVIDIA device node."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except (RuntimeError, AssertionError):  # a CPU-only torch build
+        return 0
+
+
+def require_cuda(option: str) -> int:
+    """The GPUs torch sees, or a one-line refusal of ``option`` that says what is missing."""
+    n = cuda_devices()
+    if n:
+        return n
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        why = "this machine has no NVIDIA device"
+    else:
+        try:
+            import torch  # noqa: F401
+            why = "torch sees no CUDA device (a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them)"
+        except ImportError:
+            why = "torch is not installed (pip install torch)"
+    raise CliError(f"{option} needs a CUDA device that torch can see: {why}; use --memory DRAM")

@@ -8,6 +8,7 @@ boundaries, and the reason the planner chose that.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -15,9 +16,12 @@ import numpy as np
 
 from .args import add_json, positive_int, rank_of
 from .output import CliError, emit_json
-from .table import Column, count, print_table
+from ..table import Column, count, print_table
 
-__all__ = ["add_parser", "plan_rows", "explain"]
+__all__ = ["add_parser", "plan_rows", "explain", "EXIT_REFUSED"]
+
+#: Exit status when a pairing is refused (the table or JSON still says why).
+EXIT_REFUSED = 1
 
 
 def add_parser(sub: Any) -> None:
@@ -147,12 +151,20 @@ def run(args: argparse.Namespace) -> int:
                                Column("row_bytes", "row bytes", count), "description"])
         return 0
     rows = plan_rows(_sides(args), args.tokens, args.seed)
+    refused = sum(r["mode"] == "refused" for r in rows)
     if args.json:
         emit_json(rows)
-        return 0
+    else:
+        _print(rows, args)
+    if refused:  # scripts use `kvxfer plan` as a check: a refused pairing is a failure
+        print(f"kvxfer plan: {refused} of {len(rows)} pairing(s) refused", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print_table(rows, [Column("local"), Column("remote"), Column("blocks", fmt=count),
                        Column("descriptors", fmt=count), Column("bytes", "GB", lambda v: f"{v / 1e9:.2f}"),
                        Column("mode"), Column("plan_seconds", "plan ms", lambda v: f"{v * 1e3:.3f}"),
                        Column("why")],
                 title=f"{args.tokens:,}-token request; plan ms includes matching members for a new pair of specs")
-    return 0

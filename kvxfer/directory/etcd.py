@@ -22,13 +22,14 @@ from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import BackendUnavailableError
+from ..extras import install_hint
 from .base import Directory, OnChange, Store, StoredItem
 from .entry import DirectoryError, DirectoryUnavailableError, LeaseLostError, ResyncNeeded
 from .keys import prefix_end
 
 __all__ = ["EtcdStore", "EtcdDirectory", "INSTALL"]
 
-INSTALL = "pip install 'kvxfer[etcd]'"
+INSTALL = install_hint("etcd")
 #: Largest watch message accepted (a full metadata record is at most 16 MiB, base64 adds 1/3).
 MAX_WATCH_LINE = 64 << 20
 

@@ -11,14 +11,16 @@ checks each promise.
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UnknownOptionError
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 
-__all__ = ["Backend", "Capabilities"]
+__all__ = ["Backend", "Capabilities", "backend_options", "check_options"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,11 @@ class Backend(abc.ABC):
     peers_authenticated: bool = False
 
     def __init__(self, agent_name: str, /, **options: Any) -> None:
-        """Subclasses take their options keyword-only: ``def __init__(self, agent_name, *, opt=...)``."""
+        """Subclasses take their options keyword-only: ``def __init__(self, agent_name, *, opt=...)``.
+
+        Options a subclass passes on to here were not recognised by anyone: refused.
+        """
+        check_options(type(self), options, strict=True)
         self.agent_name = agent_name
 
     # memory
@@ -127,3 +133,31 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def backend_options(cls: type[Backend]) -> tuple[tuple[str, ...], bool]:
+    """The options ``cls(agent_name, **options)`` names, and whether it also takes ``**kwargs``."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, agent_name
+    except (TypeError, ValueError):
+        return (), True
+    named = tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def check_options(cls: type[Backend], options: Mapping[str, Any], *, strict: bool = False) -> None:
+    """Refuse options the backend does not take, naming the ones it does.
+
+    The core calls this before constructing a backend, so every backend (a third party's
+    included) refuses a misspelt option the same way. A backend whose ``__init__`` takes
+    ``**options`` is trusted to check them itself, or to pass them on to
+    :meth:`Backend.__init__`, which refuses any that arrive there (``strict``).
+    """
+    named, var = backend_options(cls)
+    if var and not strict:
+        return
+    unknown = sorted(set(options) - set(named)) if not strict else sorted(options)
+    if unknown:
+        valid = ", ".join(named) if named else "none"
+        raise UnknownOptionError(f"backend {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
+                                 f"its options: {valid}", tuple(named))

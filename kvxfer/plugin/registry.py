@@ -350,11 +350,19 @@ def available_backends() -> list[BackendStatus]:
     return sorted(out, key=lambda s: s.name)
 
 
+def blocked_plugins() -> set[str]:
+    """The plugin names ``KVXFER_BLOCK_PLUGINS`` hides."""
+    return set(_split(os.environ.get(BLOCK_ENV, "")))
+
+
 def get_backend_class(name: str) -> type[Backend]:
     reg = registry()
     conflict = next((c for c in _conflicts if c.name == name), None)
     if name not in reg and conflict is not None:
         raise BackendNameConflictError(conflict.message)
+    if name not in reg and name in blocked_plugins():
+        raise UnknownBackendError(f"backend {name!r} is blocked by {BLOCK_ENV}={os.environ.get(BLOCK_ENV, '')}; "
+                                  f"remove {name} from it to use that backend")
     if name not in reg:
         known = ", ".join(sorted(reg)) or "none"
         blocked = os.environ.get(BLOCK_ENV)

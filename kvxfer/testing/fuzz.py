@@ -224,7 +224,7 @@ def run_campaign(count: int, backends: list[str] | None = None, **kw: Any) -> li
 
 
 def _print(results: list[Result]) -> None:
-    from ..cli.table import Column, count, print_table
+    from ..table import Column, count, print_table
 
     rows = [{"backend": r.backend, "inputs": r.inputs, **{k: r.outcomes[k] for k in OUTCOMES},
              "restarts": r.restarts, "rate": r.inputs / max(r.seconds, 1e-9), "slowest": r.max_ms} for r in results]

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = soak(args.backend, args.count, blocks=args.blocks, seed=args.seed, verify_every=args.verify_every,
              progress=True)
-    from ..cli.table import Column, count, print_table
+    from ..table import Column, count, print_table
 
     row = {**asdict(r), "rw": f"{r.reads:,}/{r.writes:,}", "mb": r.bytes_moved / 1e6,
            "rss": f"{r.rss_growth_mb:+.1f} / {r.peer_rss_growth_mb:+.1f}",

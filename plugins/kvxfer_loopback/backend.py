@@ -30,6 +30,7 @@ import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.spans import SpanIndex
+from kvxfer.extras import install_hint
 from kvxfer.errors import BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
 
 _LIVE: dict[str, "LoopbackBackend"] = {}
@@ -83,9 +84,7 @@ class LoopbackBackend(Backend):
     )
 
     def __init__(self, agent_name: str, **options: Any) -> None:
-        super().__init__(agent_name, **options)
-        if options:
-            raise BackendError(f"loopback takes no options, got {sorted(options)}")
+        super().__init__(agent_name, **options)  # the core refuses any option: loopback takes none
         self._token = secrets.token_hex(16)
         self._regs: dict[int, tuple[Allocation, ...]] = {}
         self._ids = itertools.count(1)
@@ -200,7 +199,7 @@ class LoopbackBackend(Backend):
         try:
             import torch
         except ImportError:
-            raise UnsupportedError("VRAM copies in the loopback backend need torch: pip install 'kvxfer[torch]'") from None
+            raise UnsupportedError(f"VRAM copies in the loopback backend need torch: {install_hint('torch')}") from None
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         keep: list[Any] = []

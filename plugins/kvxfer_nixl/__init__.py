@@ -1,4 +1,4 @@
-"""kvxfer's NIXL backend: ``pip install 'kvxfer[nixl]'``, then ``Agent(name, backend="nixl")``.
+"""kvxfer's NIXL backend: ``pip install -e '.[nixl]'`` from a checkout, then ``Agent(name, backend="nixl")``.
 
 This module registers the backend and imports nothing heavy: ``nixl`` is imported from
 :mod:`kvxfer_nixl.backend` only when an agent first uses it, so ``kvxfer backends`` on a
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kvxfer.extras import install_hint
 from kvxfer.plugin import hookimpl
 
 __all__ = ["kvxfer_register_backends"]
@@ -25,6 +26,6 @@ def kvxfer_register_backends(register: Callable[..., None]) -> None:
         "nixl",
         "kvxfer_nixl.backend:NixlBackend",
         requires=("nixl",),
-        install="pip install 'kvxfer[nixl]'",
+        install=install_hint("nixl"),
         summary="NVIDIA NIXL (UCX: NVLink, RDMA, TCP, shared memory); DRAM and VRAM",
     )

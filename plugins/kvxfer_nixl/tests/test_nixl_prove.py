@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 

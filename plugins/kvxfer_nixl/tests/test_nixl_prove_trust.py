@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 
 from kvxfer import Agent  # noqa: E402
 from kvxfer.tokens import NO_AUTH  # noqa: E402

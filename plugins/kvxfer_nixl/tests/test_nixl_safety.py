@@ -24,7 +24,7 @@ from kvxfer import Agent, AgentMetadata, DescriptorList, MemoryKind, Op
 from kvxfer.errors import MetadataError, OutOfRegistrationError, StalePeerError
 from kvxfer.memory import Allocation
 
-nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 from kvxfer_nixl import _blob  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,109 @@
+"""The docs run: every Python block of README.md, CONTRIBUTING.md and docs/, and every
+``$ kvxfer ...`` example, is executed here, and each example's output has the doc's shape.
+
+A Python block runs on its own in a fresh interpreter from the repository root, exactly as a
+reader would paste it (no hidden set-up), so a block that needs a name it does not define
+fails. A block that is only a sketch carries ``<!-- sketch: NAME -->`` and is excluded by that
+name in :data:`SKETCHES`; marking a new one without naming it here fails too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from doc_blocks import REPO, Block, Example, all_blocks, cli_examples, shape
+
+#: Sketches, by name: why each cannot run here, and what runs the same calls instead.
+SKETCHES = {
+    "fleet-etcd": "needs an etcd at the address shown; examples/fleet.py makes the same calls "
+                  "(tests/test_etcd.py::test_fleet_example_moves_verified_requests)",
+}
+
+#: Examples that are not ``kvxfer`` commands, and the test that runs them instead.
+RUN_ELSEWHERE = {
+    "python examples/fleet.py --prefill 3 --decode 2 --requests 24":
+        "tests/test_etcd.py::test_fleet_example_moves_verified_requests (needs etcd)",
+}
+
+#: Examples that would take minutes or write into the repository run smaller here; their
+#: tables must still have the doc's columns (``headers``), not its row count.
+SMALLER = {
+    "kvxfer bench --tokens 256,1k,4k,16k --repeat 3 --plot docs/bench-loopback.png":
+        ["bench", "--tokens", "256,1k", "--repeat", "1"],
+    "kvxfer demo": ["demo", "--tokens", "1k"],
+}
+#: Output that depends on the machine: only the tables' columns are compared.
+HEADERS_ONLY = {"kvxfer doctor", *SMALLER}
+#: Examples the doc shows failing on purpose (a refused plan still prints why), by exit status.
+EXIT = {"kvxfer plan --local docs/specs/llama3-70b-tp8.toml --remote-tp 2/8 --tokens 32768": 1}
+
+PYTHON = [b for b in all_blocks("python") if b.sketch is None]
+
+
+def test_sketches_are_named() -> None:
+    marked = {b.sketch for lang in ("python", "text", "bash", "toml") for b in all_blocks(lang) if b.sketch}
+    assert marked == set(SKETCHES), "a block marked as a sketch must be named in SKETCHES, and only those"
+    assert len(PYTHON) >= 8  # README, CONTRIBUTING and docs/spec-files.md hold runnable blocks
+
+
+def run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "block.py"
+    script.write_text(block.text)
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
+def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+    r = run_block(block, tmp_path)
+    assert r.returncode == 0, f"{block.name} does not run:\n{r.stderr[-3000:]}"
+
+
+def test_a_broken_block_fails(tmp_path: Path) -> None:
+    """The control: the README's first block with one name misspelled must fail to run."""
+    first = next(b for b in PYTHON if b.file == "README.md")
+    assert "decode.read(" in first.text
+    broken = Block(first.file, first.line, first.lang, first.text.replace("decode.read(", "decoder.read(", 1), None)
+    r = run_block(broken, tmp_path)
+    assert r.returncode != 0 and "NameError" in r.stderr
+
+
+EXAMPLES = [e for e in cli_examples() if e.command not in RUN_ELSEWHERE]
+
+
+def test_every_example_is_run() -> None:
+    commands = {e.command for e in cli_examples()}
+    assert set(RUN_ELSEWHERE) <= commands and set(SMALLER) <= commands, "a renamed example: update this file"
+    assert all(e.command.startswith("kvxfer ") for e in EXAMPLES)
+
+
+def _argv(e: Example) -> list[str]:
+    return SMALLER.get(e.command) or e.command.split()[1:]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.command for e in EXAMPLES])
+def test_cli_example_output_has_the_docs_shape(example: Example, tmp_path: Path) -> None:
+    from test_cli import _entry
+
+    r = subprocess.run([*_entry(), *_argv(example)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    documented = [ln for ln in example.output if ln.strip()]
+    if documented and documented[0].startswith(f"{example.command.split()[0]} ") and ": error:" in documented[0]:
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == documented, r.stderr
+        return
+    assert r.returncode == EXIT.get(example.command, 0), r.stderr[-3000:]
+    want, got = shape(example.output), shape(r.stdout.splitlines())
+    if example.command in HEADERS_ONLY:
+        want, got = ([s for s in x if s[0] == "header"] for x in (want, got))
+    assert got == want, f"{example.command}: the output no longer looks like the doc\n{r.stdout}"
+
+
+def test_shape_catches_a_changed_table() -> None:
+    """The control for the shape check: a column renamed, or a row dropped, is noticed."""
+    e = next(e for e in EXAMPLES if e.command == "kvxfer plan --preset mla-61 --preset gqa-80")
+    renamed = [ln.replace("descriptors", "descs") for ln in e.output]
+    assert shape(renamed) != shape(e.output)
+    rows = [i for i, ln in enumerate(e.output) if ln.startswith("mla-61")]
+    assert shape(e.output[:rows[0]] + e.output[rows[0] + 1:]) != shape(e.output)

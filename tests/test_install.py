@@ -1,0 +1,136 @@
+"""kvxfer installs anywhere: its wheel, with ``[nixl]``, into a fresh virtualenv; and the plugin
+template in CONTRIBUTING.md builds into a distribution kvxfer discovers.
+
+The fresh virtualenv is the expensive part (on the shared 2-core VM: about 10 s for the
+venv, 40 s for the CPU torch that must come before nixl, 10 s for the wheel and nixl, with
+pip's cache warm). It is made once per run, outside the repository, and nothing is ever
+installed into ``.venv``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from doc_blocks import REPO, all_blocks
+
+#: What never goes into the copy the wheel is built from (environments, caches, build output).
+_SKIP = shutil.ignore_patterns(".git", ".venv*", ".whl", "build", "dist", "*.egg-info", "__pycache__",
+                               ".pytest_cache", ".hypothesis", ".benchmarks")
+
+
+def _pip(python: Path | str, *args: str, timeout: float = 900) -> None:
+    r = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _wheel(src: Path, out: Path) -> Path:
+    """``pip wheel`` with this interpreter's setuptools (no download), from a copy of ``src``."""
+    _pip(sys.executable, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src))
+    (whl,) = out.glob("*.whl")
+    return whl
+
+
+def _torch_spec() -> str:
+    """The Makefile's CPU torch (one home for the pin): nixl needs torch, installed first."""
+    m = re.search(r"^TORCH_SPEC \?= (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert m, "the Makefile pins TORCH_SPEC"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtualenv holding only what ``pip install 'kvxfer-*.whl[nixl]'`` brings."""
+    work = tmp_path_factory.mktemp("install")
+    src = work / "kvxfer"
+    shutil.copytree(REPO, src, ignore=_SKIP)
+    whl = _wheel(src, work / "dist")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    _pip(py, "install", "-q", _torch_spec())
+    _pip(py, "install", "-q", f"{whl}[nixl]")
+    return venv
+
+
+def _run(venv: Path, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(cwd)})
+
+
+_TRANSFER = """
+import numpy as np, kvxfer
+assert "site-packages" in kvxfer.__file__, kvxfer.__file__   # the wheel, not the checkout
+src = np.arange(8 * 256, dtype=np.uint8).reshape(8, 256)
+dst = np.full((8, 256), 0xAA, np.uint8)
+prefill, decode = kvxfer.Agent("prefill"), kvxfer.Agent("decode")
+prefill.register({"kv": src})
+decode.register({"kv": dst})
+decode.read(decode.add_peer(prefill.metadata()), [1, 6], [4, 2]).wait(timeout=10)
+want = np.full((8, 256), 0xAA, np.uint8)
+want[1], want[6] = src[4], src[2]
+assert (dst == want).all()
+print("moved", 2 * 256, "bytes")
+"""
+
+
+def test_the_wheel_installs_with_nixl_into_a_fresh_venv_and_moves_bytes(fresh_venv: Path, tmp_path: Path) -> None:
+    r = _run(fresh_venv, "kvxfer", "backends", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    status = {row["backend"]: row["status"] for row in json.loads(r.stdout)}
+    assert status["loopback"] == "available" and status["nixl"] == "available", status
+    assert "tinycopy" not in status  # nothing from the test suite's plugins leaks into an install
+    r = _run(fresh_venv, "python", "-c", _TRANSFER, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "moved 512 bytes", r.stdout + r.stderr
+
+
+def _contributing_block(lang: str, needle: str) -> str:
+    (block,) = [b for b in all_blocks(lang) if b.file == "CONTRIBUTING.md" and needle in b.text]
+    return block.text
+
+
+def test_contributing_plugin_template_builds_and_is_discovered(tmp_path: Path, private_site) -> None:
+    """The template's three files, as CONTRIBUTING shows them, make a distribution kvxfer finds."""
+    pkg = tmp_path / "kvxfer-mybackend"
+    (pkg / "kvxfer_mybackend").mkdir(parents=True)
+    (pkg / "pyproject.toml").write_text(_contributing_block("toml", 'name = "kvxfer-mybackend"'))
+    (pkg / "kvxfer_mybackend" / "__init__.py").write_text(_contributing_block("python", "# kvxfer_mybackend/__init__"))
+    (pkg / "kvxfer_mybackend" / "backend.py").write_text(_contributing_block("python", "class MyBackend(Backend)"))
+    whl = _wheel(pkg, tmp_path / "dist")
+    with zipfile.ZipFile(whl) as z:
+        entry_points = next(z.read(n).decode() for n in z.namelist() if n.endswith("entry_points.txt"))
+        assert "kvxfer_mybackend/backend.py" in z.namelist()
+    assert "[kvxfer]\nmybackend = kvxfer_mybackend" in entry_points
+    env = private_site(pkg)
+    code = textwrap.dedent("""
+        import json, kvxfer
+        from kvxfer.plugin.registry import get_backend_class
+        s = {s.name: s for s in kvxfer.available_backends()}["mybackend"]
+        print(json.dumps([s.available, s.reason, s.install]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    available, reason, install = json.loads(r.stdout)
+    assert not available and "my_transport_lib" in reason and install == "pip install kvxfer-mybackend"
+
+
+def test_install_hints_name_the_requirements_pyproject_declares() -> None:
+    """A hint is the extra's own requirements, so it works wherever kvxfer is installed."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from kvxfer.extras import install_hint
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("nixl", "ucx", "etcd", "metrics", "plot", "torch"):
+        hint = install_hint(extra)
+        assert hint.startswith("pip install " + " ".join(f"'{r}'" for r in extras[extra])), (extra, hint)
+    assert install_hint("no-such-extra") == "pip install -e '.[no-such-extra]' in a kvxfer checkout"
