@@ -21,6 +21,8 @@ from doc_blocks import REPO, Block, Example, all_blocks, cli_examples, shape
 SKETCHES = {
     "fleet-etcd": "needs an etcd at the address shown; examples/fleet.py makes the same calls "
                   "(tests/test_etcd.py::test_fleet_example_moves_verified_requests)",
+    "store-api": "a summary of the store's calls over names it does not define; README's \"Offload to "
+                 "host memory and NVMe\" block makes the same calls and runs",
 }
 
 #: Examples that are not ``kvxfer`` commands, and the test that runs them instead.
