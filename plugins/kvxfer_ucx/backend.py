@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -63,6 +64,8 @@ class _Peer:
     closed: bool = False  # removed or replaced
     connected: bool = True  # endpoint still open
     why: str = ""  # why it counts as failed, when the status alone does not say
+    w: Worker | None = None  # the worker its endpoint lives on (RMA peers: a worker of their own)
+    xfers: "weakref.WeakSet[_Xfer]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
 
     @property
     def path(self) -> str:
@@ -146,6 +149,7 @@ class UcxBackend(Backend):
         self._lock = threading.RLock()
         self._closed = False
         self._peers: dict[str, _Peer] = {}
+        self._retired: list[tuple[ProcessWatch, Worker]] = []  # workers of removed peers still alive
         self._by_ep: dict[int, _Peer] = {}
         self._notes = Notifications(agent_name)
         self._w = Worker(agent_name, transport_config(tls, self._trusted, ucx_config), self._on_ep_error,
@@ -212,27 +216,33 @@ class UcxBackend(Backend):
             self._prover.prove(named(peer_name, route + bytes(blob)), f"UCX metadata of {peer_name!r}")
         with self._lock:
             self._check_open()
+            h, watch = b.host, None
+            if h is not None and self._host is not None and not same_host(self._host, h):
+                watch = ProcessWatch(h.pid, h.start)
+            # A same-host RMA peer's replies land in a receive queue of its own (README, decision 4).
+            w = self._worker_for(watch) if page is None and watch is not None else self._w
             try:
-                ep = self._w.connect(b.worker)
-            except PeerDisconnectedError as exc:
-                hint = "" if self._trusted else "; peers on other hosts need trusted_network=True on both sides"
-                raise PeerDisconnectedError(f"{exc}{hint}") from None
+                ep = w.connect(b.worker)
+            except BaseException as exc:
+                self._retire(w, watch)
+                if isinstance(exc, PeerDisconnectedError):
+                    hint = "" if self._trusted else "; peers on other hosts need trusted_network=True on both sides"
+                    raise PeerDisconnectedError(f"{exc}{hint}") from None
+                raise
             rkeys: list[int] = []
             try:
                 if page is None:  # only the RMA path hands remote keys to UCX
                     for _, _, packed in b.allocations:
-                        rkeys.append(self._w.unpack_rkey(ep, packed))
+                        rkeys.append(w.unpack_rkey(ep, packed))
             except BaseException as exc:
                 for rk in rkeys:
-                    self._w.destroy_rkey(rk)
-                self._w.close_ep(ep, force=True)
+                    w.destroy_rkey(rk)
+                w.close_ep(ep, force=True)
+                self._retire(w, watch)
                 if isinstance(exc, UcxCallError):
                     raise MetadataError(str(exc)) from None
                 raise
-            h, watch = b.host, None
-            if h is not None and self._host is not None and not same_host(self._host, h):
-                watch = ProcessWatch(h.pid, h.start)
-            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, why, watch)
+            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, why, watch, w=w)
             old = self._peers.get(peer_name)
             self._peers[peer_name] = peer
             self._by_ep[ep] = peer
@@ -252,15 +262,48 @@ class UcxBackend(Backend):
             self._disconnect(peer, force=peer.failed is not None)
 
     def _disconnect(self, peer: _Peer, force: bool) -> None:
-        """Close the endpoint once; forcing it completes whatever is outstanding with an error."""
+        """Close the endpoint once; forcing it completes whatever is outstanding with an error.
+        A worker of the peer's own goes with it, after every request on it was given back:
+        a receive queue the peer left blocked (it died mid-write) must not outlive it."""
         if not peer.connected:
             return
         peer.connected = False
+        w = peer.w or self._w
         for rk in peer.rkeys.tolist():
-            self._w.destroy_rkey(rk)
-        self._w.close_ep(peer.ep, force=force)
+            w.destroy_rkey(rk)
+        w.close_ep(peer.ep, force=force)
         if self._by_ep.get(peer.ep) is peer:
             del self._by_ep[peer.ep]
+        if w is not self._w:
+            for x in list(peer.xfers):
+                if isinstance(x.job, RmaJob):
+                    x.job.cancel(0.0, lambda: False)  # frees every request; nothing is waited on
+                if x.am is not None:
+                    w.drain([x.am], 0.0, lambda: False)
+                    x.am = None
+            self._notes.forget(peer.ep)
+            self._retire(w, peer.watch)
+
+    def _worker_for(self, watch: ProcessWatch) -> Worker:
+        """The worker for a same-host RMA peer: the one kept for its process, if any, else new."""
+        for i, (old, w) in enumerate(self._retired):
+            if (old.pid, old.start) == (watch.pid, watch.start) and old.alive(force=True):
+                del self._retired[i]
+                return w
+        return self._w.spawn()
+
+    def _retire(self, w: Worker, watch: ProcessWatch | None) -> None:
+        """A peer's own worker, once its endpoint is closed: destroyed when the peer's process
+        is gone, else kept (progressed, and reused if that process is added again) until it
+        is. A live peer may still be wiring up to it, and UCX crashed such a peer (SIGSEGV,
+        ``test_ucx_processes.py::test_release_of_a_stuck_transfer_stops_it``) when the worker
+        it wired up to was gone."""
+        if w is self._w:
+            return
+        if watch is None or not watch.alive(force=True):
+            w.close()
+        else:
+            self._retired.append((watch, w))
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
@@ -332,9 +375,10 @@ class UcxBackend(Backend):
                 job: Any = SH.CopyJob(self._libc, peer.page.pid, op is Op.WRITE, la, ra, ln, peer=peer.name,
                                       chunk=self._copy_chunk)
             else:
-                job = RmaJob(self._w, peer.ep, op is Op.READ, la, ra, ln, peer.rkeys[slot],
+                job = RmaJob(peer.w or self._w, peer.ep, op is Op.READ, la, ra, ln, peer.rkeys[slot],
                              lambda st, call: self._fail(peer, st, call))
             x = _Xfer(peer, job, notification)
+            peer.xfers.add(x)
         if notification is not None:
             self._pump.add(x)
         return x
@@ -366,6 +410,8 @@ class UcxBackend(Backend):
     def _advance(self, x: _Xfer) -> bool:
         peer = x.peer
         self._w.progress()
+        if peer.connected and peer.w is not None and peer.w is not self._w:
+            peer.w.progress()
         self._raise_if_failed(peer)
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
@@ -409,7 +455,7 @@ class UcxBackend(Backend):
             alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
             settled = job.cancel(deadline, alive) if isinstance(job, RmaJob) else True
             if x.am is not None:
-                self._w.drain([x.am], deadline, alive)
+                (peer.w or self._w).drain([x.am], deadline, alive)
                 x.am = None
             if not settled and alive():
                 # The peer neither finished nor failed in time: force the endpoint closed, which
@@ -463,6 +509,18 @@ class UcxBackend(Backend):
         for _ in range(64):
             if not self._w.progress():
                 break
+        for p in self._peers.values():  # RMA peers' own workers: replies, keepalive, errors
+            if p.connected and p.w is not None and p.w is not self._w:
+                p.w.progress()
+        if self._retired:
+            kept = []
+            for watch, w in self._retired:
+                if watch.alive():
+                    w.progress()
+                    kept.append((watch, w))
+                else:
+                    w.close()
+            self._retired = kept
         if self._notes.pending:
             self._notes.reap()
 
@@ -484,6 +542,9 @@ class UcxBackend(Backend):
             for p in list(self._peers.values()):
                 self._drop_peer(p)
             self._peers.clear()
+            for _, w in self._retired:
+                w.close()
+            self._retired.clear()
             self._notes.drop_all()
             self._mem.close()
             self._closed = True
