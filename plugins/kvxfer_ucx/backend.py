@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -39,49 +37,18 @@ from kvxfer.spans import SpanIndex, merge_runs
 
 from . import _libucp as L
 from . import _samehost as SH
-from ._config import transport_config
+from ._config import transport_config, warn_if_ptrace_is_narrower
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
-from ._hostpage import PeerPage, ProcessWatch, host_identity, prove, same_host
+from ._hostpage import ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
+from ._peers import Peer as _Peer, Xfer as _Xfer
+from ._peerworkers import PeerWorkers
 from ._rma import RmaJob
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]
-
-
-@dataclass(eq=False)
-class _Peer:
-    name: str
-    ep: int
-    spans: SpanIndex  # the allocations its blob advertises
-    rkeys: np.ndarray  # unpacked remote key per allocation (RMA path only)
-    page: PeerPage | None  # set: the same-host path, with the proof it rests on
-    reason: str
-    watch: ProcessWatch | None  # set when its metadata says it runs on this host
-    failed: int | None = None  # ucs_status once the peer is known dead
-    closed: bool = False  # removed or replaced
-    connected: bool = True  # endpoint still open
-    why: str = ""  # why it counts as failed, when the status alone does not say
-    w: Worker | None = None  # the worker its endpoint lives on (RMA peers: a worker of their own)
-    xfers: "weakref.WeakSet[_Xfer]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
-
-    @property
-    def path(self) -> str:
-        return "same-host-copy" if self.page is not None else "ucx-rma"
-
-
-@dataclass(eq=False)
-class _Xfer:
-    peer: _Peer
-    job: Any  # RmaJob | SH.CopyJob | None once the bytes are in place
-    notification: bytes | None
-    am: int | None = None
-    am_buffers: tuple[Any, ...] = ()
-    done: bool = False
-    error: KvxferError | None = None
-    released: bool = False
 
 
 #: What the metadata prover's helper runs (:mod:`kvxfer_ucx._helper`, which imports this module),
@@ -99,8 +66,9 @@ class UcxBackend(Backend):
     ``same_host_copy``
         ``None`` (auto): peers proven to run on this host get the ``process_vm_readv`` path,
         others UCX RMA; ``True``: a same-host peer that fails the proof is an error; ``False``:
-        never (this process then also skips ``prctl(PR_SET_PTRACER)``). :meth:`peer_path` says
-        which path a peer got and why.
+        never. :meth:`peer_path` says which path a peer got and why. Either way, while the
+        ``posix`` transport is on, the process declares same-uid processes ptracers
+        (``prctl(PR_SET_PTRACER)``): posix already lets them reach its memory.
     ``trusted_network``
         ``False`` (default): UCX uses only same-host transports (``SAME_HOST_TLS``). ``True``
         allows network transports (default ``NETWORK_TLS``); see the README for what that exposes.
@@ -149,12 +117,12 @@ class UcxBackend(Backend):
         self._lock = threading.RLock()
         self._closed = False
         self._peers: dict[str, _Peer] = {}
-        self._retired: list[tuple[ProcessWatch, Worker]] = []  # workers of removed peers still alive
         self._by_ep: dict[int, _Peer] = {}
         self._notes = Notifications(agent_name)
-        self._w = Worker(agent_name, transport_config(tls, self._trusted, ucx_config), self._on_ep_error,
-                         self._notes.on_am)
+        config = transport_config(tls, self._trusted, ucx_config)
+        self._w = Worker(agent_name, config, self._on_ep_error, self._notes.on_am)
         self._notes.w = self._w
+        self._pw = PeerWorkers(self._w)  # same-host RMA peers' own workers
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
@@ -163,8 +131,15 @@ class UcxBackend(Backend):
         ident = host_identity()
         self._host = None if ident is None else Host(**ident, page=None, digest=None)
         lib = SH.libc()
-        if same_host_copy is not False and lib is not None and self._host is not None:
+        posix = "posix" in {t.strip() for t in config["TLS"].split(",")}
+        if lib is not None and (posix or (same_host_copy is not False and self._host is not None)):
+            # posix lets any process of this uid that may open /proc/PID/fd reach all of our
+            # memory; declaring every process a ptracer makes ptrace (Yama scope 1) allow what
+            # the transport allows, no less and no more (docs/design.md, section 8.1).
             SH.allow_same_user_access(lib)  # harmless when it fails (no Yama)
+            if posix:
+                warn_if_ptrace_is_narrower()
+        if same_host_copy is not False and lib is not None and self._host is not None:
             self._libc = lib
             self._host = self._host._replace(page=self._mem.page.address, digest=self._mem.page.digest)
 
@@ -219,12 +194,12 @@ class UcxBackend(Backend):
             h, watch = b.host, None
             if h is not None and self._host is not None and not same_host(self._host, h):
                 watch = ProcessWatch(h.pid, h.start)
-            # A same-host RMA peer's replies land in a receive queue of its own (README, decision 4).
-            w = self._worker_for(watch) if page is None and watch is not None else self._w
+            # A same-host RMA peer's replies land in a receive queue of its own (_peerworkers).
+            w = self._pw.for_peer(watch) if page is None and watch is not None else self._w
             try:
                 ep = w.connect(b.worker)
             except BaseException as exc:
-                self._retire(w, watch)
+                self._pw.retire(w, watch)
                 if isinstance(exc, PeerDisconnectedError):
                     hint = "" if self._trusted else "; peers on other hosts need trusted_network=True on both sides"
                     raise PeerDisconnectedError(f"{exc}{hint}") from None
@@ -238,7 +213,7 @@ class UcxBackend(Backend):
                 for rk in rkeys:
                     w.destroy_rkey(rk)
                 w.close_ep(ep, force=True)
-                self._retire(w, watch)
+                self._pw.retire(w, watch)
                 if isinstance(exc, UcxCallError):
                     raise MetadataError(str(exc)) from None
                 raise
@@ -282,28 +257,7 @@ class UcxBackend(Backend):
                     w.drain([x.am], 0.0, lambda: False)
                     x.am = None
             self._notes.forget(peer.ep)
-            self._retire(w, peer.watch)
-
-    def _worker_for(self, watch: ProcessWatch) -> Worker:
-        """The worker for a same-host RMA peer: the one kept for its process, if any, else new."""
-        for i, (old, w) in enumerate(self._retired):
-            if (old.pid, old.start) == (watch.pid, watch.start) and old.alive(force=True):
-                del self._retired[i]
-                return w
-        return self._w.spawn()
-
-    def _retire(self, w: Worker, watch: ProcessWatch | None) -> None:
-        """A peer's own worker, once its endpoint is closed: destroyed when the peer's process
-        is gone, else kept (progressed, and reused if that process is added again) until it
-        is. A live peer may still be wiring up to it, and UCX crashed such a peer (SIGSEGV,
-        ``test_ucx_processes.py::test_release_of_a_stuck_transfer_stops_it``) when the worker
-        it wired up to was gone."""
-        if w is self._w:
-            return
-        if watch is None or not watch.alive(force=True):
-            w.close()
-        else:
-            self._retired.append((watch, w))
+            self._pw.retire(w, peer.watch)
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
@@ -512,15 +466,7 @@ class UcxBackend(Backend):
         for p in self._peers.values():  # RMA peers' own workers: replies, keepalive, errors
             if p.connected and p.w is not None and p.w is not self._w:
                 p.w.progress()
-        if self._retired:
-            kept = []
-            for watch, w in self._retired:
-                if watch.alive():
-                    w.progress()
-                    kept.append((watch, w))
-                else:
-                    w.close()
-            self._retired = kept
+        self._pw.progress()
         if self._notes.pending:
             self._notes.reap()
 
@@ -542,9 +488,7 @@ class UcxBackend(Backend):
             for p in list(self._peers.values()):
                 self._drop_peer(p)
             self._peers.clear()
-            for _, w in self._retired:
-                w.close()
-            self._retired.clear()
+            self._pw.close()
             self._notes.drop_all()
             self._mem.close()
             self._closed = True
