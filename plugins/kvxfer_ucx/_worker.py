@@ -10,9 +10,9 @@ error callback and completes that endpoint's outstanding requests with an error 
 instead of leaving them pending or, worse, completing them as if the bytes had moved.
 
 :meth:`Worker.spawn` makes another worker on the same context (same registrations and
-remote keys, its own receive queue): the backend gives each RMA peer one, because a peer
+remote keys, its own receive queue): the backend gives each same-host RMA peer one, because a peer
 killed while writing into a shared-memory receive queue blocks that queue for good
-(``plugins/kvxfer_ucx/README.md``, decision 4).
+(:mod:`kvxfer_ucx._peerworkers`).
 """
 
 from __future__ import annotations
