@@ -240,6 +240,45 @@ def test_kill_matrix_small() -> None:
     assert sum(r["mid_flight"] for r in results) > 0, "every kill landed after the transfer had ended"
 
 
+def test_a_killed_rma_peer_takes_only_its_own_receive_queue_with_it() -> None:
+    """Same-host RMA peers get a worker (receive queue) each, never the agent's own: a peer
+    killed while writing into one blocks that one only (RELIABILITY.md, "Peer killed
+    mid-transfer"). The dead peer's worker is destroyed when it is removed; a removed peer
+    that is alive keeps its worker, which a re-add reuses; bytes checked throughout."""
+    n, rows = 4 << 20, 4
+    a, b = (Peer(name, n, seed, "same_host_copy=0") for name, seed in (("a", "5"), ("b", "6")))
+    local = UcxBackend("decode", same_host_copy=False)
+    try:
+        dst = np.full(n, SENT, dtype=np.uint8)
+        local.register([Allocation(dst.ctypes.data, n)])
+        lp = local.prepare(None, descs(dst.ctypes.data, np.arange(rows) << 20, [1 << 20] * rows))
+        idx = np.arange(rows)
+
+        def read(name: str, peer: Peer, seed: int) -> None:
+            dst[:] = SENT
+            rp = local.prepare(name, descs(peer.address, np.arange(rows) << 20, [1 << 20] * rows))
+            drive(xfer=local.post(Op.READ, lp, idx, rp, idx, None), owner=local)
+            np.testing.assert_array_equal(dst, pattern(n, seed))
+
+        local.add_remote("a", a.blob)
+        local.add_remote("b", b.blob)
+        wa, wb = local._peers["a"].w, local._peers["b"].w
+        assert wa is not None and wb is not None and len({id(wa), id(wb), id(local._w)}) == 3
+        read("a", a, 5)
+        a.kill()
+        local.remove_remote("a")
+        assert wa.worker == 0  # destroyed with what it may have blocked
+        read("b", b, 6)
+        local.remove_remote("b")  # alive: its worker is kept, and reused
+        assert wb.worker != 0
+        local.add_remote("b", b.blob)
+        assert local._peers["b"].w is wb
+        read("b", b, 6)
+    finally:
+        b.proc.kill()
+        local.close()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
