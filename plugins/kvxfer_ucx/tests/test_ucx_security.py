@@ -203,8 +203,43 @@ def test_another_uid_cannot_reach_memory_it_was_not_given(path: str, victim_opti
         assert (res["read_back"] == 0x5A).all(), "the attacker read bytes of the victim's secret"
         assert (shared == SENT).all()
 
-        control = _attack(victim, path, secret, canary, None)  # same uid as the victim
+        control = _attack(victim, path, secret, canary, None)  # same uid as the victim (root)
         assert np.array_equal(control["read_back"], kept_secret), control
         assert not np.array_equal(canary, kept_canary), "the control did not write the canary"
     finally:
         victim.close()
+
+
+@pytest.mark.parametrize("path", ["rma", "copy"])
+def test_control_an_unprivileged_same_uid_attacker_reaches_what_ptrace_would(path: str) -> None:
+    """The control without root: victim and attacker are both the unprivileged user, so
+    nothing but the same uid lets the attacker in (the model allows it: ptrace would). It
+    reads the secret and writes the canary; against a victim of another uid (above) it
+    moves nothing."""
+    import base64
+
+    user = _attacker_user()
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "ucx_attacker.py")
+    victim = subprocess.Popen([sys.executable, script, "--victim", json.dumps({"same_host_copy": path == "copy"}),
+                               "--user", user], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdin is not None
+        order = victim.stdout.readline()
+        assert order, "the victim did not start"
+        attacker = subprocess.run([sys.executable, script, "--path", path, "--user", user], input=order,
+                                  capture_output=True, text=True, timeout=120)
+        assert attacker.returncode == 0, attacker.stderr[-2000:]
+        res = json.loads(attacker.stdout.strip().splitlines()[-1])
+        victim.stdin.write("dump\n")
+        victim.stdin.flush()
+        after = json.loads(victim.stdout.readline())
+    finally:
+        victim.kill()
+        victim.wait()
+    secret = np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8)  # the victim's, recomputed
+    canary = np.random.default_rng(22).integers(0, 256, 4096, dtype=np.uint8)
+    assert res["uid"] == after["uid"] != 0
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(res["read_back"]), np.uint8), secret)
+    assert np.frombuffer(base64.b64decode(after["canary"]), np.uint8).tolist() != canary.tolist()
+    assert after["shared_untouched"]

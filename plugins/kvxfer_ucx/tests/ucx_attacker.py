@@ -1,6 +1,7 @@
 """A raw UCX client that holds a victim agent's metadata and goes for memory it was not given.
 
-Run by ``test_ucx_security.py`` as another uid and, as the control, as the victim's own uid.
+Run by ``test_ucx_security.py`` as another uid and, as the control, as the victim's own uid
+(``--victim`` runs the victim itself, so that both can be one unprivileged user).
 It reads a JSON order on stdin: the victim's UCX blob (base64), its pid, the address and size
 of a *secret* (unregistered memory to read) and of a *canary* (unregistered memory to write).
 It uses no kvxfer policy, only libucp through :mod:`kvxfer_ucx._worker` and raw
@@ -15,7 +16,8 @@ It uses no kvxfer policy, only libucp through :mod:`kvxfer_ucx._worker` and raw
 With ``--user NAME`` it drops to that user after loading Python, numpy and libucp (whose
 files may sit where the user cannot read them, as root's pyenv does), and before it makes
 any UCX context or touches the victim: from then on the kernel sees only that user's
-credentials (no capabilities left, checked). It first proves it works as that user: a GET
+credentials (no capabilities left, checked; dumpable again, as a process the user started
+would be). It first proves it works as that user: a GET
 from its own worker. Prints one JSON line: what each attempt did and the bytes it read.
 """
 
@@ -23,15 +25,18 @@ from __future__ import annotations
 
 import argparse
 import base64
+import codecs
 import ctypes
 import json
 import os
 import pwd
+import select
 import sys
 import time
 from typing import Any
 
 import numpy as np
+import numpy.random  # noqa: F401 - its lazy imports need the standard library, which the user may not read
 
 from kvxfer_ucx import _libucp as L
 from kvxfer_ucx._blob import parse_blob
@@ -48,6 +53,10 @@ def drop_to(user: str) -> None:
     os.setgroups([])
     os.setgid(pw.pw_gid)
     os.setuid(pw.pw_uid)
+    # A change of credentials makes the process non-dumpable, which no process that the user
+    # starts normally is (and which would shut even same-uid peers out): undo just that.
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise SystemExit(f"PR_SET_DUMPABLE failed: {os.strerror(ctypes.get_errno())}")
     with open("/proc/self/status") as f:
         caps = {k: v.strip() for k, _, v in (line.partition(":") for line in f) if k.startswith("Cap")}
     if os.getuid() != pw.pw_uid or os.geteuid() != pw.pw_uid or int(caps["CapEff"], 16) or int(caps["CapPrm"], 16):
@@ -129,13 +138,46 @@ def attack_copy(order: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def victim(options: dict[str, Any]) -> None:
+    """``--victim``: a UCX backend with 4 KiB registered and an unregistered secret and canary.
+    Prints the attacker's order, progresses until a line arrives on stdin, then prints the
+    secret and canary as they are (base64) and leaves."""
+    from kvxfer import Allocation
+    from kvxfer_ucx.backend import UcxBackend
+
+    be = UcxBackend("victim", **options)
+    shared = np.full(4096, 0xAA, dtype=np.uint8)
+    be.register([Allocation(shared.ctypes.data, shared.nbytes)])
+    secret = np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8)
+    canary = np.random.default_rng(22).integers(0, 256, 4096, dtype=np.uint8)
+    order = {"blob": base64.b64encode(be.local_metadata()).decode(), "pid": os.getpid(),
+             "secret": [secret.ctypes.data, secret.nbytes], "canary": [canary.ctypes.data, canary.nbytes]}
+    print(json.dumps(order), flush=True)
+    while not select.select([sys.stdin], [], [], 0.0005)[0]:
+        be.progress()
+    print(json.dumps({"secret": base64.b64encode(secret.tobytes()).decode(),
+                      "canary": base64.b64encode(canary.tobytes()).decode(),
+                      "shared_untouched": bool((shared == 0xAA).all()), "uid": os.getuid()}), flush=True)
+    be.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", choices=["rma", "copy"], required=True)
+    ap.add_argument("--path", choices=["rma", "copy"])
     ap.add_argument("--user", help="drop to this user before touching UCX or the victim")
+    ap.add_argument("--victim", metavar="JSON", help="be the victim instead, with these backend options")
     a = ap.parse_args()
-    order = json.loads(sys.stdin.readline())
     L.load()  # libucp and its transports are loaded while the files are still readable
+    for codec in ("ascii", "utf_8", "latin_1"):  # the standard library may be unreadable to the user
+        codecs.lookup(codec)
+    if a.victim is not None:
+        import kvxfer_ucx.backend  # noqa: F401 - imported while readable, like libucp
+
+        if a.user:
+            drop_to(a.user)
+        victim(json.loads(a.victim))
+        return
+    order = json.loads(sys.stdin.readline())
     if a.user:
         drop_to(a.user)
     result = attack_rma(order) if a.path == "rma" else attack_copy(order)
