@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
-pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess]
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")])}
 
 SCRIPT = textwrap.dedent("""
     import json, os, resource
@@ -65,9 +65,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.nixl
 def test_running_out_of_descriptors_is_named_and_recovers() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=ENV)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
@@ -78,3 +79,38 @@ def test_running_out_of_descriptors_is_named_and_recovers() -> None:
     assert out["limit"] == out["soft"] and out["open"] >= out["limit"] - 32, out
     assert "file descriptors" in out["message"] and "ulimit -n" in out["message"], out
     assert out["moved"], out  # the control: with descriptors back, the same metadata loads
+
+
+LOG_ONCE = textwrap.dedent("""
+    import json, logging, resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, hard, 1024) - 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("kvxfer").addHandler(Keep())
+    logging.getLogger("kvxfer").setLevel(logging.INFO)
+    from kvxfer import Agent
+    agents = [Agent(f"a{i}", backend="loopback") for i in range(3)]
+    print("RESULT " + json.dumps({"low": low, "hard": hard, "now": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                                  "records": [m for m in records if "open-file limit" in m]}))
+""")
+
+
+def test_the_raise_is_logged_once_per_process() -> None:
+    """Three agents in a process under a lowered soft limit: the limit is raised to the hard
+    one and one log record says so, from the first agent only. Control: the limit really was
+    below the hard one when the first agent started (else there is nothing to log)."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 64:
+        pytest.skip("hard RLIMIT_NOFILE too low to lower the soft one under it")
+    r = subprocess.run([sys.executable, "-c", LOG_ONCE], capture_output=True, text=True, timeout=300, env=ENV)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["low"] < out["hard"], out  # the control: there was something to raise
+    assert out["now"] == out["hard"], out
+    assert len(out["records"]) == 1 and f"from {out['low']} to {out['hard']}" in out["records"][0], out

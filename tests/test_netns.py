@@ -173,8 +173,11 @@ def test_link_cut_mid_transfer_then_recovery(hosts: Hosts) -> None:
 
     # Link back: the next transfer succeeds and every byte is right.
     assert hosts.decode.ask({"cmd": "fill"}) == {"filled": True}
+    t0 = time.monotonic()
     r = hosts.decode.ask({"cmd": "read", "peer": "p0", "local": blocks, "remote": blocks, "timeout": 30},
                          timeout=90)
+    print(f"[{hosts.backend}] after the link came back: {'DONE' if r.get('ok') else r.get('error')} "
+          f"in {time.monotonic() - t0:.2f} s")  # RELIABILITY.md's row
     if hosts.backend == "ucx" and r.get("error") == "PeerDisconnectedError":
         # By design: a cancelled UCX transfer that did not settle closes its connection, so no
         # byte of it can land later; the caller re-adds the peer (plugins/kvxfer_ucx/README.md).

@@ -71,6 +71,7 @@ class Remote:
     blob: PeerBlob
     memory: SpanIndex  # what the peer registered, from its blob
     local: "weakref.ReferenceType[Any] | None"  # the peer's backend, when in this process
+    key: bytes = b""  # the blob it was loaded from: a re-add of the same bytes reuses the load
     stale: str | None = None  # set when the peer announced it deregistered memory
 
 

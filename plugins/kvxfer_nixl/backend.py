@@ -31,6 +31,7 @@ from . import _blob, _identity, _probe
 from ._device import DeviceCopies
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
+from ._parking import Parking
 from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances
 from ._xfer import NixlPath, as_int32
 
@@ -128,6 +129,7 @@ class NixlBackend(Notifications, Backend):
         self._lock = threading.RLock()
         self._id = os.urandom(16)
         self._remotes: dict[str, Remote] = {}
+        self._parked = Parking()  # removed peers' loads, for a re-add of the same bytes
         self._loads = 0
         self._prepared: "weakref.WeakSet[Prepared]" = weakref.WeakSet()
         self._registrations: list[Registration] = []
@@ -228,15 +230,18 @@ class NixlBackend(Notifications, Backend):
             if self._proving():  # MetadataError (or MetadataCrashError) unless the helper survives it
                 self._prover.prove(_probe.request(peer_name, blob), f"NIXL metadata of {peer_name!r}")
             self._loads += 1
-            alias = f"{peer_name}#{self._loads}"
-            with self._lock:
-                try:
-                    loaded = self._agent.add_remote_agent(parsed.nixl_metadata(alias))
-                except Exception as exc:
-                    raise MetadataError(f"NIXL refused the metadata of {peer_name!r}: {map_error(exc, 'loading')}") \
-                        from exc
-            if (loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)) != alias:
-                raise MetadataError(f"NIXL loaded {loaded!r} instead of {alias!r}")  # pragma: no cover
+            alias = self._reusable(peer_name, bytes(blob))
+            reused = alias is not None
+            if alias is None:
+                alias = f"{peer_name}#{self._loads}"
+                with self._lock:
+                    try:
+                        loaded = self._agent.add_remote_agent(parsed.nixl_metadata(alias))
+                    except Exception as exc:
+                        raise MetadataError(f"NIXL refused the metadata of {peer_name!r}: "
+                                            f"{map_error(exc, 'loading')}") from exc
+                if (loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)) != alias:
+                    raise MetadataError(f"NIXL loaded {loaded!r} instead of {alias!r}")  # pragma: no cover
         except KvxferError:
             raise
         except Exception as exc:  # nothing untyped may escape a call that takes network input
@@ -246,7 +251,8 @@ class NixlBackend(Notifications, Backend):
         except Exception as exc:
             with self._lock:
                 try:
-                    self._agent.remove_remote_agent(alias)
+                    if not reused:  # a reused load stays with whoever holds it
+                        self._agent.remove_remote_agent(alias)
                 except Exception:
                     pass
             if isinstance(exc, KvxferError):
@@ -257,32 +263,47 @@ class NixlBackend(Notifications, Backend):
         if other is not None and other is not self and other.agent_name == peer_name:
             local = weakref.ref(other)
         old = self._remotes.get(peer_name)
-        self._remotes[peer_name] = Remote(peer_name, alias, self._loads, parsed, memory, local)
+        self._remotes[peer_name] = Remote(peer_name, alias, self._loads, parsed, memory, local, bytes(blob))
         if old is not None:
+            self._release_lists(old)
+        parked = self._parked.take(peer_name)
+        for gone in {a for a in (old.nixl if old is not None else None, parked) if a is not None and a != alias}:
             try:
-                self._unload(old)
+                self._unload(peer_name, gone)
             except KvxferError:
                 pass  # the old incarnation is gone either way
         return peer_name
 
-    def remove_remote(self, peer: str) -> None:
-        """Disconnect; NIXL invalidates every list prepared for the peer, so we release ours."""
-        rem = self._remotes.pop(peer, None)
-        if rem is not None:
-            self._path.remove_peer(peer)
-            self._unload(rem)
+    def _reusable(self, peer: str, blob: bytes) -> str | None:
+        """The NIXL alias already holding exactly these bytes for ``peer`` (:mod:`._parking`)."""
+        rem = self._remotes.get(peer)
+        return rem.nixl if rem is not None and rem.key == blob else self._parked.alias_for(peer, blob)
 
-    def _unload(self, rem: Remote) -> None:
+    def remove_remote(self, peer: str) -> None:
+        """Disconnect; NIXL invalidates every list prepared for the peer, so we release ours.
+        The load itself is parked under its own alias (unreachable: no list can name it) for
+        a re-add of the same bytes; a different blob for the name unloads it."""
+        rem = self._remotes.pop(peer, None)
+        if rem is None:
+            return
+        self._path.remove_peer(peer)
+        self._release_lists(rem)
+        for name, alias in self._parked.park(peer, rem.key, rem.nixl):
+            self._unload(name, alias)
+
+    def _release_lists(self, rem: Remote) -> None:
         for p in list(self._prepared):
             if p.peer == rem.name and p.epoch == rem.epoch:
                 self.release_prepared(p)
+
+    def _unload(self, peer: str, alias: str) -> None:
         with self._lock:
             try:
-                self._agent.remove_remote_agent(rem.nixl)
+                self._agent.remove_remote_agent(alias)
             except nb.nixlNotFoundError:
                 pass
             except Exception as exc:
-                raise map_error(exc, "removing peer", rem.name) from exc
+                raise map_error(exc, "removing peer", peer) from exc
 
     # -- descriptor lists ----------------------------------------------------------------
     def prepare(self, peer: str | None, descs: DescriptorList) -> Prepared:
@@ -464,6 +485,11 @@ class NixlBackend(Notifications, Backend):
         for peer in list(self._remotes):
             try:
                 self.remove_remote(peer)
+            except KvxferError:
+                pass
+        for peer, alias in self._parked.drain():
+            try:
+                self._unload(peer, alias)
             except KvxferError:
                 pass
         for p in list(self._prepared):

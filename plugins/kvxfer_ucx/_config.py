@@ -12,11 +12,12 @@ network trusted. The reasoning is in ``plugins/kvxfer_ucx/README.md``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from kvxfer.errors import BackendError
 
-__all__ = ["NETWORK_TLS", "SAME_HOST_TLS", "transport_config"]
+__all__ = ["NETWORK_TLS", "SAME_HOST_TLS", "transport_config", "warn_if_ptrace_is_narrower"]
 
 #: Transports that only same-user processes of this host can reach (the default).
 SAME_HOST_TLS = "self,posix"
@@ -40,3 +41,23 @@ def transport_config(tls: str | None, trusted_network: bool, extra: Mapping[str,
             "can reach this worker is trusted; see plugins/kvxfer_ucx/README.md")
     config["TLS"] = chosen
     return config
+
+
+def warn_if_ptrace_is_narrower() -> None:
+    """Once per process: under Yama ``ptrace_scope`` 2 or 3 ptrace forbids what posix allows."""
+    global _warned_scope
+    if _warned_scope:
+        return
+    _warned_scope = True
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return
+    if scope >= 2:
+        logging.getLogger("kvxfer").warning(
+            "kvxfer ucx: ptrace_scope is %d, yet UCX's posix transport lets processes of this uid reach this "
+            "process's memory: trust the uid, or do not run the UCX backend (docs/design.md, section 8.1)", scope)
+
+
+_warned_scope = False

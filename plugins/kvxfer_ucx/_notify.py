@@ -39,7 +39,7 @@ class Notifications:
         self._header = _HEADER.pack(_MAGIC, _NOTIFY, len(name)) + name
         self.w: Worker | None = None
         self.inbox: dict[str, list[bytes]] = defaultdict(list)
-        self._sends: list[tuple[int, tuple[Any, ...], Callable[[], bool]]] = []
+        self._sends: list[tuple[int, tuple[Any, ...], Callable[[], bool], int]] = []
 
     def on_am(self, header: bytes, data: bytes) -> None:
         """Worker callback: file a well-formed notification under its sender's name."""
@@ -58,17 +58,23 @@ class Notifications:
         """Send without waiting; ``gone()`` True means the peer died and the send is dropped."""
         req, bufs = self.send(ep, message)
         if req is not None:
-            self._sends.append((req, bufs, gone))
+            self._sends.append((req, bufs, gone, ep))
 
     def reap(self) -> None:
         assert self.w is not None
         keep = []
-        for req, bufs, gone in self._sends:
+        for req, bufs, gone, ep in self._sends:
             if self.w.lib.ucp_request_check_status(req) == L.UCS_INPROGRESS and not gone():
-                keep.append((req, bufs, gone))
+                keep.append((req, bufs, gone, ep))
             else:
                 self.w.drain([req], 0.0, lambda: False)
         self._sends = keep
+
+    def forget(self, ep: int) -> None:
+        """Give back every queued send on ``ep`` now (its worker is about to go)."""
+        assert self.w is not None
+        self.w.drain([req for req, _, _, e in self._sends if e == ep], 0.0, lambda: False)
+        self._sends = [s for s in self._sends if s[3] != ep]
 
     @property
     def pending(self) -> bool:
@@ -76,7 +82,7 @@ class Notifications:
 
     def drop_all(self) -> None:
         assert self.w is not None
-        self.w.drain([req for req, _, _ in self._sends], 0.0, lambda: False)
+        self.w.drain([req for req, *_ in self._sends], 0.0, lambda: False)
         self._sends.clear()
 
     def take(self) -> dict[str, list[bytes]]:

@@ -14,7 +14,9 @@ backend decides when this path is used.
 Security note: :func:`allow_same_user_access` calls ``prctl(PR_SET_PTRACER,
 PR_SET_PTRACER_ANY)``. Under Yama ``ptrace_scope=1`` that lets *any process of the same
 user* read and write this process's memory, which is what a peer needs to copy from us.
-Without Yama the call fails harmlessly. ``same_host_copy=False`` skips it (and this path).
+Without Yama the call fails harmlessly. The backend makes it whenever the ``posix`` transport
+is on too, since that transport lets the same processes reach this memory anyway
+(docs/design.md, section 8.1).
 """
 
 from __future__ import annotations

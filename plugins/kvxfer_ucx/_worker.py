@@ -8,6 +8,11 @@ ctypes. Nothing here locks: the backend calls it under its own lock (the worker 
 Every endpoint uses UCX's error mode ``PEER``: UCX then reports a dead peer through the
 error callback and completes that endpoint's outstanding requests with an error status,
 instead of leaving them pending or, worse, completing them as if the bytes had moved.
+
+:meth:`Worker.spawn` makes another worker on the same context (same registrations and
+remote keys, its own receive queue): the backend gives each same-host RMA peer one, because a peer
+killed while writing into a shared-memory receive queue blocks that queue for good
+(:mod:`kvxfer_ucx._peerworkers`).
 """
 
 from __future__ import annotations
@@ -69,8 +74,33 @@ class Worker:
         except OSError as exc:
             raise BackendUnavailableError(f"ucx backend: {exc}") from None
         self.ctx = self.worker = 0
+        self._owns_ctx = True
         self._on_ep_error, self._on_am_user = on_ep_error, on_am
         self._init_context(name, config)
+        self._init_worker()
+        self._rkey_shape = self._own_rkey_shape()
+        self.version = ".".join(map(str, self.lib.version))
+
+    def spawn(self) -> "Worker":
+        """Another worker on this context, with the same callbacks: its own address and
+        receive queue, the same memory registrations. Close it before this one."""
+        child = Worker.__new__(Worker)
+        child.lib, child.ctx, child.worker, child._owns_ctx = self.lib, self.ctx, 0, False
+        child._on_ep_error, child._on_am_user = self._on_ep_error, self._on_am_user
+        wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=L.UCS_THREAD_MODE_SERIALIZED)
+        worker = ctypes.c_void_p()
+        child._check("ucp_worker_create", self.lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker)))
+        child.worker = _ptr(worker, "ucp_worker_create")
+        try:
+            child._init_worker()
+        except BaseException:
+            child.close()
+            raise
+        child._rkey_shape, child.version = self._rkey_shape, self.version
+        return child
+
+    def _init_worker(self) -> None:
+        """Callbacks, the active-message handler and the address of :attr:`worker`."""
         # Callbacks must outlive every call that may invoke them: keep them on the instance.
         self._err_cb = L.ucp_err_handler_cb_t(self._err_trampoline)
         self._am_cb = L.ucp_am_recv_callback_t(self._am_trampoline)
@@ -81,8 +111,6 @@ class Worker:
         self.address = self._query_address()
         self.param = L.RequestParam()  # all-zero: no callback, default datatype
         self.param_ref = ctypes.byref(self.param)
-        self._rkey_shape = self._own_rkey_shape()
-        self.version = ".".join(map(str, self.lib.version))
 
     def _check(self, call: str, status: int) -> None:
         if status != L.UCS_OK:
@@ -268,6 +296,6 @@ class Worker:
         if self.worker:
             self.lib.ucp_worker_destroy(self.worker)
             self.worker = 0
-        if self.ctx:
+        if self.ctx and self._owns_ctx:
             self.lib.ucp_cleanup(self.ctx)
-            self.ctx = 0
+        self.ctx = 0

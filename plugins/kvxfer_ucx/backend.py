@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -38,47 +37,18 @@ from kvxfer.spans import SpanIndex, merge_runs
 
 from . import _libucp as L
 from . import _samehost as SH
-from ._config import transport_config
+from ._config import transport_config, warn_if_ptrace_is_narrower
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
-from ._hostpage import PeerPage, ProcessWatch, host_identity, prove, same_host
+from ._hostpage import ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
+from ._peers import Peer as _Peer, Xfer as _Xfer
+from ._peerworkers import PeerWorkers
 from ._rma import RmaJob
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]
-
-
-@dataclass(eq=False)
-class _Peer:
-    name: str
-    ep: int
-    spans: SpanIndex  # the allocations its blob advertises
-    rkeys: np.ndarray  # unpacked remote key per allocation (RMA path only)
-    page: PeerPage | None  # set: the same-host path, with the proof it rests on
-    reason: str
-    watch: ProcessWatch | None  # set when its metadata says it runs on this host
-    failed: int | None = None  # ucs_status once the peer is known dead
-    closed: bool = False  # removed or replaced
-    connected: bool = True  # endpoint still open
-    why: str = ""  # why it counts as failed, when the status alone does not say
-
-    @property
-    def path(self) -> str:
-        return "same-host-copy" if self.page is not None else "ucx-rma"
-
-
-@dataclass(eq=False)
-class _Xfer:
-    peer: _Peer
-    job: Any  # RmaJob | SH.CopyJob | None once the bytes are in place
-    notification: bytes | None
-    am: int | None = None
-    am_buffers: tuple[Any, ...] = ()
-    done: bool = False
-    error: KvxferError | None = None
-    released: bool = False
 
 
 #: What the metadata prover's helper runs (:mod:`kvxfer_ucx._helper`, which imports this module),
@@ -96,8 +66,9 @@ class UcxBackend(Backend):
     ``same_host_copy``
         ``None`` (auto): peers proven to run on this host get the ``process_vm_readv`` path,
         others UCX RMA; ``True``: a same-host peer that fails the proof is an error; ``False``:
-        never (this process then also skips ``prctl(PR_SET_PTRACER)``). :meth:`peer_path` says
-        which path a peer got and why.
+        never. :meth:`peer_path` says which path a peer got and why. Either way, while the
+        ``posix`` transport is on, the process declares same-uid processes ptracers
+        (``prctl(PR_SET_PTRACER)``): posix already lets them reach its memory.
     ``trusted_network``
         ``False`` (default): UCX uses only same-host transports (``SAME_HOST_TLS``). ``True``
         allows network transports (default ``NETWORK_TLS``); see the README for what that exposes.
@@ -148,9 +119,10 @@ class UcxBackend(Backend):
         self._peers: dict[str, _Peer] = {}
         self._by_ep: dict[int, _Peer] = {}
         self._notes = Notifications(agent_name)
-        self._w = Worker(agent_name, transport_config(tls, self._trusted, ucx_config), self._on_ep_error,
-                         self._notes.on_am)
+        config = transport_config(tls, self._trusted, ucx_config)
+        self._w = Worker(agent_name, config, self._on_ep_error, self._notes.on_am)
         self._notes.w = self._w
+        self._pw = PeerWorkers(self._w)  # same-host RMA peers' own workers
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
@@ -159,8 +131,15 @@ class UcxBackend(Backend):
         ident = host_identity()
         self._host = None if ident is None else Host(**ident, page=None, digest=None)
         lib = SH.libc()
-        if same_host_copy is not False and lib is not None and self._host is not None:
+        posix = "posix" in {t.strip() for t in config["TLS"].split(",")}
+        if lib is not None and (posix or (same_host_copy is not False and self._host is not None)):
+            # posix lets any process of this uid that may open /proc/PID/fd reach all of our
+            # memory; declaring every process a ptracer makes ptrace (Yama scope 1) allow what
+            # the transport allows, no less and no more (docs/design.md, section 8.1).
             SH.allow_same_user_access(lib)  # harmless when it fails (no Yama)
+            if posix:
+                warn_if_ptrace_is_narrower()
+        if same_host_copy is not False and lib is not None and self._host is not None:
             self._libc = lib
             self._host = self._host._replace(page=self._mem.page.address, digest=self._mem.page.digest)
 
@@ -212,27 +191,33 @@ class UcxBackend(Backend):
             self._prover.prove(named(peer_name, route + bytes(blob)), f"UCX metadata of {peer_name!r}")
         with self._lock:
             self._check_open()
+            h, watch = b.host, None
+            if h is not None and self._host is not None and not same_host(self._host, h):
+                watch = ProcessWatch(h.pid, h.start)
+            # A same-host RMA peer's replies land in a receive queue of its own (_peerworkers).
+            w = self._pw.for_peer(watch) if page is None and watch is not None else self._w
             try:
-                ep = self._w.connect(b.worker)
-            except PeerDisconnectedError as exc:
-                hint = "" if self._trusted else "; peers on other hosts need trusted_network=True on both sides"
-                raise PeerDisconnectedError(f"{exc}{hint}") from None
+                ep = w.connect(b.worker)
+            except BaseException as exc:
+                self._pw.retire(w, watch)
+                if isinstance(exc, PeerDisconnectedError):
+                    hint = "" if self._trusted else "; peers on other hosts need trusted_network=True on both sides"
+                    raise PeerDisconnectedError(f"{exc}{hint}") from None
+                raise
             rkeys: list[int] = []
             try:
                 if page is None:  # only the RMA path hands remote keys to UCX
                     for _, _, packed in b.allocations:
-                        rkeys.append(self._w.unpack_rkey(ep, packed))
+                        rkeys.append(w.unpack_rkey(ep, packed))
             except BaseException as exc:
                 for rk in rkeys:
-                    self._w.destroy_rkey(rk)
-                self._w.close_ep(ep, force=True)
+                    w.destroy_rkey(rk)
+                w.close_ep(ep, force=True)
+                self._pw.retire(w, watch)
                 if isinstance(exc, UcxCallError):
                     raise MetadataError(str(exc)) from None
                 raise
-            h, watch = b.host, None
-            if h is not None and self._host is not None and not same_host(self._host, h):
-                watch = ProcessWatch(h.pid, h.start)
-            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, why, watch)
+            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, why, watch, w=w)
             old = self._peers.get(peer_name)
             self._peers[peer_name] = peer
             self._by_ep[ep] = peer
@@ -252,15 +237,27 @@ class UcxBackend(Backend):
             self._disconnect(peer, force=peer.failed is not None)
 
     def _disconnect(self, peer: _Peer, force: bool) -> None:
-        """Close the endpoint once; forcing it completes whatever is outstanding with an error."""
+        """Close the endpoint once; forcing it completes whatever is outstanding with an error.
+        A worker of the peer's own goes with it, after every request on it was given back:
+        a receive queue the peer left blocked (it died mid-write) must not outlive it."""
         if not peer.connected:
             return
         peer.connected = False
+        w = peer.w or self._w
         for rk in peer.rkeys.tolist():
-            self._w.destroy_rkey(rk)
-        self._w.close_ep(peer.ep, force=force)
+            w.destroy_rkey(rk)
+        w.close_ep(peer.ep, force=force)
         if self._by_ep.get(peer.ep) is peer:
             del self._by_ep[peer.ep]
+        if w is not self._w:
+            for x in list(peer.xfers):
+                if isinstance(x.job, RmaJob):
+                    x.job.cancel(0.0, lambda: False)  # frees every request; nothing is waited on
+                if x.am is not None:
+                    w.drain([x.am], 0.0, lambda: False)
+                    x.am = None
+            self._notes.forget(peer.ep)
+            self._pw.retire(w, peer.watch)
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
@@ -332,9 +329,10 @@ class UcxBackend(Backend):
                 job: Any = SH.CopyJob(self._libc, peer.page.pid, op is Op.WRITE, la, ra, ln, peer=peer.name,
                                       chunk=self._copy_chunk)
             else:
-                job = RmaJob(self._w, peer.ep, op is Op.READ, la, ra, ln, peer.rkeys[slot],
+                job = RmaJob(peer.w or self._w, peer.ep, op is Op.READ, la, ra, ln, peer.rkeys[slot],
                              lambda st, call: self._fail(peer, st, call))
             x = _Xfer(peer, job, notification)
+            peer.xfers.add(x)
         if notification is not None:
             self._pump.add(x)
         return x
@@ -366,6 +364,8 @@ class UcxBackend(Backend):
     def _advance(self, x: _Xfer) -> bool:
         peer = x.peer
         self._w.progress()
+        if peer.connected and peer.w is not None and peer.w is not self._w:
+            peer.w.progress()
         self._raise_if_failed(peer)
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
@@ -409,7 +409,7 @@ class UcxBackend(Backend):
             alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
             settled = job.cancel(deadline, alive) if isinstance(job, RmaJob) else True
             if x.am is not None:
-                self._w.drain([x.am], deadline, alive)
+                (peer.w or self._w).drain([x.am], deadline, alive)
                 x.am = None
             if not settled and alive():
                 # The peer neither finished nor failed in time: force the endpoint closed, which
@@ -463,6 +463,10 @@ class UcxBackend(Backend):
         for _ in range(64):
             if not self._w.progress():
                 break
+        for p in self._peers.values():  # RMA peers' own workers: replies, keepalive, errors
+            if p.connected and p.w is not None and p.w is not self._w:
+                p.w.progress()
+        self._pw.progress()
         if self._notes.pending:
             self._notes.reap()
 
@@ -484,6 +488,7 @@ class UcxBackend(Backend):
             for p in list(self._peers.values()):
                 self._drop_peer(p)
             self._peers.clear()
+            self._pw.close()
             self._notes.drop_all()
             self._mem.close()
             self._closed = True

@@ -274,7 +274,7 @@ def test_metadata_is_validated() -> None:
 def test_failed_add_remote_leaves_the_known_peer_intact(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rejected blob for a known peer changes nothing, whether it fails before or after
     native resources were created: the old lists and connection keep working."""
-    from kvxfer_ucx._worker import UcxCallError
+    from kvxfer_ucx._worker import UcxCallError, Worker
 
     a, b, src, dst = pair
     lp = b.prepare(None, descs(dst.ctypes.data, [0], [64]))
@@ -284,10 +284,11 @@ def test_failed_add_remote_leaves_the_known_peer_intact(pair: Pair, monkeypatch:
     with pytest.raises(MetadataError):  # fails in validation
         b.add_remote("prefill", json.dumps({**doc, "version": 1}).encode())
 
-    def refuse(ep: int, packed: bytes) -> int:
+    def refuse(self: Worker, ep: int, packed: bytes) -> int:
         raise UcxCallError("ucx metadata: remote key rejected by UCX: test", -5)
 
-    monkeypatch.setattr(b._w, "unpack_rkey", refuse)  # fails after the endpoint was created
+    # fails after the endpoint (and, on the RMA path, the peer's own worker) was created
+    monkeypatch.setattr(Worker, "unpack_rkey", refuse)
     with pytest.raises(MetadataError, match="remote key"):
         b.add_remote("prefill", json.dumps({**doc, "host": None}).encode())
     monkeypatch.undo()

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -117,3 +118,128 @@ def test_descriptors_outside_the_advertised_memory_never_reach_the_transport(pat
     finally:
         b.close()
         a.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Another uid on the same host (docs/design.md, section 8, "Who may reach an agent's memory")
+
+ATTACKER_USER = "kvxfer-attacker"
+
+
+def _attacker_user() -> str:
+    """The unprivileged user the attacker runs as; created once (idempotent), root only."""
+    import pwd
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test creates an unprivileged user and runs the attacker as it (CI runs as root)")
+    try:
+        pwd.getpwnam(ATTACKER_USER)
+    except KeyError:
+        useradd = shutil.which("useradd")
+        if useradd is None:
+            pytest.skip("needs useradd to create the unprivileged attacker user")
+        subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER_USER],
+                       check=False, capture_output=True)
+        pwd.getpwnam(ATTACKER_USER)  # raises if it still does not exist
+    return ATTACKER_USER
+
+
+def _attack(victim: UcxBackend, path: str, secret: np.ndarray, canary: np.ndarray, user: str | None) -> dict:
+    """Run ucx_attacker.py (as ``user``, or as us) against ``victim``, progressing the victim
+    meanwhile (software RMA is served by the target's worker)."""
+    import base64
+    import time
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "ucx_attacker.py"), "--path", path] + (["--user", user] if user else [])
+    order = {"blob": base64.b64encode(victim.local_metadata()).decode(), "pid": os.getpid(),
+             "secret": [secret.ctypes.data, secret.nbytes], "canary": [canary.ctypes.data, canary.nbytes]}
+    with tempfile.TemporaryFile("w+") as fin, tempfile.TemporaryFile("w+") as fout, \
+            tempfile.TemporaryFile("w+") as ferr:
+        fin.write(json.dumps(order) + "\n")
+        fin.seek(0)
+        proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, text=True)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            victim.progress()
+            time.sleep(0.0005)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read(), ferr.read()
+    assert proc.returncode == 0, err[-2000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    res["read_back"] = np.frombuffer(base64.b64decode(res["read_back"]), dtype=np.uint8)
+    return res
+
+
+@pytest.mark.parametrize("path", ["rma", "copy"])
+@pytest.mark.parametrize("victim_options", [{}, {"same_host_copy": False}], ids=["defaults", "rma-only"])
+def test_another_uid_cannot_reach_memory_it_was_not_given(path: str, victim_options: dict) -> None:
+    """A raw UCX client (or raw process_vm_readv/writev) of another uid holds the victim's
+    genuine metadata and goes for unregistered memory: nothing is read, nothing changes.
+    Control: the same attacker as the victim's uid, which the threat model lets do what
+    ptrace does, reads the secret and writes the canary, so the test can fail."""
+    user = _attacker_user()
+    victim = UcxBackend("victim", **victim_options)
+    try:
+        shared = np.full(4096, SENT, dtype=np.uint8)
+        victim.register([Allocation(shared.ctypes.data, shared.nbytes)])
+        secret = pattern(512, 21)
+        canary = pattern(4096, 22)
+        kept_secret, kept_canary = secret.copy(), canary.copy()
+
+        res = _attack(victim, path, secret, canary, user)
+        assert res["uid"] != 0
+        if path == "rma":  # it works as that user: a GET from its own worker moved the right bytes
+            assert res["selftest"]["ok"] and res["selftest"]["bytes_right"], res["selftest"]
+        else:
+            assert res["readv"] != 512 and res["writev"] != 4096, res
+        np.testing.assert_array_equal(secret, kept_secret)
+        np.testing.assert_array_equal(canary, kept_canary)
+        assert (res["read_back"] == 0x5A).all(), "the attacker read bytes of the victim's secret"
+        assert (shared == SENT).all()
+
+        control = _attack(victim, path, secret, canary, None)  # same uid as the victim (root)
+        assert np.array_equal(control["read_back"], kept_secret), control
+        assert not np.array_equal(canary, kept_canary), "the control did not write the canary"
+    finally:
+        victim.close()
+
+
+@pytest.mark.parametrize("path", ["rma", "copy"])
+def test_control_an_unprivileged_same_uid_attacker_reaches_what_ptrace_would(path: str) -> None:
+    """The control without root: victim and attacker are both the unprivileged user, so
+    nothing but the same uid lets the attacker in (the model allows it: ptrace would). It
+    reads the secret and writes the canary; against a victim of another uid (above) it
+    moves nothing."""
+    import base64
+
+    user = _attacker_user()
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "ucx_attacker.py")
+    victim = subprocess.Popen([sys.executable, script, "--victim", json.dumps({"same_host_copy": path == "copy"}),
+                               "--user", user], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdin is not None
+        order = victim.stdout.readline()
+        assert order, "the victim did not start"
+        attacker = subprocess.run([sys.executable, script, "--path", path, "--user", user], input=order,
+                                  capture_output=True, text=True, timeout=120)
+        assert attacker.returncode == 0, attacker.stderr[-2000:]
+        res = json.loads(attacker.stdout.strip().splitlines()[-1])
+        victim.stdin.write("dump\n")
+        victim.stdin.flush()
+        after = json.loads(victim.stdout.readline())
+    finally:
+        victim.kill()
+        victim.wait()
+    secret = np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8)  # the victim's, recomputed
+    canary = np.random.default_rng(22).integers(0, 256, 4096, dtype=np.uint8)
+    assert res["uid"] == after["uid"] != 0
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(res["read_back"]), np.uint8), secret)
+    assert np.frombuffer(base64.b64decode(after["canary"]), np.uint8).tolist() != canary.tolist()
+    assert after["shared_untouched"]

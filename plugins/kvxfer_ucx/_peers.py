@@ -1,0 +1,50 @@
+"""What the UCX backend keeps per connected peer and per posted transfer."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import KvxferError
+from kvxfer.spans import SpanIndex
+
+from ._hostpage import PeerPage, ProcessWatch
+from ._worker import Worker
+
+__all__ = ["Peer", "Xfer"]
+
+
+@dataclass(eq=False)
+class Peer:
+    name: str
+    ep: int
+    spans: SpanIndex  # the allocations its blob advertises
+    rkeys: np.ndarray  # unpacked remote key per allocation (RMA path only)
+    page: PeerPage | None  # set: the same-host path, with the proof it rests on
+    reason: str
+    watch: ProcessWatch | None  # set when its metadata says it runs on this host
+    failed: int | None = None  # ucs_status once the peer is known dead
+    closed: bool = False  # removed or replaced
+    connected: bool = True  # endpoint still open
+    why: str = ""  # why it counts as failed, when the status alone does not say
+    w: Worker | None = None  # the worker its endpoint lives on (RMA peers: a worker of their own)
+    xfers: "weakref.WeakSet[Xfer]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
+
+    @property
+    def path(self) -> str:
+        return "same-host-copy" if self.page is not None else "ucx-rma"
+
+
+@dataclass(eq=False)
+class Xfer:
+    peer: Peer
+    job: Any  # RmaJob | SH.CopyJob | None once the bytes are in place
+    notification: bytes | None
+    am: int | None = None
+    am_buffers: tuple[Any, ...] = ()
+    done: bool = False
+    error: KvxferError | None = None
+    released: bool = False
