@@ -9,6 +9,7 @@ capabilities, batching limits, and deadlines (through :class:`~kvxfer.transfer.T
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -29,19 +30,18 @@ from .errors import (
 )
 from .from_tensors import spec_from_tensors
 from .group import TransferGroup
-from .layout import Granularity, KVCacheSpec
-from .memory import MemoryKind, Op
+from .layout import KVCacheSpec
+from .memory import Op
 from .metadata import AgentMetadata, seal, unseal
-from . import lifecycle
 from .observe import transfer_finished
-from .planner import Pairing, TransferPlan, pair, plan, plan_gather
+from .planner import Pairing, TransferPlan, pair, plan
 from .plugin.backend import Backend, check_options
 from .plugin.registry import get_backend_class, plugin_manager
 from .posts import Chunk, plan_chunks
-from .reshard import Gather, cached_gather, pair_source
+from .reshard import Gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
-from . import _checks
+from . import _checks, _many, lifecycle
 
 __all__ = ["Agent", "Peer"]
 
@@ -206,11 +206,8 @@ class Agent:
         """
         self._check_open()
         try:
-            if timeout is None:
+            with deadline_scope(timeout) if timeout is not None else contextlib.nullcontext():
                 name = self._add_peer(metadata)
-            else:
-                with deadline_scope(timeout):
-                    name = self._add_peer(metadata)
             if canary is not None:
                 _checks.canary(self, name, canary, timeout)
             return name
@@ -255,10 +252,8 @@ class Agent:
         return md.name
 
     def _forget_remote(self, key: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort: it may never have been added
             self.backend.remove_remote(key)
-        except Exception:  # best effort: it may never have been added
-            pass
 
     def add_source(self, metadata: bytes) -> str:
         """:meth:`add_peer` for a peer of another TP size, PP stage or block size.
@@ -447,45 +442,7 @@ class Agent:
     def _many(self, op: Op, local_blocks: Any, remote_blocks: Mapping[str, Any],
               notify: bytes | None, expect: Mapping[str, Any] | None = None) -> TransferGroup:
         self._check_open()
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout
-        if op not in self.backend.capabilities.ops:
-            raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
-        if not isinstance(remote_blocks, Mapping) or not remote_blocks:
-            raise InvalidArgumentError("remote_blocks must map each peer's name to its block ids")
-        if self.spec is None:
-            raise SpecError("register a KV cache before transferring")
-        peers = {n: self._peer(n) for n in remote_blocks}
-        specs = {}
-        for n, peer in peers.items():
-            if peer.spec is None:
-                raise SpecError(f"peer {n!r} registered no KV cache")
-            specs[n] = peer.spec
-        g = cached_gather(self.spec, specs)
-        only = next(iter(g.tables)) if len(g.tables) == 1 and not g.missing else None
-        if only is not None and isinstance(self._pairing(peers[only]), Pairing):  # same geometry: whole rows
-            plans = {only: self._plan(peers[only], local_blocks, remote_blocks[only], op)}
-        else:
-            plans = plan_gather(g, self.spec, specs, local_blocks, remote_blocks, op)
-        # Planning the gather is one step for all parts: each part is charged its share (by
-        # descriptors) plus its own list preparation, never the posting of the parts before it.
-        shared = time.perf_counter() - t0
-        total = sum(p.descriptors for p in plans.values())
-        checks = _checks.for_many(self, peers, g, plans, local_blocks, remote_blocks, expect) if op is Op.READ else {}
-        parts: dict[str, Transfer] = {}
-        try:
-            for n, p in plans.items():
-                share = shared * (p.descriptors / total if total else 1 / len(plans))
-                parts[n] = self._post(op, peers[n], p, notify, time.perf_counter(), deadline, share, checks.get(n))
-        except BaseException:
-            for t in parts.values():
-                t.cancel()
-            raise
-        unread = [n for n in peers if n not in plans]
-        if notify is not None:
-            for n in unread:
-                self.backend.notify(peers[n].key, bytes(notify))
-        return TransferGroup(parts, unread, self.timeout, started=t0)
+        return _many.post_many(self, op, local_blocks, remote_blocks, notify, expect)
 
     def digest(self, blocks: Any, *, cells: Any = None, algorithm: str = "auto", rows: bool = False) -> Any:
         """Our :class:`kvxfer.integrity.Digests` of ``blocks``: what a reader passes as ``expect``."""
