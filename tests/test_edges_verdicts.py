@@ -107,9 +107,12 @@ def _cli_verdict(local: Geometry, remote: Geometry, tmp: Path) -> str:
         f = tmp / f"{side}.json"
         f.write_text(json.dumps(g.to_dict()))
         files.append(str(f))
-    rows = as_json(kvxfer_cmd("plan", "--local", files[0], "--remote", files[1], "--tokens", "64", "--json"))
+    r = kvxfer_cmd("plan", "--local", files[0], "--remote", files[1], "--tokens", "64", "--json")
+    rows = json.loads(r.stdout)
     assert len(rows) == 1
-    return "paired" if rows[0]["mode"] != "refused" else str(rows[0].get("error", "refused"))
+    refused = rows[0]["mode"] == "refused"
+    assert r.returncode == (1 if refused else 0), r.stderr[-2000:]  # a refused plan exits 1
+    return "paired" if not refused else str(rows[0].get("error", "refused"))
 
 
 def _tensors(x: Any) -> list[Any]:
@@ -156,7 +159,7 @@ def test_control_the_cases_cover_both_verdicts() -> None:
 
 def test_spec_file_tp_ranks_are_refused_naming_their_heads() -> None:
     rows = as_json(kvxfer_cmd("plan", "--local", str(SPECS / "llama3-70b-tp8.toml"), "--remote-tp", "2/8",
-                              "--tokens", "64", "--json"))
+                              "--tokens", "64", "--json"), code=1)
     assert rows[0]["error"] == "HeadSliceMismatchError"
     assert "heads [1, 2) of 8" in rows[0]["why"] and "heads [2, 3) of 8" in rows[0]["why"], rows[0]["why"]
     assert "heads not described" not in rows[0]["why"]

@@ -12,6 +12,7 @@ machine without NIXL stays cheap and says how to install it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -249,12 +250,9 @@ class NixlBackend(Notifications, Backend):
         try:
             self._path.add_peer(peer_name, parsed.device)  # replaces the old route, if any
         except Exception as exc:
-            with self._lock:
-                try:
-                    if not reused:  # a reused load stays with whoever holds it
-                        self._agent.remove_remote_agent(alias)
-                except Exception:
-                    pass
+            if not reused:  # a reused load stays with whoever holds it
+                with self._lock, contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(alias)
             if isinstance(exc, KvxferError):
                 raise
             raise MetadataError(f"the device path refused {peer_name!r}: {exc}") from exc
@@ -268,10 +266,8 @@ class NixlBackend(Notifications, Backend):
             self._release_lists(old)
         parked = self._parked.take(peer_name)
         for gone in {a for a in (old.nixl if old is not None else None, parked) if a is not None and a != alias}:
-            try:
+            with contextlib.suppress(KvxferError):  # the old incarnation is gone either way
                 self._unload(peer_name, gone)
-            except KvxferError:
-                pass  # the old incarnation is gone either way
         return peer_name
 
     def _reusable(self, peer: str, blob: bytes) -> str | None:
