@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from kvxfer.errors import HandshakeError
 
-__all__ = ["Errors", "wait_until"]
+__all__ = ["Errors", "has_nixl", "wait_until"]
 
 
 class Errors:
@@ -40,3 +40,11 @@ def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "cond
             raise AssertionError(f"{what} not reached within {timeout}s")
         time.sleep(interval)
 
+
+def has_nixl() -> bool:
+    """Whether the nixl package imports here (its tests are skipped, with the reason, if not)."""
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        return False
+    return True

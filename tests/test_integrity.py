@@ -19,6 +19,8 @@ from kvxfer.errors import IntegrityError, MetadataError
 from kvxfer.integrity import Cells, Digests
 from kvxfer.testing import faults
 
+from common import has_nixl
+
 xxhash = pytest.importorskip("xxhash")
 
 NB, L, PAGE = 16, 3, 1024
@@ -26,16 +28,8 @@ TRIALS = 1000
 LB, RB = np.array([9, 2, 14, 5]), np.array([3, 4, 11, 0])
 
 
-def _nixl() -> bool:
-    try:
-        import nixl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 BACKENDS = ["loopback", pytest.param("nixl", marks=[pytest.mark.nixl,
-                                                    pytest.mark.skipif(not _nixl(), reason="nixl not installed")])]
+                                                    pytest.mark.skipif(not has_nixl(), reason="nixl not installed")])]
 
 
 def _pages(rng: np.random.Generator) -> np.ndarray:

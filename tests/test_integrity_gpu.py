@@ -16,6 +16,8 @@ import kvxfer
 from kvxfer.errors import IntegrityError
 from kvxfer.testing import faults
 
+from common import has_nixl
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 xxhash = pytest.importorskip("xxhash")
@@ -25,15 +27,7 @@ TRIALS = 1000
 LB, RB = np.array([9, 2, 14, 5]), np.array([3, 4, 11, 0])
 
 
-def _nixl() -> bool:
-    try:
-        import nixl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-BACKENDS = ["loopback", pytest.param("nixl", marks=pytest.mark.skipif(not _nixl(), reason="nixl not installed"))]
+BACKENDS = ["loopback", pytest.param("nixl", marks=pytest.mark.skipif(not has_nixl(), reason="nixl not installed"))]
 
 
 def _cache(shape: str, X: np.ndarray | None, memory: str = "VRAM") -> tuple[dict[str, Any], Any]:

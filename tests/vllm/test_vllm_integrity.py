@@ -96,11 +96,8 @@ def early(pair):
     return prefill(pair, FAULT_PROMPTS["killed"]), time.time()
 
 
-@pytest.mark.parametrize("kind", list(CASES))
-def test_corrupted_load_recomputes_and_matches(pair, early, plain, kind):
-    prompt = CASES[kind]
-    params = prefill(pair, prompt)
-    assert params["kvxfer"]["dig"], "the prefill put no digests in its params"
+def _decode_damaged(pair, prompt, params, kind):
+    """Decode with the decode-side wrapper damaging exactly one load of ``kind``."""
     before = _damaged(pair)
     _corrupt(kind)
     try:
@@ -108,6 +105,15 @@ def test_corrupted_load_recomputes_and_matches(pair, early, plain, kind):
     finally:
         _corrupt(None)
     assert _damaged(pair) == before + 1
+    return out
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_corrupted_load_recomputes_and_matches(pair, early, plain, kind):
+    prompt = CASES[kind]
+    params = prefill(pair, prompt)
+    assert params["kvxfer"]["dig"], "the prefill put no digests in its params"
+    out = _decode_damaged(pair, prompt, params, kind)
     d = out["delta"]
     assert d.get("vllm:kvxfer_integrity_failures") == 1 and d.get("vllm:kvxfer_failed_loads") == 1, d
     assert "vllm:kvxfer_loaded_tokens" not in d
@@ -117,13 +123,7 @@ def test_corrupted_load_recomputes_and_matches(pair, early, plain, kind):
 def test_control_the_same_damage_without_digests_passes_as_loaded(pair):
     prompt = PROMPTS[1]  # whole blocks, like the cases above
     params = _resign(prefill(pair, prompt), digests=None, nonce=secrets.token_hex(16))
-    before = _damaged(pair)
-    _corrupt("zero")
-    try:
-        out = decode(pair, prompt, params)
-    finally:
-        _corrupt(None)
-    assert _damaged(pair) == before + 1
+    out = _decode_damaged(pair, prompt, params, "zero")
     d = out["delta"]
     assert d.get("vllm:kvxfer_loaded_tokens") == len(prompt) and "vllm:kvxfer_integrity_failures" not in d, d
 
