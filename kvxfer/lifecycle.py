@@ -17,14 +17,22 @@ from typing import Any, Mapping
 # and a type-only import back would be an import circle all the same.
 Agent = Peer = KVCacheSpec = Any
 
-__all__ = ["registered", "deregistered", "peer_added", "peer_restarted", "peer_removed", "unknown_peer_message"]
+__all__ = ["registered", "deregistered", "peer_added", "peer_restarted", "peer_removed", "store_event",
+           "unknown_peer_message"]
 
 log = logging.getLogger("kvxfer.agent")
+store_log = logging.getLogger("kvxfer.store")
 
 
 def _info(message: str, **facts: Any) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info(message, extra={"kvxfer": facts})
+
+
+def store_event(event: str, path: str, message: str, **facts: Any) -> None:
+    """A store's lifecycle (opened, rows evicted, damaged rows dropped, closed) on ``kvxfer.store``."""
+    if store_log.isEnabledFor(logging.INFO):
+        store_log.info(f"store {path}: {message}", extra={"kvxfer": {"event": event, "store": path, **facts}})
 
 
 def _describe(spec: KVCacheSpec) -> str:

@@ -342,3 +342,23 @@ def test_a_durable_store_round_trips_across_a_reopen(tmp_path) -> None:
     with _store(tmp_path, dims, durable=True) as st:
         st.restore([b"b", b"a"], dst.spec, [0, 1]).wait()
     assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [8, 7]]) and dst.untouched([0, 1])
+
+
+def test_store_lifecycle_is_logged_for_operators(tmp_path, caplog) -> None:
+    """INFO lines on ``kvxfer.store``: created or reopened (rows held), rows evicted, closed."""
+    import logging
+
+    dims = DIMS["aligned"]
+    src = cache("row", dims, logical(dims))
+    caplog.set_level(logging.INFO, logger="kvxfer.store")
+    with _store(tmp_path, dims, slots=2) as st:
+        st.offload(src.spec, [0, 1], keys(2)).wait()
+        assert not [r for r in caplog.records if "evicted" in r.getMessage()]  # control: nothing evicted yet
+        st.offload(src.spec, [2], [b"third"]).wait()
+    with _store(tmp_path, dims, slots=2):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvxfer.store"]
+    events = [r.kvxfer["event"] for r in caplog.records if r.name == "kvxfer.store"]
+    assert events == ["store_open", "store_evict", "store_close", "store_open", "store_close"], lines
+    assert "created, 0 of 2 rows" in lines[0] and "evicted 1 least recently used row" in lines[1]
+    assert "opened, 2 of 2 rows" in lines[3]

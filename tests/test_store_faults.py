@@ -9,6 +9,7 @@ and, for the slab file itself, from the source cache's own row bytes, never from
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import resource
 import signal
@@ -116,7 +117,7 @@ def _slot_of(path: Path, row: bytes, stride: int = 16384) -> int:
     return int(hit[0])
 
 
-def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path) -> None:
+def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog) -> None:
     X = logical(DIMS_A)
     src = cache("row", DIMS_A, X)
     with _open(tmp_path) as st:
@@ -136,11 +137,13 @@ def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path) -> None:
     assert _slot_of(slab, row2[:5000]) == slot  # the damage is inside k2's row ...
     with pytest.raises(AssertionError):
         _slot_of(slab, row2)  # ... which no longer matches the source: served, it would be garbage
+    caplog.set_level(logging.INFO, logger="kvxfer.store")
     with _open(tmp_path) as st:
         dst = cache("row", DIMS_A)
         with pytest.raises(StoreCorruptError) as e:
             st.restore(keys(3), dst.spec, [0, 1, 2]).wait()
         assert e.value.keys == [b"k2"]
+        assert [r.kvxfer["dropped"] for r in caplog.records if getattr(r, "kvxfer", {}).get("event") == "store_corrupt"] == [1]
         assert dst.untouched([])  # no row of the failed restore was copied
         assert st.lookup(keys(3)).tolist() == [True, True, False]  # dropped: the next lookup is a miss
         st.restore(keys(2), dst.spec, [0, 1]).wait()

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import lifecycle
 from ..deadlines import check_timeout
 from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
 from ..layout import KVCacheSpec
@@ -92,6 +93,9 @@ class Store:
         self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
         self._pairings: dict[int, Pairing] = {}
         self._closed = False
+        lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
+                              f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
+                              created=self._slab.created, entries=len(self._index), slots=slots)
         #: Test hook: called with a stage name on the worker thread: "call" after each system
         #: call, "written" after an offload's writes (before publishing), "verified" after a
         #: restore's digest check (before copying).
@@ -160,6 +164,9 @@ class Store:
         with self._lock:
             slots, evicted = self._index.reserve(len(ks))
             self._append(b"".join(encode_drop(k) for k in evicted))
+        if evicted:
+            lifecycle.store_event("store_evict", self.path, f"evicted {len(evicted)} least recently used row(s)",
+                                  evicted=len(evicted))
         try:
             p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
             calls = self._calls(p)
@@ -228,6 +235,8 @@ class Store:
                 with self._lock:
                     gone = self._index.drop(lost)
                     self._append(b"".join(encode_drop(k) for k in gone))
+                lifecycle.store_event("store_corrupt", self.path, f"{len(lost)} row(s) failed their digest and were "
+                                      "dropped", dropped=len(lost))
                 raise StoreCorruptError(f"{len(lost)} of {len(got)} stored rows failed their digest (a torn "
                                         "write or a damaged slab); they were not copied and were dropped: "
                                         "recompute those blocks", lost) from None
@@ -364,3 +373,5 @@ class Store:
             self._journal.close()
             journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
             self._slab.close()
+        lifecycle.store_event("store_close", self.path, f"closed with {len(self._index)} row(s)",
+                              entries=len(self._index))
