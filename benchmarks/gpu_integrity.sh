@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins
 D=/tmp/site/kvxfer-0.1.0.dist-info; mkdir -p $D
-printf 'Metadata-Version: 2.1\nName: kvxfer\nVersion: 0.1.0\n' > $D/METADATA
+printf 'Metadata-Version: 2.1\nName: kvxfer\nVersion: 0.1.0\nRequires-Dist: nixl>=1.5; extra == "nixl"\n' > $D/METADATA
 printf '[kvxfer]\nloopback = kvxfer_loopback\nnixl = kvxfer_nixl\n' > $D/entry_points.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $LOGS/info.txt
 python3 -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)" | tee -a $LOGS/info.txt
