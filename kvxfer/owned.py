@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar
 
 from .deadlines import check_timeout
@@ -128,6 +129,8 @@ class OwnedFuture(Generic[T]):
 
     # -- finishing (the owner's thread only) ----------------------------------------------
     def _finish(self, status: Status, value: T | None = None, error: BaseException | None = None) -> None:
+        if error is not None:
+            _detach(error)
         with self._lock:
             if self._event.is_set():
                 return
@@ -136,6 +139,27 @@ class OwnedFuture(Generic[T]):
             self._event.set()
         for fn in callbacks:
             _call(fn, self)
+
+
+def _detach(exc: BaseException) -> None:
+    """Drop the locals of the finished frames an error carries (its cause and context too).
+
+    The error crosses from the owner's thread to a caller, who may keep it (``pytest.raises``,
+    a log record) long after the owner closed. Its traceback would keep the loop's frames, and
+    through them the transport's native objects (a NIXL transfer handle, its agent), alive in
+    a reference cycle; the garbage collector then frees them on whatever thread, in any
+    order, after the agent is gone. Cleared here, they are freed by the owner as usual; the
+    file and line of every frame stay for the reader.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo and len(seen) < 16:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running
+        todo += [e.__cause__, e.__context__]
 
 
 def _call(fn: Callable[[Any], None], arg: Any) -> None:
