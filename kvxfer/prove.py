@@ -19,15 +19,12 @@ retried once in another helper), a helper that does not start (retried with back
 counted in :func:`health`). How the helper's time and end are read is in
 :mod:`kvxfer._childproc`.
 
-Probes of different bytes run in different helpers (``helpers`` at most, started on
-demand); callers proving the same bytes share one probe. Every wait is bounded by the
-caller's deadline (``deadline=``, else :func:`kvxfer.deadlines.current_deadline`, else
-``start_timeout + 2 * timeout``). Helpers are recycled every ``recycle_after`` probes or
-past ``max_descriptors`` open descriptors, so what refused loads leave behind stays bounded.
-
-What runs is named by an import path, ``"package.module:factory"``: ``factory(**options)``
-returns a callable taking the bytes; options are JSON. Which metadata needs proving at all
-(only unauthenticated metadata, by default) and the costs are in docs/design.md, section 8.
+Different bytes are proven in different helpers (``helpers`` at most, started on demand);
+callers of the same bytes share one probe. Every wait is bounded by the caller's deadline
+(``deadline=``, else :func:`kvxfer.deadlines.current_deadline`, else ``start_timeout + 2 *
+timeout``). Helpers are recycled every ``recycle_after`` probes or past ``max_descriptors``
+descriptors. What runs is ``"package.module:factory"``; ``factory(**options)`` (JSON
+options) returns a callable taking the bytes. What needs proving: docs/design.md, section 8.
 """
 
 from __future__ import annotations
@@ -51,14 +48,17 @@ from . import errors
 from .deadlines import check_timeout, current_deadline
 from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
 
-__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "backend_probe", "health", "main", "named", "read_exact",
-           "shared", "unnamed"]
+__all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "backend_probe", "health",
+           "main", "named", "read_exact", "shared", "unnamed"]
 
 #: Seconds of CPU time a probe may be given before the bytes count as hanging native code.
 DEFAULT_TIMEOUT = 30.0
 #: Seconds of CPU time the helper may be given to start (import, create its native agent).
 DEFAULT_START_TIMEOUT = 120.0
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
+_shared: dict[tuple[str, str, float], "Prover"] = {}
+_shared_lock = threading.Lock()
+_NAME = struct.Struct("<H")
 _retired: Counter[str] = Counter()  # collected provers' counters: health() never goes down
 _totals_lock = threading.Lock()
 
@@ -66,9 +66,6 @@ _totals_lock = threading.Lock()
 def _keep_totals(stats: Counter[str], lock: threading.Lock) -> None:
     with lock, _totals_lock:
         _retired.update(stats)
-_shared: dict[tuple[str, str, float], "Prover"] = {}
-_shared_lock = threading.Lock()
-_NAME = struct.Struct("<H")
 
 
 class _Pending:
@@ -116,8 +113,7 @@ class Prover:
         self._waiting = 0  # callers in _checkout
         self._started: set[Child] = set()  # helpers still starting (close() ends them too)
         self._epoch = 0  # close() ends every helper of earlier epochs as it comes back
-        self._backoff = 0.0
-        self._retry_at = 0.0
+        self._backoff = self._retry_at = 0.0
         _live.add(self)
 
     def __repr__(self) -> str:
@@ -492,10 +488,10 @@ def _stop_all() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or ":" not in args[0]:
-        print("usage: python -m kvxfer.prove MODULE:FACTORY (started by kvxfer.prove.Prover)", file=sys.stderr)
-        return 2
-    return serve(args[0])
+    if len(args) == 1 and ":" in args[0]:
+        return serve(args[0])
+    print("usage: python -m kvxfer.prove MODULE:FACTORY (started by kvxfer.prove.Prover)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

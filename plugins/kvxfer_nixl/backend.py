@@ -424,8 +424,7 @@ class NixlBackend(Notifications, Backend):
 
     def data_path(self, xfer: Any) -> str | None:
         """``"cuda-ipc"`` or ``"same-process"`` for device-path copies, else ``"nixl"``."""
-        x: Xfer = xfer
-        return x.path.kind(x.h)
+        return xfer.path.kind(xfer.h)
 
     def release(self, xfer: Any) -> None:
         """Forget a transfer; a pending one is aborted (or, for a device copy, waited for)."""
@@ -465,10 +464,8 @@ class NixlBackend(Notifications, Backend):
     def _pumped(self, h: Any) -> bool:
         """What the notify thread polls: transfers, and the flush after a standalone notification."""
         if h is self._flush:
-            try:
+            with contextlib.suppress(KvxferError):
                 self._collect(blocking=False)
-            except KvxferError:
-                pass
             return time.monotonic() >= self._flush.until
         return self.poll(h)
 
@@ -479,23 +476,17 @@ class NixlBackend(Notifications, Backend):
             return
         self._pump.stop()
         for peer in list(self._remotes):
-            try:
+            with contextlib.suppress(KvxferError):
                 self.remove_remote(peer)
-            except KvxferError:
-                pass
         for peer, alias in self._parked.drain():
-            try:
+            with contextlib.suppress(KvxferError):
                 self._unload(peer, alias)
-            except KvxferError:
-                pass
         for p in list(self._prepared):
             self.release_prepared(p)
         self._nixl_path.reap()
         for reg in list(self._registrations):
-            try:
+            with contextlib.suppress(KvxferError):
                 self.deregister(reg)
-            except KvxferError:
-                pass
         self._path.close()
         self._closed = True
         instances.pop(self._id, None)

@@ -21,6 +21,7 @@ Thread model: every libucp call and every step of a job happens under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -35,8 +36,7 @@ from kvxfer.progress import Pump
 from kvxfer.prove import named, shared
 from kvxfer.spans import SpanIndex, merge_runs
 
-from . import _libucp as L
-from . import _samehost as SH
+from . import _libucp as L, _samehost as SH
 from ._config import transport_config, warn_if_ptrace_is_narrower
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
 from ._hostpage import ProcessWatch, host_identity, prove, same_host
@@ -495,8 +495,6 @@ class UcxBackend(Backend):
             self._w.close()
 
     def __del__(self) -> None:  # best effort; close() is the contract
-        try:
-            if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
                 self.close()
-        except Exception:
-            pass
