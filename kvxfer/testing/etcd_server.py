@@ -11,13 +11,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from .ports import free_port
 
 __all__ = ["EtcdServer", "etcd_binary", "free_port", "INSTALL_HINT"]
 
@@ -31,12 +32,6 @@ def etcd_binary() -> str | None:
         return env if os.access(env, os.X_OK) else None
     return shutil.which("etcd") or next((p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.access(p, os.X_OK)),
                                         None)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:

@@ -10,7 +10,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,32 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.testing.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TOKEN_ENV = "KVXFER_E2E_TOKEN"
 #: Generous: the CI machine has 2 cores shared by several vLLM starts.
 START_TIMEOUT = float(os.environ.get("KVXFER_E2E_START_TIMEOUT", "900"))
 CALL_TIMEOUT = 300.0
-
-
-def free_port(count: int = 1) -> int:
-    """A port p such that p..p+count-1 looked free just now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + count > 65535:
-            continue
-        ok = True
-        for q in range(p + 1, p + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    ok = False
-        if ok:
-            return p
-    raise RuntimeError("no free port range")
+#: Log lines after which an engine cannot answer any more.
+WEDGED = ("Exception in thread nixl_handshake_listener",)
 
 
 def write_tiny_llama(folder: Path) -> Path:
@@ -92,6 +75,7 @@ class Engine:
 
     def _read(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + 5.0
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -104,8 +88,25 @@ class Engine:
                 self._buf += chunk
             elif self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode})\n{self.log_tail()}")
+            elif time.monotonic() >= next_look:
+                next_look = time.monotonic() + 5.0
+                self._raise_if_wedged()
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
+
+    def _raise_if_wedged(self) -> None:
+        """Fail now, not at the timeout, once the engine's log shows it can never answer.
+
+        vLLM's NixlConnector runs its handshake listener in a thread; when that thread dies
+        (a port taken, say) the engine keeps running and never gets ready.
+        """
+        try:
+            log = self.log_path.read_text(errors="replace")
+        except OSError:
+            return
+        for marker in WEDGED:
+            if marker in log:
+                raise RuntimeError(f"{self.name}: {marker!r} in its log; it will never answer\n{self.log_tail()}")
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         if not self.ready:
