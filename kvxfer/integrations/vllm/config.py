@@ -33,6 +33,8 @@ _DEFAULTS: dict[str, Any] = {
     "lease_seconds": 120.0,
     "min_tokens": 1,
     "digests": True,
+    "store_path": None,
+    "store_capacity": 1 << 30,
 }
 
 
@@ -62,6 +64,9 @@ class ConnectorConfig:
     min_tokens: int = 1
     #: Prefill: put row digests in the params (where it can); decode: verify them (docs/integrity.md).
     digests: bool = True
+    #: Serve prompt prefixes from a kvxfer.Store in this directory (None: off); its slots' bytes.
+    store_path: str | None = None
+    store_capacity: int = 1 << 30
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
@@ -105,8 +110,14 @@ class ConnectorConfig:
         if min_tokens < 1:
             raise ConnectorConfigError("kv_connector_extra_config['min_tokens'] must be >= 1")
         digests = _want("digests", v["digests"], bool)
+        store_path = None if v["store_path"] is None else _want("store_path", v["store_path"], str)
+        if store_path == "":
+            raise ConnectorConfigError("kv_connector_extra_config['store_path'] is empty")
+        capacity = _want("store_capacity", v["store_capacity"], int)
+        if capacity <= 0:
+            raise ConnectorConfigError("kv_connector_extra_config['store_capacity'] must be a positive number of bytes")
         return cls(backend, options, host, bind_host, port, token, insecure, times["transfer_timeout"],
-                   times["handshake_timeout"], times["lease_seconds"], min_tokens, digests)
+                   times["handshake_timeout"], times["lease_seconds"], min_tokens, digests, store_path, capacity)
 
     def rank_port(self, rank: int) -> int:
         """Each worker rank serves its own metadata on ``port + rank``."""

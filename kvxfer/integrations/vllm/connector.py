@@ -7,6 +7,7 @@ load and hold, see :mod:`.scheduler`; each worker's registers the cache and move
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -44,6 +45,12 @@ def _check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
     if len(groups) != 1:
         raise ConnectorConfigError(f"kvxfer's vLLM connector handles one KV cache group (full attention or MLA); "
                                    f"this model has {len(groups)}")
+
+
+def _model_id(model: Any) -> str:
+    """What the store's slab fingerprint records of the model (at most 256 characters)."""
+    text = f"{model.model}|{getattr(model, 'revision', None) or ''}|{getattr(model, 'dtype', '')}"
+    return text if len(text) <= 256 else hashlib.sha256(text.encode()).hexdigest()
 
 
 class KvxferConnector(KVConnectorBase_V1):
@@ -85,7 +92,8 @@ class KvxferConnector(KVConnectorBase_V1):
             block_tokens=int(group.kv_cache_spec.block_size),
             tp_size=int(self._vllm_config.parallel_config.tensor_parallel_size),
             replicated=bool(getattr(model, "use_mla", False)),
-            serve=self._kv_transfer_config.kv_role in ("kv_producer", "kv_both"))
+            serve=self._kv_transfer_config.kv_role in ("kv_producer", "kv_both"),
+            model=_model_id(model))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
@@ -111,6 +119,13 @@ class KvxferConnector(KVConnectorBase_V1):
             return KVConnectorTransferResults()
         sending, recving, failed = self._worker.poll()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.store_handshake() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._sched is not None and self._sched.store is not None:  # store.py: the scheduler's view
+            self._sched.store.attach(metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

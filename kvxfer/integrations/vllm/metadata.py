@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .params import RemoteKV
+from .store import StoreLoad, StoreSave
 
 __all__ = ["LoadTask", "KvxferConnectorMetadata"]
 
@@ -33,3 +34,6 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, float] = field(default_factory=dict)
     #: Prefill: request id -> blocks each worker digests after this step's forward (digests.py).
     digest: dict[str, list[int]] = field(default_factory=dict)
+    #: Prefixes from a store (store.py): restores to start, and offloads of finished requests.
+    store_loads: list[StoreLoad] = field(default_factory=list)
+    store_saves: list[StoreSave] = field(default_factory=list)

@@ -4,7 +4,8 @@ Prefill: ``request_finished`` keeps a finished request's blocks and returns tran
 parameters naming them. Decode: ``get_num_new_matched_tokens`` reports the prompt tokens a
 prefill holds, after checking the parameters (bad ones mean recompute, never a transfer);
 ``update_state_after_alloc`` pairs the blocks vLLM allocated with the prefill's blocks.
-Both hand their work to the workers through :class:`KvxferConnectorMetadata`.
+Both hand their work to the workers through :class:`KvxferConnectorMetadata`. With
+``store_path`` set, prompt prefixes are also served from a store (:mod:`.store`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .digests import SchedulerDigests
 from .params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError, RemoteKV, expiry,
                      wants_remote_decode, wants_remote_prefill)
 from .stats import KvxferConnectorStats
+from .store import SchedulerStore
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,6 +46,7 @@ class SchedulerSide:
         self._sends: dict[str, float] = {}
         self._nonces = NonceBook()  # decode: a params set is used once
         self.digests = SchedulerDigests(cfg.token, tp_size)  # prefill: digests for the params it hands out
+        self.store = SchedulerStore(block_size, cfg.min_tokens) if cfg.store_path else None
 
     # -- decode ---------------------------------------------------------------------------
     def _parse(self, request: "Request") -> RemoteKV | None:
@@ -66,7 +69,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if not wants_remote_prefill(request.kv_transfer_params):
-            return 0, False
+            n = self.store.matched(request, num_computed_tokens) if self.store is not None else 0
+            return n, n > 0
         remote = self._parse(request)
         if remote is None:
             return 0, False
@@ -80,6 +84,8 @@ class SchedulerSide:
         if wants_remote_decode(params) and self.cfg.digests:
             self.digests.want(request)
         if not wants_remote_prefill(params):
+            if self.store is not None:
+                self.store.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
             return
         remote = self._parse(request)
         del self._remote[request.request_id]
@@ -100,13 +106,16 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        # store.py: offload the prompt's full blocks the store lacks, except where a decode leases them
+        save = self.store is not None and self.store.finished(request, block_ids, ok and not wants_remote_decode(params))
         if wants_remote_prefill(params):  # a decode request that finished before it loaded
             self._remote.pop(request.request_id, None)
-            return False, None
+            return save, None
         if not wants_remote_decode(params):
-            return False, None
+            return save, None
         self.digests.forget(request.request_id)
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if not ok:
             return False, None  # aborted: free now
         tokens = int(request.num_computed_tokens)
         needed = math.ceil(tokens / self.block_size)
@@ -126,6 +135,9 @@ class SchedulerSide:
     def build_connector_meta(self) -> KvxferConnectorMetadata:
         meta = KvxferConnectorMetadata(self._loads, self._sends)
         self._loads, self._sends = [], {}
+        if self.store is not None:
+            meta.store_loads, meta.store_saves = self.store.loads, self.store.saves
+            self.store.loads, self.store.saves = [], []
         return meta
 
     def take_stats(self) -> KvxferConnectorStats | None:

@@ -27,6 +27,7 @@ PER_STEP = ("start_seconds",)
 PROVER_COUNTS = ("start_failures", "unavailable")
 COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends",
           "integrity_failures", "expired_params", "replayed_params",
+          "store_failures", "store_corrupt", "store_saved_blocks", "store_save_failures", "store_busy",
           *(f"prover_{k}" for k in PROVER_COUNTS))
 
 
@@ -125,6 +126,15 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                                       "Params refused as expired, at parsing or before the read (recomputed)"),
             "replayed_params": counter("vllm:kvxfer_replayed_params",
                                        "Params refused because their nonce was already used here (recomputed)"),
+            "store_failures": counter("vllm:kvxfer_store_failures",
+                                      "Store restores that failed (evicted, damaged row, missing slab): recomputed"),
+            "store_corrupt": counter("vllm:kvxfer_store_corrupt",
+                                     "Store restores whose rows failed their digest (dropped, recomputed)"),
+            "store_saved_blocks": counter("vllm:kvxfer_store_saved_blocks", "Prompt blocks offloaded to the store"),
+            "store_save_failures": counter("vllm:kvxfer_store_save_failures",
+                                           "Store offloads that failed (nothing published)"),
+            "store_busy": counter("vllm:kvxfer_store_busy",
+                                  "Workers that found the store held by another process (ran without it)"),
             "sends_done": counter("vllm:kvxfer_sends_done", "Prefill requests whose blocks decode released"),
             "expired_sends": counter("vllm:kvxfer_expired_sends", "Prefill requests freed after the lease expired"),
             "prover_start_failures": counter("vllm:kvxfer_prover_start_failures",

@@ -42,6 +42,7 @@ from .metadata import KvxferConnectorMetadata, LoadTask
 from . import params as _params  # replay and integrity checks (issue 19/23): kept in params.py
 from .registration import describe_spec, discovered_spec, spec_from_vllm
 from .stats import PROVER_COUNTS, KvxferConnectorStats
+from .store import StoreHandshake, WorkerStore
 
 __all__ = ["WorkerSide", "agent_name"]
 
@@ -113,13 +114,14 @@ class WorkerSide:
         self._pump: Pump[str] | None = None
         self._routes: set[str] = set()  # prefill ranks named to the owner
         self._prover_seen: dict[str, int] = {}
+        self.store: WorkerStore | None = None  # prompt prefixes from a kvxfer.Store (store.py)
         # The side channel wants the token, or an explicit NO_AUTH (the config's "insecure").
         self._side_token: object = cfg.token if cfg.token is not None else NO_AUTH
 
     # -- registration ---------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], *, num_blocks: int, page_bytes: Mapping[str, int],
                  layout: str | None, block_tokens: int, tp_size: int, replicated: bool,
-                 serve: bool = True) -> kvxfer.KVCacheSpec:
+                 serve: bool = True, model: str = "") -> kvxfer.KVCacheSpec:
         """Register vLLM's cache; ``serve``: publish the metadata (prefill roles; decode only reads)."""
         spec = spec_from_vllm(kv_caches, num_blocks=num_blocks, page_bytes=page_bytes, layout=layout,
                               block_tokens=block_tokens, tp_rank=self.rank, tp_size=tp_size, replicated=replicated)
@@ -148,6 +150,9 @@ class WorkerSide:
             self.owner = kvxfer.Owner(agent, max_pending_per_peer=_PER_PREFILL,
                                       add_peer_timeout=self.cfg.handshake_timeout, name=f"kvxfer-vllm-owner:{self.rank}")
         self.agent = agent
+        if self.cfg.store_path is not None:
+            self.store = WorkerStore.open(self.cfg.store_path, self.cfg.store_capacity, spec, model, self.stats,
+                                          _unpinned)
         if serve:
             self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
@@ -176,7 +181,9 @@ class WorkerSide:
                 self._pump.add(_LEASED)
         for task in meta.loads:
             self._start_load(task)
-        if meta.loads:
+        if self.store is not None:
+            self.store.start(meta.store_loads, meta.store_saves, self._store_fail)
+        if meta.loads or meta.store_loads:
             self.stats.data["start_seconds"].append(time.perf_counter() - t0)
 
     def _start_load(self, task: LoadTask) -> None:
@@ -225,6 +232,19 @@ class WorkerSide:
             except KvxferError:
                 pass
 
+    def store_handshake(self) -> StoreHandshake | None:
+        """For the scheduler's read-only view of the store (None: no store configured)."""
+        if self.cfg.store_path is None:
+            return None
+        return StoreHandshake(self.store.handshake().handle if self.store is not None else None)
+
+    def _store_fail(self, rid: str, block_ids: list[int], exc: BaseException) -> None:
+        log.warning("kvxfer: restore of request %s from the store failed, vLLM recomputes it: %s", rid, exc)
+        self.stats.count("failed_loads")
+        self._failed_blocks.update(block_ids)
+        self._failed_recv.add(rid)
+        self._done_recv.add(rid)
+
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` since the last call.
 
@@ -254,6 +274,8 @@ class WorkerSide:
                           s.nbytes, 1e3 * (s.seconds or 0.0))
                 self._done_recv.add(rid)
         sending = self._release_sends(now)
+        if self.store is not None:
+            sending |= self.store.poll(self._done_recv.add, self._store_fail)
         recv, failed = self._done_recv, self._failed_recv
         self._done_recv, self._failed_recv = set(), set()
         return sending, recv, failed
@@ -314,6 +336,9 @@ class WorkerSide:
             self._prover_seen[key] = int(now.get(key, 0))
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         if self._pump is not None:
             self._pump.stop()
             self._pump = None

@@ -1,0 +1,258 @@
+"""Prompt prefixes served from a :class:`kvxfer.Store` (``store_path`` in the extra config).
+
+A finished request's full prompt blocks are offloaded under prefix keys; a later request,
+in this engine or a new one on the same store, whose prompt starts with those blocks
+restores them instead of computing them. Who does what (docs/vllm.md, "Prefixes from a
+store"):
+
+* Each worker opens the store for its own cache (one slab per TP rank: the TP slice is part
+  of the layout fingerprint) and is its only opener; it does every offload and restore.
+* The scheduler never opens it. The worker hands it a :class:`~kvxfer.store.view.ViewHandle`
+  through vLLM's handshake metadata at start-up, and the scheduler reads the index journal
+  through a read-only :class:`~kvxfer.store.view.IndexView` to answer
+  ``get_num_new_matched_tokens``. What the view shows is a hint: a key evicted or a row
+  damaged since then fails the restore, and vLLM recomputes those blocks.
+
+Keys are opaque bytes, a SHA-256 chain over the prompt's token ids block by block (seeded
+with the request's cache salt), so they are equal in every process and engine whatever
+``PYTHONHASHSEED`` says; the model and layout are in the slab's fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+import kvxfer
+from kvxfer.errors import KvxferError, StoreBusyError, StoreCorruptError
+from kvxfer.store.view import IndexView, ViewHandle
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+from .stats import KvxferConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["prefix_keys", "StoreHandshake", "StoreLoad", "StoreSave", "SchedulerStore", "WorkerStore"]
+
+log = logging.getLogger("vllm.kvxfer")
+
+_ROOT = b"kvxfer-vllm-prefix-v1\0"
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """One key per full block: key[i] names tokens ``[0, (i+1) * block_size)``.
+
+    A chain (``key[i] = sha256(key[i-1] + block i's ids as little-endian int64)``), so a key
+    names its whole prefix and two prompts share exactly the keys of their common full blocks.
+    """
+    ids = np.asarray(token_ids, dtype="<i8")
+    n = ids.shape[0] // block_size
+    h = hashlib.sha256(_ROOT + (salt or "").encode() + b"\0").digest()
+    rows = ids[:n * block_size].reshape(n, block_size)
+    out = []
+    for row in rows:  # one hash per block: chaining is sequential by nature
+        h = hashlib.sha256(h + row.tobytes()).digest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class StoreHandshake(KVConnectorHandshakeMetadata):
+    """A worker's store, for the scheduler's view (None in a rank means: no store there)."""
+
+    handle: ViewHandle | None
+
+
+@dataclass
+class StoreLoad:
+    """Restore ``keys[i]`` into vLLM block ``block_ids[i]``."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    tokens: int
+
+
+@dataclass
+class StoreSave:
+    """Offload vLLM block ``block_ids[i]`` under ``keys[i]``; vLLM frees the blocks after."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+def _storable(request: "Request") -> bool:
+    """Token ids name the KV only for plain text prompts (no images, no adapter)."""
+    return (request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
+            and getattr(request, "lora_request", None) is None)
+
+
+class SchedulerStore:
+    """The scheduler's half: what to restore and what to offload, from the view of the index."""
+
+    def __init__(self, block_size: int, min_tokens: int) -> None:
+        self.block_size, self.min_tokens = block_size, min_tokens
+        self.views: list[IndexView] | None = None  # None until every worker said it holds its store
+        self._keys: dict[str, list[bytes]] = {}
+        self._hits: dict[str, int] = {}  # request id -> first block the load covers
+        self.loads: list[StoreLoad] = []
+        self.saves: list[StoreSave] = []
+
+    def attach(self, ranks: dict[int, Any]) -> None:
+        handles = [getattr(m, "handle", None) for m in ranks.values()]
+        if handles and all(isinstance(h, ViewHandle) for h in handles):
+            self.views = [IndexView(h) for h in handles]
+        else:
+            log.warning("kvxfer: a worker holds no store; prompts are not served from it")
+
+    def _request_keys(self, request: "Request") -> list[bytes]:
+        rid = request.request_id
+        if rid not in self._keys:
+            self._keys[rid] = (prefix_keys(request.prompt_token_ids, self.block_size, request.cache_salt)
+                               if _storable(request) else [])
+        return self._keys[rid]
+
+    def _stored(self, keys: list[bytes]) -> int:
+        assert self.views is not None
+        return min(v.prefix(keys) for v in self.views)
+
+    def matched(self, request: "Request", num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` (block aligned) the store holds; at least one
+        prompt token is always left to compute, as vLLM needs."""
+        if self.views is None:
+            return 0
+        bs = self.block_size
+        keys = self._request_keys(request)[:(request.num_prompt_tokens - 1) // bs]
+        start = num_computed_tokens // bs
+        have = self._stored(keys) if len(keys) > start else 0
+        if (have - start) * bs < max(self.min_tokens, 1):
+            self._hits.pop(request.request_id, None)
+            return 0
+        self._hits[request.request_id] = start
+        return (have - start) * bs
+
+    def allocated(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> bool:
+        """vLLM gave the request its blocks: queue the restore. True if this was a store hit."""
+        start = self._hits.pop(request.request_id, None)
+        if start is None:
+            return False
+        n = num_external_tokens // self.block_size
+        if n > 0:
+            keys = self._request_keys(request)[start:start + n]
+            self.loads.append(StoreLoad(request.request_id, keys, list(block_ids[start:start + n]),
+                                        n * self.block_size))
+        return True
+
+    def finished(self, request: "Request", block_ids: list[int], done: bool) -> bool:
+        """A request ended: offload its full prompt blocks the store lacks. True: vLLM keeps the
+        blocks until the worker reports the offload finished (``finished_sending``)."""
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        keys = self._request_keys(request)
+        self._keys.pop(rid, None)
+        if self.views is None or not done:
+            return False
+        n = min(len(keys), int(request.num_computed_tokens) // self.block_size, len(block_ids))
+        if n <= 0:
+            return False
+        missing = np.ones(n, dtype=bool)
+        for v in self.views:
+            missing &= ~v.lookup(keys[:n])
+        todo = np.flatnonzero(missing).tolist()
+        if not todo:
+            return False
+        self.saves.append(StoreSave(rid, [keys[i] for i in todo], [int(block_ids[i]) for i in todo]))
+        return True
+
+
+class WorkerStore:
+    """The worker's half: the store's only opener in this process; offloads and restores."""
+
+    def __init__(self, store: kvxfer.Store, spec: kvxfer.KVCacheSpec, stats: KvxferConnectorStats,
+                 unpinned: Callable[[], Any]) -> None:
+        self.store, self.spec, self.stats, self._unpinned = store, spec, stats, unpinned
+        self._loads: dict[str, tuple[StoreLoad, kvxfer.Transfer]] = {}
+        self._saves: dict[str, tuple[StoreSave, kvxfer.Transfer]] = {}
+        self.sent: set[str] = set()
+
+    @classmethod
+    def open(cls, path: str, capacity: int, spec: kvxfer.KVCacheSpec, model: str, stats: KvxferConnectorStats,
+             unpinned: Callable[[], Any]) -> "WorkerStore | None":
+        """The store for this cache, or None (logged) when it cannot be used: another process
+        holds it (StoreBusyError), the cache is in VRAM, the path or capacity is wrong."""
+        try:
+            store = kvxfer.Store(path, capacity=capacity, layout=spec, model=model)
+        except StoreBusyError as exc:
+            log.warning("kvxfer: the store is held by another process; this engine runs without it: %s", exc)
+            stats.count("store_busy")
+            return None
+        except (KvxferError, OSError) as exc:
+            log.warning("kvxfer: cannot use the store at %s; running without it: %s", path, exc)
+            return None
+        log.info("kvxfer: serving prompt prefixes from %r", store)
+        return cls(store, spec, stats, unpinned)
+
+    def handshake(self) -> StoreHandshake:
+        return StoreHandshake(ViewHandle.of(self.store))
+
+    def start(self, loads: list[StoreLoad], saves: list[StoreSave], fail: Callable[[str, list[int], Any], None]) -> None:
+        with self._unpinned():  # the store's threads are made on first use: not on the engine's core
+            for s in saves:
+                try:
+                    self._saves[s.request_id] = (s, self.store.offload(self.spec, s.block_ids, s.keys))
+                except KvxferError as exc:
+                    log.warning("kvxfer: offload of request %s refused: %s", s.request_id, exc)
+                    self.stats.count("store_save_failures")
+                    self.sent.add(s.request_id)
+            for ld in loads:
+                try:
+                    self._loads[ld.request_id] = (ld, self.store.restore(ld.keys, self.spec, ld.block_ids))
+                except KvxferError as exc:  # StoreMissError: evicted since the scheduler looked
+                    self._failed(ld, exc, fail)
+
+    def _failed(self, ld: StoreLoad, exc: BaseException, fail: Callable[[str, list[int], Any], None]) -> None:
+        self.stats.count("store_failures")
+        if isinstance(exc, StoreCorruptError):
+            self.stats.count("store_corrupt")
+        fail(ld.request_id, ld.block_ids, exc)
+
+    def poll(self, done: Callable[[str], None], fail: Callable[[str, list[int], Any], None]) -> set[str]:
+        """Finished restores go to ``done`` or ``fail``; returns the offloads that ended.
+
+        No deadline cancels a store job: a cancelled restore could still be copying into blocks
+        vLLM has given back (a job stops only at its next call), so each one runs to its end.
+        """
+        for rid, (ld, t) in list(self._loads.items()):
+            try:
+                if not t.done():
+                    continue
+            except KvxferError as exc:
+                del self._loads[rid]
+                self._failed(ld, exc, fail)
+                continue
+            del self._loads[rid]
+            s = t.stats
+            self.stats.record_load(seconds=s.seconds or 0.0, plan_seconds=s.plan_seconds, nbytes=s.nbytes,
+                                   descriptors=s.descriptors, runs=s.descriptors, posts=s.posts, tokens=ld.tokens)
+            done(rid)
+        for rid, (sv, t) in list(self._saves.items()):
+            try:
+                if not t.done():
+                    continue
+                self.stats.count("store_saved_blocks", len(sv.keys))
+            except KvxferError as exc:
+                log.warning("kvxfer: offload of request %s failed (nothing published): %s", rid, exc)
+                self.stats.count("store_save_failures")
+            del self._saves[rid]
+            self.sent.add(rid)
+        out, self.sent = self.sent, set()
+        return out
+
+    def close(self) -> None:
+        self.store.close()  # waits for the jobs in flight
