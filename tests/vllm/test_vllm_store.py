@@ -33,7 +33,8 @@ import torch
 from e2e import BLOCK, FAULT_PROMPTS, MAX_TOKENS, PROMPTS, REFERENCE, TOKEN, flushed_metric, kvxfer_config
 from harness import TOKEN_ENV, Engine, free_port, start_engine
 import kvxfer
-from kvxfer.errors import StoreCorruptError
+from kvxfer.errors import StoreCorruptError, StoreMissError
+from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvxfer.integrations.vllm.registration import spec_from_vllm
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.integrations.vllm.store import SchedulerStore, WorkerStore, prefix_keys
@@ -144,6 +145,64 @@ def test_offload_then_a_new_opener_restores_byte_exact_and_a_flipped_byte_is_a_f
     assert (_pages(dst, list(range(8))) == 0xAA).all()  # one group: nothing copied
     assert fresh.matched(_request("d", prompt, 0), 0) == BLOCK  # the damaged row was dropped
     ws2.close()
+
+
+def test_a_key_gone_since_the_scheduler_looked_and_a_truncated_or_missing_slab_mean_recompute(tmp_path):
+    src, spec = _cache(None)
+    prompt = list(range(1, 301))
+    stats = KvxferConnectorStats()
+    ws = WorkerStore.open(str(tmp_path), 64 * ROW, spec, "m", stats, contextlib.nullcontext)
+    assert ws is not None
+    sched = SchedulerStore(BLOCK, 1)
+    sched.attach({0: ws.handshake()})
+    assert sched.finished(_request("a", prompt, 300), [5, 2], True)
+    ws.start([], sched.saves, lambda *a: None)
+    _drain(ws, set(), {})
+
+    def load(rid: str, blocks: list[int]) -> dict:
+        req, failed = _request(rid, prompt, 0), {}
+        assert sched.matched(req, 0) == 2 * BLOCK and sched.allocated(req, blocks, 2 * BLOCK)
+        ws.start(sched.loads, [], lambda rid, blocks, exc: failed.__setitem__(rid, exc))
+        sched.loads.clear()
+        _drain(ws, set(), failed)
+        return failed
+
+    before = src.clone()
+    keys = prefix_keys(prompt, BLOCK)
+    req = _request("b", prompt, 0)
+    assert sched.matched(req, 0) == 2 * BLOCK and sched.allocated(req, [0, 1], 2 * BLOCK)
+    ws.store.discard(keys[1:])  # evicted after the scheduler looked
+    failed: dict = {}
+    ws.start(sched.loads, [], lambda rid, blocks, exc: failed.__setitem__(rid, exc))
+    sched.loads.clear()
+    assert isinstance(failed.get("b"), StoreMissError)
+    assert torch.equal(src.view(torch.uint8), before.view(torch.uint8))  # a miss moves no byte
+    assert sched.matched(_request("c", prompt, 0), 0) == BLOCK  # the view follows the journal
+    assert sched.finished(_request("c", prompt, 300), [5, 2], True)
+    ws.start([], sched.saves, lambda *a: None)
+    sched.saves.clear()
+    _drain(ws, set(), {})
+    slab, _, _ = _slab(tmp_path)
+    os.truncate(slab, 8192)  # the slab cut short under the running store
+    assert isinstance(load("d", [0, 1]).get("d"), StoreCorruptError)
+    assert torch.equal(src.view(torch.uint8), before.view(torch.uint8))
+    assert sum(stats.data["store_failures"]) == 2 and sum(stats.data["store_corrupt"]) == 1
+    ws.close()
+    slab.unlink()  # and gone before the next engine: recreated empty, every key a miss
+    ws = WorkerStore.open(str(tmp_path), 64 * ROW, spec, "m", stats, contextlib.nullcontext)
+    assert ws is not None
+    fresh = SchedulerStore(BLOCK, 1)
+    fresh.attach({0: ws.handshake()})
+    assert fresh.matched(_request("e", prompt, 0), 0) == 0
+    ws.close()
+
+
+@pytest.mark.parametrize("extra", [{"store_path": ""}, {"store_path": 3}, {"store_path": "/s", "store_capacity": 0},
+                                   {"store_path": "/s", "store_capacity": True}, {"store_capacity": "1G"}])
+def test_store_settings_are_checked(extra):
+    with pytest.raises(ConnectorConfigError):
+        ConnectorConfig.from_extra({"insecure": True, **extra})
+    assert ConnectorConfig.from_extra({"insecure": True}).store_path is None  # off by default
 
 
 def test_keys_are_a_prefix_chain_independent_of_the_process():

@@ -107,8 +107,10 @@ class SchedulerSide:
 
         params = request.kv_transfer_params
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        # store.py: offload the prompt's full blocks the store lacks, except where a decode leases them
-        save = self.store is not None and self.store.finished(request, block_ids, ok and not wants_remote_decode(params))
+        # store.py: offload the prompt's full blocks the store lacks; not blocks a decode leases, nor
+        # blocks still waiting for a prefill's KV (a request that ended before its load)
+        keep = ok and not wants_remote_decode(params) and not wants_remote_prefill(params)
+        save = self.store is not None and self.store.finished(request, block_ids, keep)
         if wants_remote_prefill(params):  # a decode request that finished before it loaded
             self._remote.pop(request.request_id, None)
             return save, None

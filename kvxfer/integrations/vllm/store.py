@@ -42,6 +42,8 @@ __all__ = ["prefix_keys", "StoreHandshake", "StoreLoad", "StoreSave", "Scheduler
 log = logging.getLogger("vllm.kvxfer")
 
 _ROOT = b"kvxfer-vllm-prefix-v1\0"
+#: Reports a failed restore: (request id, its vLLM blocks, the error); vLLM recomputes them.
+Fail = Callable[[str, list[int], BaseException], None]
 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
@@ -201,7 +203,7 @@ class WorkerStore:
     def handshake(self) -> StoreHandshake:
         return StoreHandshake(ViewHandle.of(self.store))
 
-    def start(self, loads: list[StoreLoad], saves: list[StoreSave], fail: Callable[[str, list[int], Any], None]) -> None:
+    def start(self, loads: list[StoreLoad], saves: list[StoreSave], fail: Fail) -> None:
         with self._unpinned():  # the store's threads are made on first use: not on the engine's core
             for s in saves:
                 try:
@@ -216,13 +218,13 @@ class WorkerStore:
                 except KvxferError as exc:  # StoreMissError: evicted since the scheduler looked
                     self._failed(ld, exc, fail)
 
-    def _failed(self, ld: StoreLoad, exc: BaseException, fail: Callable[[str, list[int], Any], None]) -> None:
+    def _failed(self, ld: StoreLoad, exc: BaseException, fail: Fail) -> None:
         self.stats.count("store_failures")
         if isinstance(exc, StoreCorruptError):
             self.stats.count("store_corrupt")
         fail(ld.request_id, ld.block_ids, exc)
 
-    def poll(self, done: Callable[[str], None], fail: Callable[[str, list[int], Any], None]) -> set[str]:
+    def poll(self, done: Callable[[str], None], fail: Fail) -> set[str]:
         """Finished restores go to ``done`` or ``fail``; returns the offloads that ended.
 
         No deadline cancels a store job: a cancelled restore could still be copying into blocks
