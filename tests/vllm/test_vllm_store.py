@@ -51,19 +51,24 @@ LOADED = "vllm:kvxfer_loaded_tokens"
 
 
 # -- the two halves without an engine: a real Store under a vLLM-shaped cache ---------------
-def _cache(fill: int | None) -> tuple[torch.Tensor, kvxfer.KVCacheSpec]:
-    """An LBHNC cache as vLLM CPU lays it out (4 layers, 8 blocks of 128 tokens, 2 heads of 32)."""
+def _cache(fill: int | None, layout: str = "LBHNC") -> tuple[torch.Tensor, kvxfer.KVCacheSpec]:
+    """A cache as vLLM lays it out (4 layers, 8 blocks of 128 tokens, 2 heads of 32): LBHNC is
+    vLLM CPU's (a layer after another), BLHNC a GPU backend's (a block's layers in one row)."""
     L, B, H, N, C = 4, 8, 2, BLOCK, 2 * 32
     storage = torch.empty(L * B * H * N * C, dtype=torch.float32)
-    views = {f"model.layers.{i}.self_attn.attn": storage[i * B * H * N * C:(i + 1) * B * H * N * C].view(B, H, N, C)
-             for i in range(L)}
+    if layout == "LBHNC":
+        views = [storage[i * B * H * N * C:(i + 1) * B * H * N * C].view(B, H, N, C) for i in range(L)]
+    else:
+        views = [storage.view(B, L, H, N, C)[:, i] for i in range(L)]
+    named = {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)}
     u8 = storage.view(torch.uint8)
     if fill is None:
         u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
     else:
         u8.fill_(fill)
-    spec = spec_from_vllm(views, num_blocks=B, page_bytes={k: H * N * C * 4 for k in views}, layout="LBHNC",
+    spec = spec_from_vllm(named, num_blocks=B, page_bytes={k: H * N * C * 4 for k in named}, layout=layout,
                           block_tokens=N)
+    storage.kv_layout = layout  # type: ignore[attr-defined]  # for _pages
     return storage, spec
 
 
@@ -74,8 +79,10 @@ def _request(rid: str, tokens: list[int], computed: int) -> SimpleNamespace:
 
 
 def _pages(storage: torch.Tensor, blocks: list[int]) -> np.ndarray:
-    """Every layer's page of ``blocks``, by numpy indexing over the logical [L, B, page] array."""
-    return storage.view(torch.uint8).numpy().reshape(4, 8, -1)[:, blocks]
+    """Every layer's page of ``blocks``, by numpy indexing over the logical [layer, block, page] array."""
+    u8 = storage.view(torch.uint8).numpy()
+    logical = u8.reshape(4, 8, -1) if storage.kv_layout == "LBHNC" else u8.reshape(8, 4, -1).transpose(1, 0, 2)
+    return logical[:, blocks]
 
 
 def _drain(ws: WorkerStore, done: set, failed: dict) -> set:
@@ -88,8 +95,11 @@ def _drain(ws: WorkerStore, done: set, failed: dict) -> set:
     raise AssertionError("store jobs did not end")
 
 
-def test_offload_then_a_new_opener_restores_byte_exact_and_a_flipped_byte_is_a_failure(tmp_path):
-    src, sspec = _cache(None)
+@pytest.mark.parametrize("src_layout,dst_layout", [("LBHNC", "LBHNC"), ("LBHNC", "BLHNC"), ("BLHNC", "LBHNC")])
+def test_offload_then_a_new_opener_restores_byte_exact_and_a_flipped_byte_is_a_failure(tmp_path, src_layout,
+                                                                                         dst_layout):
+    """Engines with either cache layout share one slab: its rows are always row-shaped."""
+    src, sspec = _cache(None, src_layout)
     prompt = list(range(1, 301))
     stats = KvxferConnectorStats()
     ws = WorkerStore.open(str(tmp_path), 64 * ROW, sspec, "m", stats, contextlib.nullcontext)
@@ -108,7 +118,7 @@ def test_offload_then_a_new_opener_restores_byte_exact_and_a_flipped_byte_is_a_f
     assert not sched.finished(_request("a2", prompt, 300), [1, 3, 4], True)  # stored already: nothing held
     ws.close()
 
-    dst, dspec = _cache(0xAA)
+    dst, dspec = _cache(0xAA, dst_layout)
     ws2 = WorkerStore.open(str(tmp_path), 64 * ROW, dspec, "m", stats, contextlib.nullcontext)
     assert ws2 is not None
     fresh = SchedulerStore(BLOCK, 1)  # a new engine's scheduler, through the read-only view
