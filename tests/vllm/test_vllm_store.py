@@ -18,6 +18,7 @@ only the tokens can tell). B, a new process, then:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import struct
@@ -37,7 +38,7 @@ from kvxfer.errors import StoreCorruptError, StoreMissError
 from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvxfer.integrations.vllm.registration import spec_from_vllm
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
-from kvxfer.integrations.vllm.store import SchedulerStore, WorkerStore, prefix_keys
+from kvxfer.integrations.vllm.store import SchedulerStore, StoreSave, WorkerStore, prefix_keys
 from kvxfer.store import journal
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
@@ -205,6 +206,31 @@ def test_a_key_gone_since_the_scheduler_looked_and_a_truncated_or_missing_slab_m
     fresh.attach({0: ws.handshake()})
     assert fresh.matched(_request("e", prompt, 0), 0) == 0
     ws.close()
+
+
+def test_tensor_parallel_ranks_each_hold_a_slab_and_a_prefix_counts_only_where_all_hold_it(tmp_path):
+    prompt = list(range(1, 301))
+    stats, ranks = KvxferConnectorStats(), []
+    for r in range(2):  # the TP slice is in the layout fingerprint: a slab per rank in one directory
+        storage, spec = _cache(None)
+        spec = dataclasses.replace(spec, tp_rank=r, tp_size=2)
+        ranks.append((storage, spec, WorkerStore.open(str(tmp_path), 64 * ROW, spec, "m", stats,
+                                                      contextlib.nullcontext)))
+    assert all(ws is not None for *_, ws in ranks) and len(list(tmp_path.glob("slab-*.kv"))) == 2
+    sched = SchedulerStore(BLOCK, 1)
+    sched.attach({r: ws.handshake() for r, (*_, ws) in enumerate(ranks)})
+    ranks[0][2].start([], [StoreSave("x", prefix_keys(prompt, BLOCK), [5, 2])], lambda *a: None)
+    _drain(ranks[0][2], set(), {})
+    assert sched.matched(_request("a", prompt, 0), 0) == 0  # rank 1 lacks it
+    assert sched.finished(_request("a", prompt, 300), [1, 4], True)
+    (save,) = sched.saves
+    assert save.block_ids == [1, 4]  # every rank writes it (rank 0 replaces its entries)
+    for *_, ws in ranks:
+        ws.start([], [save], lambda *a: None)
+        _drain(ws, set(), {})
+    assert sched.matched(_request("b", prompt, 0), 0) == 2 * BLOCK
+    for *_, ws in ranks:
+        ws.close()
 
 
 @pytest.mark.parametrize("extra", [{"store_path": ""}, {"store_path": 3}, {"store_path": "/s", "store_capacity": 0},

@@ -156,16 +156,17 @@ class SchedulerStore:
         blocks until the worker reports the offload finished (``finished_sending``)."""
         rid = request.request_id
         self._hits.pop(rid, None)
-        keys = self._request_keys(request)
-        self._keys.pop(rid, None)
         if self.views is None or not done:
+            self._keys.pop(rid, None)
             return False
+        keys = self._request_keys(request)
+        del self._keys[rid]
         n = min(len(keys), int(request.num_computed_tokens) // self.block_size, len(block_ids))
         if n <= 0:
             return False
-        missing = np.ones(n, dtype=bool)
+        missing = np.zeros(n, dtype=bool)  # missing on any rank: every rank writes it (a replace is harmless)
         for v in self.views:
-            missing &= ~v.lookup(keys[:n])
+            missing |= ~v.lookup(keys[:n])
         todo = np.flatnonzero(missing).tolist()
         if not todo:
             return False
