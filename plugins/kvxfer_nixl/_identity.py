@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer import peers
-from kvxfer.errors import IdentityError, OutOfRegistrationError
+from kvxfer.errors import IdentityError, KvxferError, OutOfRegistrationError
 from kvxfer.peers import ProofUnavailable
 
 from . import _ucxaddr
@@ -50,21 +50,22 @@ def here(instances: Any, backends: tuple[str, ...]) -> _ucxaddr.Here:
     for gone in set(_own) - set(live):
         _own.pop(gone, None)
     for key, other in live.items():
-        if other._closed:
-            continue
         if key not in _own:
-            _own[key] = parse(other.local_metadata(), other.agent_name, backends).worker_address()
-        if _own[key]:
+            try:
+                _own[key] = parse(other.local_metadata(), other.agent_name, backends).worker_address()
+            except KvxferError:  # closed meanwhile: its interfaces are gone with it
+                continue
+        if _own[key] and not other._closed:
             h.add(_own[key])
     return h
 
 
-def named(address: bytes, where: _ucxaddr.Here, what: str) -> _ucxaddr.Reach:
+def named(address: bytes, instances: Any, backends: tuple[str, ...], what: str) -> _ucxaddr.Reach:
     """Whom on this host ``address`` reaches; :class:`IdentityError` when that cannot be told."""
     if not address:
         return _ucxaddr.Reach(frozenset(), False)
     try:
-        return _ucxaddr.reach(address, where)
+        return _ucxaddr.reach(address, here(instances, backends))
     except _ucxaddr.Unreadable as exc:
         raise IdentityError(f"{what}: its UCX worker address cannot be read as UCX 1.23 reads it ({exc}), so "
                             "which processes of this host it reaches cannot be told") from None
@@ -75,7 +76,7 @@ def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any
     me = peers.here()
     claim = parsed.identity
     what = f"NIXL metadata of {peer!r}"
-    reached = named(parsed.worker_address(), here(instances, backends), what)
+    reached = named(parsed.worker_address(), instances, backends, what)
     in_address = reached.this_process or me.pid in reached.pids
     if in_address or peers.names_this_process(claim):
         why = ("its UCX worker address names this process" if in_address

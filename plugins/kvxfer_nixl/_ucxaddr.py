@@ -24,6 +24,7 @@ unknown to this table, a shared-memory entry whose owner cannot be read) raises
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -210,6 +211,7 @@ def reach(address: bytes, here: Here, owner_of_shm: "dict[int, int] | None" = No
                 pid = _posix_pid(e.iface, here)
             elif name == "sysv":
                 pid = _sysv_owner(e.iface, owner_of_shm)
+                pid = pid if owner_of_shm is not None or _in_pid_ns(pid, here) else None
             else:
                 raise Unreadable(f"a {name} entry reaches this host, and its owner cannot be read")
             if pid is not None:
@@ -251,6 +253,18 @@ def _pid_in(iface: bytes, flag: int, size: int, here: Here, cuda: bool = False) 
 
 def _same_pid_ns(ns: int, here: Here) -> bool:
     return not here.pid_ns or ns == (here.pid_ns & 0xFFFFFFFF)
+
+
+def _in_pid_ns(pid: int, here: Here) -> bool:
+    """Whether ``pid`` (as this process sees it) lives in this PID namespace; yes when unreadable.
+
+    The kernel shows a segment's creator by its pid here even when it runs in a child
+    namespace, where the same process calls itself otherwise: such a pid cannot be compared
+    with what its header claims (``docs/design.md`` section 8.2, limits)."""
+    try:
+        return not here.pid_ns or os.stat(f"/proc/{pid}/ns/pid").st_ino == here.pid_ns
+    except OSError:
+        return True
 
 
 def _posix_pid(iface: bytes, here: Here) -> int | None:

@@ -235,12 +235,12 @@ def test_unreadable_addresses_are_refused_with_the_typed_error(children: list[di
     genuine = _address(children[0]["blobs"][0], "child0")
     for bad in (genuine + b"\0", genuine[:-1], b"\x02" + genuine[1:], genuine[:20]):
         with pytest.raises(IdentityError, match="cannot be read"):
-            _identity.named(bad, here, "test")
+            _identity.named(bad, nb.instances, ("UCX",), "test")
     (posix,) = [e for e in _ucxaddr.parse(genuine).entries if e.transport == "posix"]
     no_proc = bytearray(genuine)
     no_proc[posix.at + 7] &= 0x7F  # a FIFO named by a file: its owner cannot be told
     with pytest.raises(IdentityError, match="PROC_LINK"):
-        _identity.named(bytes(no_proc), here, "test")
+        _identity.named(bytes(no_proc), nb.instances, ("UCX",), "test")
     other_host = bytearray(genuine)  # every shared-memory device of another host: names no local process
     for e in _ucxaddr.parse(genuine).entries:
         if e.transport in _ucxaddr.SM_DEVICE:
