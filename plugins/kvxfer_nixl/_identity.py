@@ -1,21 +1,26 @@
-"""Whose memory a NIXL blob reaches: the sender must be the process its worker address names.
+"""Whose memory a NIXL blob reaches: the processes its worker address names, exactly.
 
-UCX reaches a same-host peer's memory through the pid in the peer's worker address (its
-cross-memory-attach transport copies with ``process_vm_readv``/``writev`` on that pid). The
-worker address is opaque bytes from the network, so a blob can carry genuine metadata with
-another pid in it, this very process's included: we would then read and write our own
-unregistered memory at whatever addresses the blob's memory sections claim. Checks, before
-NIXL (or the prover's helper) sees the blob, each a :class:`~kvxfer.errors.IdentityError`:
+UCX reaches a same-host peer through what its worker address names: a pid for
+cross-memory attach (``process_vm_readv``/``writev`` on it), the owner's receive queue for
+shared memory, this very process for the loopback transports. The address is opaque bytes
+from the network, so a blob can carry genuine metadata edited to name another process,
+this one included: we would then read and write that process's memory at whatever
+addresses the blob's memory sections claim. So the address is parsed as this process's UCX
+parses it (:mod:`kvxfer_nixl._ucxaddr`) and, before NIXL (or the prover's helper) sees the
+blob, each of these is a :class:`~kvxfer.errors.IdentityError`:
 
-1. A worker address naming this process (its pid as UCX writes it, with or without the PID
-   namespace flag) is refused unless the blob is genuinely ours: a live backend of this
-   process with that instance id, whose own worker address it carries, and sections inside
-   what that backend registered.
-2. A header that names this process is held to the same test.
+1. An address that names this process (its pid, one of its loopback interfaces or worker
+   ids), or a header that does, is refused unless the blob is genuinely ours: a live
+   backend of this process with that instance id, whose own worker address it carries, and
+   sections inside what that backend registered.
+2. An address that names any other process of this host must name only the process its
+   header claims, and that header must claim this host.
 3. A header that claims this host is proven (:func:`kvxfer.peers.prove`): the named process
    must hold the secret behind the token, and every memory section must lie inside the spans
    that process published itself. A proof that ptrace rules forbid here is skipped (the
    checks above still hold); see ``docs/design.md`` section 8.
+4. An address that cannot be read exactly (``_ucxaddr.Unreadable``) is refused: what it
+   names cannot be told (section 8.2 says why this refuses no genuine peer of UCX 1.23).
 """
 
 from __future__ import annotations
@@ -25,36 +30,66 @@ from typing import Any
 import numpy as np
 
 from kvxfer import peers
-from kvxfer.errors import IdentityError, OutOfRegistrationError
+from kvxfer.errors import IdentityError, KvxferError, OutOfRegistrationError
 from kvxfer.peers import ProofUnavailable
 
+from . import _ucxaddr
 from ._blob import PeerBlob, parse
 
-__all__ = ["check", "names_pid"]
+__all__ = ["check", "here", "named"]
 
-_PID_NS_FLAG = 1 << 31  # set by UCX in a pid it packs from inside a PID namespace
+_own: dict[bytes, bytes] = {}  # instance id -> its worker address (fixed for the agent's life)
+peers.on_fork(_own.clear)
 
 
-def names_pid(address: bytes, pid: int) -> bool:
-    """Whether a UCX worker address holds ``pid`` as a little-endian u32 (PID namespace flag or not)."""
-    if len(address) < 4 or pid <= 0:
-        return False
-    words = np.lib.stride_tricks.sliding_window_view(np.frombuffer(address, np.uint8), 4).astype(np.uint32)
-    value = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
-    return bool(((value & np.uint32(~_PID_NS_FLAG & 0xFFFFFFFF)) == np.uint32(pid)).any())
+def here(instances: Any, backends: tuple[str, ...]) -> _ucxaddr.Here:
+    """This process's UCX, as its live agents' own worker addresses show it."""
+    me = peers.here()
+    h = _ucxaddr.Here(me.pid, peers.pid_namespace())
+    live = dict(instances.items())
+    for gone in set(_own) - set(live):
+        _own.pop(gone, None)
+    for key, other in live.items():
+        if key not in _own:
+            try:
+                _own[key] = parse(other.local_metadata(), other.agent_name, backends).worker_address()
+            except KvxferError:  # closed meanwhile: its interfaces are gone with it
+                continue
+        if _own[key] and not other._closed:
+            h.add(_own[key])
+    return h
+
+
+def named(address: bytes, instances: Any, backends: tuple[str, ...], what: str) -> _ucxaddr.Reach:
+    """Whom on this host ``address`` reaches; :class:`IdentityError` when that cannot be told."""
+    if not address:
+        return _ucxaddr.Reach(frozenset(), False)
+    try:
+        return _ucxaddr.reach(address, here(instances, backends))
+    except _ucxaddr.Unreadable as exc:
+        raise IdentityError(f"{what}: its UCX worker address cannot be read as UCX 1.23 reads it ({exc}), so "
+                            "which processes of this host it reaches cannot be told") from None
 
 
 def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any) -> None:
-    """Raise :class:`IdentityError` unless the blob's sender is who its worker address names."""
+    """Raise :class:`IdentityError` unless the blob's sender is the only process its address names."""
     me = peers.here()
     claim = parsed.identity
     what = f"NIXL metadata of {peer!r}"
-    in_address = names_pid(parsed.worker_address(), me.pid)
+    reached = named(parsed.worker_address(), instances, backends, what)
+    in_address = reached.this_process or me.pid in reached.pids
     if in_address or peers.names_this_process(claim):
-        why = (f"its UCX worker address holds this process's pid {me.pid}" if in_address
+        why = ("its UCX worker address names this process" if in_address
                else f"its header names this process (pid {claim.pid})")
         _genuinely_ours(parsed, peer, backends, instances, f"{what} ({why})")
         return
+    if reached.pids and not claim.same_host():
+        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(reached.pids)} of this "
+                            "host, but its header claims another host")
+    others = reached.pids - {claim.pid}
+    if others:
+        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(others)} of this host, "
+                            f"not only the sender it claims (pid {claim.pid})")
     if not claim.same_host():
         return
     try:

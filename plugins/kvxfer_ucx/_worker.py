@@ -24,6 +24,7 @@ from typing import Any, Callable
 from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
 
 from . import _libucp as L
+from . import _requests
 
 __all__ = ["Worker", "UcxCallError"]
 
@@ -125,14 +126,17 @@ class Worker:
                 st = lib.ucp_config_modify(cfg, key.encode(), value.encode())
                 if st != L.UCS_OK:
                     raise BackendError(f"ucx backend: bad UCX config {key}={value!r}: {lib.status_string(st)}")
-            params = L.UcpParams(field_mask=L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME,
-                                 features=L.UCP_FEATURE_RMA | L.UCP_FEATURE_AM, name=name.encode("utf-8", "replace")[:31])
+            params = L.UcpParams(field_mask=L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME
+                                 | _requests.UCP_PARAM_FIELD_REQUEST_INIT,
+                                 features=L.UCP_FEATURE_RMA | L.UCP_FEATURE_AM, name=name.encode("utf-8", "replace")[:31],
+                                 request_init=ctypes.cast(_requests.REQUEST_INIT, ctypes.c_void_p))
             ctx = ctypes.c_void_p()
             self._check("ucp_init", lib.ucp_init_version(L.API_MAJOR, L.API_MINOR, ctypes.byref(params), cfg,
                                                          ctypes.byref(ctx)))
         finally:
             lib.ucp_config_release(cfg)
         self.ctx = _ptr(ctx, "ucp_init")
+        _requests.learn_size(lib, self.ctx)  # before the first worker: its request pool starts zeroed
         wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=L.UCS_THREAD_MODE_SERIALIZED)
         worker = ctypes.c_void_p()
         st = lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker))

@@ -29,7 +29,7 @@ from kvxfer.errors import IdentityError
 from kvxfer.memory import Allocation
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
-from kvxfer_nixl import _blob, _identity  # noqa: E402
+from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 
@@ -102,7 +102,8 @@ def _retarget(address: bytes, old: int, new: int) -> bytes:
 
 def forge(v: Victim, attacker_pid: int, blob: bytes, header: str) -> bytes:
     parsed = _blob.parse(blob, "attacker", ("UCX",))
-    assert _identity.names_pid(parsed.worker_address(), attacker_pid)  # the edit below has something to change
+    reached = _ucxaddr.reach(parsed.worker_address(), _identity.here(nb.instances, ("UCX",)))
+    assert reached.pids == {attacker_pid}  # the edit below has something to change
     conns = tuple((b, _retarget(info, attacker_pid, os.getpid()) if b == "UCX" else info) for b, info in parsed.conns)
     sec = parsed.sections[0]
     (_, _, dev, key), = sec.descs
@@ -144,12 +145,6 @@ def test_control_without_the_check_the_secret_moves(attacker: tuple[int, bytes],
         assert (v.mem[KV_ROWS + SECRET_ROWS:] == 0x3C).all()  # the canary was overwritten
     finally:
         v.be.close()
-
-
-def test_names_pid_reads_both_forms_ucx_writes() -> None:
-    assert _identity.names_pid(b"\x01" + struct.pack("<I", 4242) + b"\x02", 4242)
-    assert _identity.names_pid(struct.pack("<I", 4242 | 1 << 31), 4242)
-    assert not _identity.names_pid(struct.pack("<I", 4243) + b"\x00", 4242)
 
 
 def _edited(blob: bytes, *, identity: Any = None, grow: int = 0) -> bytes:

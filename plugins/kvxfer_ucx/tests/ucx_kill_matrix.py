@@ -12,6 +12,10 @@ end of each path, with a peer it has never seen.
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --trials 100            # 3 paths
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --paths copy --trials 5 --json
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --zombies --trials 10         # unreaped peers
+    python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --reverse --paths rma --rows 128 --trials 10
+
+``--reverse`` kills the initiator instead, this agent being its target (``ucx_kill_reverse.py``);
+``--control`` runs it without the request zeroing that keeps the target alive (``kvxfer_ucx._requests``).
 
 ``--set PATH=JSON`` redefines a path's backend options, e.g. to run the matrix against
 another tree (``PYTHONPATH``) whose backend takes other options.
@@ -246,6 +250,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve")
+    ap.add_argument("--initiate", help="run as a reversed matrix's initiator peer")
+    ap.add_argument("--reverse", action="store_true", help="kill the initiating peer; this agent is the target")
+    ap.add_argument("--control", action="store_true",
+                    help="with --reverse: this agent's UCP requests not zeroed (kvxfer_ucx._requests), to show the crash")
     ap.add_argument("--backing")
     ap.add_argument("--name", default="target")
     ap.add_argument("--zombies", action="store_true", help="do not reap killed peers until the outcome is in")
@@ -258,6 +266,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if a.serve:
         serve(a.serve, a.name, a.rows, a.seed, a.backing)
         return []
+    if a.initiate or a.reverse:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import ucx_kill_reverse as rev
+
+        rev.PATHS.update(PATHS)
+        rev.EXPECTED_PATH.update(EXPECTED_PATH)
+        if a.initiate:
+            rev.initiate(a.initiate, a.name, a.rows, a.seed)
+            return []
+        if a.control:
+            from kvxfer_ucx import _requests
+
+            _requests.ENABLED[0] = False
+        results = [rev.run_reverse(p, a.trials, a.rows, a.timeout, a.seed) for p in a.paths.split(",")]
+        for r in results:
+            print(json.dumps(r) if a.json else _line(r), flush=True)
+        return results
     results = []
     with tempfile.TemporaryDirectory(prefix="kvxfer-kill-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         for path in a.paths.split(","):
