@@ -33,6 +33,7 @@ from ._nixl import map_error, nx
 __all__ = ["Files", "NixlFiles"]
 
 _log = logging.getLogger("kvxfer.nixl")
+_CREATE = threading.Lock()  # two threads' first store transfers must not create two paths
 
 
 class NixlFiles(FilePath):
@@ -162,10 +163,11 @@ class Files:
 
     def file_path(self) -> NixlFiles | None:
         """The POSIX file path, created on first use; None where NIXL's POSIX plugin does not load."""
-        if getattr(self, "_file_path", None) is None and getattr(self, "_file_path_error", None) is None:
-            try:
-                self._file_path = NixlFiles(self)
-            except Exception as exc:  # the store falls back to preadv and reports that path
-                self._file_path_error = str(exc)
-                _log.warning("NIXL POSIX is unavailable, store I/O uses preadv/pwritev: %s", exc)
-        return getattr(self, "_file_path", None)
+        with _CREATE:
+            if getattr(self, "_file_path", None) is None and getattr(self, "_file_path_error", None) is None:
+                try:
+                    self._file_path = NixlFiles(self)
+                except Exception as exc:  # the store falls back to preadv and reports that path
+                    self._file_path_error = str(exc)
+                    _log.warning("NIXL POSIX is unavailable, store I/O uses preadv/pwritev: %s", exc)
+            return getattr(self, "_file_path", None)
