@@ -372,3 +372,59 @@ def test_store_lifecycle_is_logged_for_operators(tmp_path, caplog) -> None:
     assert events == ["store_open", "store_evict", "store_close", "store_open", "store_close"], lines
     assert "created, 0 of 2 rows" in lines[0] and "evicted 1 least recently used row" in lines[1]
     assert "opened, 2 of 2 rows" in lines[3]
+
+
+@pytest.mark.parametrize("kind", ["row", "layer"])
+def test_stored_digests_are_kvxfer_integrity_row_digests(tmp_path, kind) -> None:
+    """The digest on record for a row is what kvxfer.integrity computes for the source block,
+    whatever the source's layout (one digest implementation)."""
+    from kvxfer.integrity import compute
+
+    dims = DIMS["padded"]
+    src = cache(kind, dims, logical(dims))
+    with _store(tmp_path, dims) as st:
+        st.offload(src.spec, [5, 1, 8], keys(3)).wait()
+        got = [st._index.entries[k].digest for k in keys(3)]
+    want = compute(src.spec, [5, 1, 8], algorithm="xxh3", rows=True).values[:, 0].tolist()
+    assert got == want
+    assert compute(src.spec, [1, 5, 8], algorithm="xxh3", rows=True).values[:, 0].tolist() != want  # control
+
+
+def test_entries_of_another_digest_or_journal_version_are_misses(tmp_path) -> None:
+    """A journal of version 1 (no digest field) or a slab header naming another digest: the
+    store opens, every old entry is a miss, new offloads work; control: the current format keeps them."""
+    import json
+    import struct
+    import zlib
+
+    dims = DIMS["aligned"]
+    X = logical(dims)
+    src = cache("row", dims, X)
+    with _store(tmp_path, dims) as st:
+        st.offload(src.spec, [0, 1], keys(2)).wait()
+        idx, slab = st._slab.index_path, st.path
+    with _store(tmp_path, dims) as st:  # control: reopened as written, both are there
+        assert st.lookup(keys(2)).all()
+    raw = open(idx, "rb").read()
+    n, _ = struct.unpack_from("<II", raw)
+    head = raw[8:8 + 29]  # version 1's header: type, fingerprint, slots
+    old = struct.pack("<II", 29, zlib.crc32(head)) + head + raw[8 + n:]
+    open(idx, "wb").write(old)
+    with _store(tmp_path, dims) as st:
+        assert not st.lookup(keys(2)).any() and len(st) == 0
+        st.offload(src.spec, [2], [b"new"]).wait()
+    with open(slab, "r+b") as f:  # the slab header names another digest
+        h = f.read(4096)
+        body_len = struct.unpack_from("<I", h, 12)[0]
+        d = json.loads(h[16:16 + body_len])
+        d["digest"] = "xxh3-64"
+        body = json.dumps(d, sort_keys=True).encode()
+        f.seek(0)
+        f.write((h[:12] + struct.pack("<I", len(body)) + body).ljust(4096, b"\0"))
+    with _store(tmp_path, dims) as st:
+        assert st.lookup([b"new"]).all()  # the journal is current: the header alone does not drop entries
+        dst = cache("row", dims)
+        st.restore([b"new"], dst.spec, [0]).wait()
+        assert np.array_equal(dst.logical()[:, :, 0], X[:, :, 2])
+    with open(slab, "rb") as f:
+        assert b"integrity-xxh3-rows" in f.read(4096)  # the header was brought up to date

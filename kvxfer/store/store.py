@@ -349,11 +349,8 @@ class Store:
         return groups(calls, HEADER, stride, None if mover.bridges else max(1, MAX_CALL // stride) * stride)
 
     def _digest_slots(self, sorted_slots: np.ndarray) -> np.ndarray:
-        """Digests of these rows as the slab holds them (one call per run of slots)."""
-        rows, rl = self._slab.rows, self.geometry.row_len
-        cut = (np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist()
-        parts = [row_digests(rows[int(r[0]):int(r[-1]) + 1, :rl]) for r in np.split(sorted_slots, cut) if r.size]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+        """Digests of these rows as the slab holds them (:mod:`.digest`: kvxfer.integrity's row digest)."""
+        return row_digests(self._slab.mapped, sorted_slots)
 
     def _append(self, records: bytes) -> None:
         """Journal records (under the lock); compact once the journal is mostly dead records,
