@@ -17,13 +17,17 @@ import kvxfer
 from common import has_nixl
 from store_caches import Cache
 
-PATHS = {"own": ("pwritev", "preadv"), "nixl": ("nixl-posix", "nixl-posix")}
+#: own: the store's preadv/pwritev; nixl: NIXL POSIX; staged: the pinned-stage path (for VRAM),
+#: host memory standing in for the GPU (host copies instead of CUDA batches).
+PATHS = {"own": ("pwritev", "preadv"), "nixl": ("nixl-posix", "nixl-posix"),
+         "staged": ("staged-host", "staged-host")}
 
 
 class Via:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.own = name == "own"
+        self.own = name in ("own", "staged")  # both hand the store a spec
+        self.staged = name == "staged"
         self.write_path, self.read_path = PATHS[name]
         self._pool: list[kvxfer.Agent] = []
         self._used = 0
@@ -47,7 +51,7 @@ class Via:
     def child_setup(self, var: str, cache_expr: str) -> str:
         """Python source, for a child process, binding ``var`` to what ``via(cache)`` gives."""
         if self.own:
-            return f"{var} = {cache_expr}.spec\n"
+            return f"{var} = {cache_expr}.spec\n" + ("kvxfer.Store._stage_host = True\n" if self.staged else "")
         return f"{var} = kvxfer.Agent('child-{var}', backend='nixl')\n{var}.register({cache_expr}.spec)\n"
 
     def reset(self) -> None:
@@ -74,7 +78,9 @@ def _via_pool(request: pytest.FixtureRequest) -> Iterator[Via]:
 
 @pytest.fixture
 def via(_via_pool: Via) -> Iterator[Via]:
+    kvxfer.Store._stage_host = _via_pool.staged
     try:
         yield _via_pool
     finally:
+        kvxfer.Store._stage_host = False
         _via_pool.reset()

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.store:
         from . import bench_store
 
-        return bench_store.run(args, geometry, layouts, options)
+        return bench_store.run(args, geometry, [(lo, LAYOUTS[lo]) for lo, _ in layouts], options)
     sizes = sorted(set(args.tokens))
     nmax = geometry.blocks_for(sizes[-1])
     pool = nmax + max(4, nmax // 8)

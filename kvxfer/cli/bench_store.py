@@ -28,12 +28,12 @@ from .progress import Steps
 __all__ = ["run"]
 
 
-def run(args: argparse.Namespace, geometry: Any, layouts: list[tuple[str, str]], options: dict[str, Any]) -> int:
+def run(args: argparse.Namespace, geometry: Any, layouts: list[tuple[str, bool]], options: dict[str, Any]) -> int:
+    """``layouts``: the local layouts to measure, each with whether it is packed (one row per block)."""
     from ..agent import Agent
     from ..store import Store
     from ..store.slab import geometry as slab_geometry
     from ..testing.buffers import allocate
-    from .bench import LAYOUTS
 
     if args.memory != "DRAM":
         raise CliError("--store measures host (DRAM) caches; VRAM goes through benchmarks/gpu_store.sh")
@@ -43,16 +43,16 @@ def run(args: argparse.Namespace, geometry: Any, layouts: list[tuple[str, str]],
     nmax = geometry.blocks_for(sizes[-1])
     pool = nmax + max(4, nmax // 8)
     check_memory(2 * pool * geometry.row, "this bench")
-    local_layouts = list(dict.fromkeys(lo for lo, _ in layouts))
+    local_layouts = dict(layouts)
     rows: list[dict[str, Any]] = []
     work = tempfile.mkdtemp(dir=args.store, prefix="kvxfer-bench-store-")
     try:
         with Steps("kvxfer bench --store", len(local_layouts) * len(sizes) * (args.repeat + 1)) as steps:
             for layout in local_layouts:
                 with steps.step(f"allocating the caches ({layout}, {pool:,} blocks of {geometry.row / 1e6:.2f} MB)"):
-                    src = allocate(geometry, pool, packed=LAYOUTS[layout])
+                    src = allocate(geometry, pool, packed=local_layouts[layout])
                     src.fill_blocks(args.seed)
-                    dst = allocate(geometry, pool, packed=LAYOUTS[layout])
+                    dst = allocate(geometry, pool, packed=local_layouts[layout])
                 with Agent("bench-src", backend=args.backend, timeout=args.timeout, **options) as a, \
                         Agent("bench-dst", backend=args.backend, timeout=args.timeout, **options) as b:
                     spec = src.register(a)

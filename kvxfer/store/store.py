@@ -32,6 +32,7 @@ from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups
 from .index import Entry, Index
 from .journal import MAX_KEY, Journal, encode_drop, encode_put
 from .paths import Files, Mover, posix_mover
+from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
 
 __all__ = ["Store"]
@@ -69,6 +70,8 @@ class Store:
 
     #: Journal bytes appended before a compaction is considered (see :meth:`_append`).
     COMPACT_BYTES = 4 << 20
+    #: Test hook: host caches go through the staged path too (how the CPU suite covers it).
+    _stage_host = False
 
     def __init__(self, path: str | os.PathLike[str], *, capacity: int, layout: KVCacheSpec, model: str = "",
                  durable: bool = False, threads: int = 4, timeout: float = 30.0) -> None:
@@ -95,6 +98,7 @@ class Store:
         self._pairings: dict[int, Pairing] = {}
         self._files = Files(self._slab.fd, self._slab.size)  # the slab's registrations with file paths
         self._posix = posix_mover(self._slab.fd)
+        self._stages: dict[tuple[MemoryKind, int], Stage] = {}
         self._closed = False
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
                               f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
@@ -269,12 +273,26 @@ class Store:
             if spec is None:
                 raise SpecError("register a KV cache before offloading or restoring")
             fp = agent.backend.file_path()
-        if any(a.kind is not MemoryKind.DRAM for a in spec.allocations):
-            raise UnsupportedError("the store's loopback path moves host (DRAM) memory only; stage VRAM through "
-                                   "host memory (see docs/storage.md)")
+        kinds = {(a.kind, a.device if a.kind is MemoryKind.VRAM else 0) for a in spec.allocations}
+        if len(kinds) != 1:
+            raise UnsupportedError("the store moves a cache of one memory kind on one device at a time")
+        ((kind, device),) = kinds
         with self._lock:
-            mover = self._files.mover(fp, MemoryKind.DRAM)
+            mover = self._files.mover(fp, kind)
+            if mover is None and (kind is MemoryKind.VRAM or self._stage_host):
+                mover = self._staged(kind, device)  # VRAM (no GDS): through the pinned host stage
         return spec, mover or self._posix
+
+    def _staged(self, kind: MemoryKind, device: int) -> Mover:
+        """The staged path for ``kind`` (under the lock): created once, freed at close."""
+        key = (kind, device)
+        st = self._stages.get(key)
+        if st is None:
+            copies = DeviceCopies(device) if kind is MemoryKind.VRAM else HostCopies()
+            stride = self.geometry.stride
+            st = Stage(copies, max(1, MAX_CALL // stride) * stride, HEADER, stride, self._slab.fd)
+            self._stages[key] = st
+        return st.mover()
 
     def _pairing(self, spec: KVCacheSpec) -> Pairing:
         with self._lock:
@@ -390,6 +408,8 @@ class Store:
             self._journal.close()
             journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
             self._files.close()
+            for st in self._stages.values():
+                st.close()
             self._slab.close()
         lifecycle.store_event("store_close", self.path, f"closed with {len(self._index)} row(s)",
                               entries=len(self._index))
