@@ -1,6 +1,6 @@
 """The KV store: offload/restore GB/s for whole-row and per-layer caches, against fio, in one run.
 
-    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4]
+    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4] [--stub-digests]
 
 The cache is one TP8 rank of a Llama-3-70B-style GQA model (80 layers, K and V of one head x
 128 fp16/bf16 bytes-alike, 16-token blocks): 4 KiB pages, 640 KiB rows, 160 pages per row,
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--stub-digests", action="store_true",
+                    help="diagnostic: also run whole rows with the store's digests replaced by zeros (the path alone)")
     args = ap.parse_args()
     n = -(-args.tokens // TOKENS)
     work = tempfile.mkdtemp(dir=args.dir, prefix="kvxfer-bench-store-")
@@ -200,6 +202,22 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
         out.append({"run": f"store {what} ({t.stats.path})", "cache": spec.split()[1], "requests": t.stats.posts,
                     "descriptors": t.stats.descriptors, "ios": ios, "per_layer_ios": n * 2 * LAYERS,
                     **_rates(nbytes, secs)})
+    if args.stub_digests:  # what the data path costs without the row digests (never a product setting)
+        import kvxfer.store.store as store_module
+
+        real = store_module.row_digests
+        store_module.row_digests = lambda mapped, slots: np.zeros(slots.shape[0], np.uint64)
+        try:
+            for path in ("pwritev", "nixl-posix"):
+                for spec, what, fn in (("src rows", "offload", offload), ("dst rows", "restore", restore)):
+                    if (path, spec) in given:
+                        t = fn(given[(path, spec)])
+                        secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
+                        out.append({"run": f"store {what} ({t.stats.path}), digests stubbed", "cache": "rows",
+                                    "requests": t.stats.posts, "descriptors": t.stats.descriptors,
+                                    **_rates(nbytes, secs)})
+        finally:
+            store_module.row_digests = real
     for a in agents:
         a.close()
     slots = np.arange(n)
