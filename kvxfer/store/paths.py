@@ -33,8 +33,8 @@ Hook = Callable[[int], None] | None
 def descriptors(part: Calls) -> tuple[np.ndarray, np.ndarray]:
     """The iovecs of ``part``'s calls as ``(address, nbytes, device 0)`` rows and the file
     offset of each (the calls' runs are contiguous in the file), vectorised."""
-    idx = np.concatenate([np.arange(f, f + c) for f, c in zip(part.first.tolist(), part.count.tolist())]) \
-        if len(part) > 1 else np.arange(int(part.first[0]), int(part.first[0] + part.count[0]))
+    count, first = part.count.astype(np.int64), part.first.astype(np.int64)
+    idx = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     iov = part.iov[idx]
     ln = iov[:, 1].astype(np.int64)
     start = np.cumsum(ln) - ln  # bytes before each iovec in the part
