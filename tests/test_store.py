@@ -428,3 +428,37 @@ def test_entries_of_another_digest_or_journal_version_are_misses(tmp_path) -> No
         assert np.array_equal(dst.logical()[:, :, 0], X[:, :, 2])
     with open(slab, "rb") as f:
         assert b"integrity-xxh3-rows" in f.read(4096)  # the header was brought up to date
+
+
+def test_the_nixl_file_path_refuses_memory_and_file_ranges_it_was_not_given(tmp_path) -> None:
+    """NIXL POSIX's post checks every descriptor against the backend's registered memory and
+    the registered file's size (OutOfRegistrationError); control: an in-bounds post moves bytes."""
+    from common import has_nixl
+    from kvxfer.errors import OutOfRegistrationError
+    from kvxfer.memory import MemoryKind, Op
+
+    if not has_nixl():
+        pytest.skip("nixl is not installed: pip install -e '.[nixl]'")
+    from kvxfer.store.paths import _wait
+
+    buf = np.arange(8192, dtype=np.uint8) % 251
+    other = np.zeros(4096, dtype=np.uint8)  # never registered
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 16384)
+    with kvxfer.Agent("files", backend="nixl") as a:
+        a.register(kvxfer.spec_from_arrays({"x": buf.reshape(2, 4096)}, dims="BX"))
+        fp = a.backend.file_path()
+        f = fp.register_file(fd, 16384)
+        ok = np.array([[buf.ctypes.data, 4096, 0]], dtype=np.uint64)
+        for local, off in ((np.array([[other.ctypes.data, 4096, 0]], dtype=np.uint64), [0]),  # not registered
+                           (np.array([[buf.ctypes.data + 4096, 8192, 0]], dtype=np.uint64), [0]),  # runs past it
+                           (ok, [16384 - 100])):  # past the file's end
+            with pytest.raises(OutOfRegistrationError):
+                fp.post(Op.WRITE, f, local, np.array(off, dtype=np.uint64), MemoryKind.DRAM)
+        x = fp.post(Op.WRITE, f, ok, np.array([8192], dtype=np.uint64), MemoryKind.DRAM)  # control
+        _wait(fp, x, True)
+        fp.release(x)
+        fp.deregister_file(f)
+    data = os.pread(fd, 16384, 0)
+    os.close(fd)
+    assert data[8192:12288] == buf[:4096].tobytes() and data[:8192] == bytes(8192) and data[12288:] == bytes(4096)
