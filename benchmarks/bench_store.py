@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
         elif dst == "layers":
             assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(keep_dst[1:], keep_src[1:])), "restored pages differ"
         secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
-        ios = t.stats.posts if path == "pwritev" else t.stats.descriptors  # NIXL: one I/O per descriptor
+        ios = t.stats.telemetry[0]["ios"]  # system calls, staged row runs, or NIXL's one I/O per descriptor
         out.append({"run": f"store {what} ({t.stats.path})", "cache": spec.split()[1], "requests": t.stats.posts,
                     "descriptors": t.stats.descriptors, "ios": ios, "per_layer_ios": n * 2 * LAYERS,
                     **_rates(nbytes, secs)})

@@ -33,6 +33,12 @@ class Via:
         self._used = 0
         self._given: dict[int, tuple[Cache, kvxfer.Agent]] = {}
 
+    def path(self, write: bool, kind: str = "row") -> str:
+        """The path a transfer of a ``kind`` cache reports: on NIXL POSIX a per-layer cache is
+        gathered into rows through the stage first (one I/O per row run, not per page)."""
+        p = self.write_path if write else self.read_path
+        return p + "+stage" if self.name == "nixl" and kind == "layer" else p
+
     def __call__(self, c: Cache) -> Any:
         if self.own:
             return c.spec

@@ -92,8 +92,9 @@ def test_sigkill_mid_offload_leaves_no_entry(tmp_path, stage, via) -> None:
     X = logical(DIMS_A)
     proc = _child(tmp_path, _OFFLOAD_AND_HANG.format(stage=stage), via)
     try:
-        got = _until(proc, "HANG", f"DONE {via.write_path}")
-        assert got == (f"DONE {via.write_path}" if stage == "control" else "HANG")
+        done = f"DONE {via.path(True, 'layer')}"  # the child's source is a per-layer cache
+        got = _until(proc, "HANG", done)
+        assert got == (done if stage == "control" else "HANG")
     finally:
         _kill(proc)
     with _open(tmp_path) as st:  # the dead child's lock is gone with it
@@ -321,7 +322,7 @@ def test_random_sigkills_never_leave_a_torn_entry(tmp_path, via) -> None:
 
     path = {"own": "pwritev", "nixl": "nixl", "staged": "staged"}[via.name]
     out = campaign(str(tmp_path / "s"), 3, seed=5, path=path)
-    assert out["paths"] in ([via.write_path], [])  # [] only if every child was killed before its first DONE
+    assert out["paths"] in ([via.path(True, "layer")], [])  # [] only if every child was killed before its first DONE
     assert out["kills"] == 3 and out["wrong"] == 0 and out["torn_published"] == 0
     assert out["missing_last_done"] == 0
     assert out["present"] > 0 and out["batches_done"] > 0  # control: there was something to lose
@@ -374,7 +375,7 @@ def test_a_new_process_restores_what_the_other_path_offloaded(tmp_path, via) -> 
     X = logical(DIMS_A)
     proc = _child(tmp_path, 'print("DONE", st.offload(who, [9, 2, 7], keys(3)).wait().stats.path, flush=True)\n'
                   'st.close()\n', via)
-    assert _until(proc, f"DONE {via.write_path}") and proc.wait() == 0
+    assert _until(proc, f"DONE {via.path(True, 'layer')}") and proc.wait() == 0
     try:
         with _open(tmp_path) as st:
             dst = cache("row", DIMS_A)

@@ -13,11 +13,12 @@ file path is register and transfer only. docs/storage.md, "Data paths", says whi
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..memory import MemoryKind, Op
+from ..errors import UnsupportedError
+from ..memory import Allocation, MemoryKind, Op
 
 __all__ = ["FilePath"]
 
@@ -44,6 +45,15 @@ class FilePath(abc.ABC):
 
     @abc.abstractmethod
     def deregister_file(self, handle: Any) -> None: ...
+
+    def register(self, allocations: Sequence[Allocation]) -> Any:
+        """Optional: also accept host memory the core owns (the store's row stage, into which it
+        gathers a per-layer cache's pages so that a row run is one I/O). Returns a handle for
+        :meth:`deregister`. The default refuses, and the core then posts the pages as they are."""
+        raise UnsupportedError(f"the {self.name} file path takes only its backend's registrations")
+
+    def deregister(self, handle: Any) -> None:
+        """Forget memory given to :meth:`register`."""
 
     @abc.abstractmethod
     def post(self, op: Op, file: Any, local: np.ndarray, offsets: np.ndarray, kind: MemoryKind) -> Any:

@@ -46,10 +46,14 @@ def descriptors(part: Calls) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Mover:
-    """Moves one group of calls: ``mover(write, part, cancelled, hook)``; ``name`` is the path."""
+    """Moves one group of calls: ``mover(write, part, cancelled, hook)``; ``name`` is the path.
 
-    def __init__(self, name: str, bridges: bool, run: Callable[[bool, Calls, Callable[[], bool], Hook], None]) -> None:
-        self.name, self.bridges, self._run = name, bridges, run
+    ``bridges``: it can bridge row padding (scratch iovecs); ``per_run``: it does one I/O per
+    contiguous file run (a system call, or a staged run), not one per descriptor."""
+
+    def __init__(self, name: str, bridges: bool, run: Callable[[bool, Calls, Callable[[], bool], Hook], None],
+                 per_run: bool = True) -> None:
+        self.name, self.bridges, self._run, self.per_run = name, bridges, run, per_run
 
     def __call__(self, write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook) -> None:
         self._run(write, part, cancelled, hook)
@@ -82,9 +86,20 @@ class Files:
                 raise StoreError(f"the {fp.name} file path could not register the slab: {exc}") from exc
             hit = (weakref.ref(fp), handle)
             self._held[id(fp)] = hit
-        handle = hit[1]
+        io = self.io(fp, kind)
 
         def run(write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook) -> None:
+            io(write, part, cancelled)
+            if hook is not None:
+                hook(0)
+
+        return Mover(fp.name, False, run, per_run=False)
+
+    def io(self, fp: Any, kind: MemoryKind) -> Callable[[bool, Calls, Callable[[], bool]], None]:
+        """Move ``part``'s iovecs through ``fp`` as one post, polled to its end (call :meth:`mover` first)."""
+        handle = self._held[id(fp)][1]
+
+        def run(write: bool, part: Calls, cancelled: Callable[[], bool]) -> None:
             if cancelled():
                 raise TransferCancelledError("store transfer was cancelled")
             local, off = descriptors(part)
@@ -97,10 +112,8 @@ class Files:
                 _wait(fp, x, write)
             finally:
                 fp.release(x)
-            if hook is not None:
-                hook(0)
 
-        return Mover(fp.name, False, run)
+        return run
 
     def close(self) -> None:
         for ref, handle in self._held.values():

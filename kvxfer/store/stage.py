@@ -8,6 +8,10 @@ accept the file: docs/storage.md). Per group of whole rows (at most one cell of
   rows out, then the group's contiguous file runs are written from the stage;
 * restore: the runs are read into the stage, then one batched copy scatters the pages.
 
+The same stage serves a host cache split over many regions (per layer) on a backend file
+path that does one I/O per descriptor (NIXL POSIX): the pages are gathered into rows with
+``memmove`` and each row run is one I/O, instead of one I/O per page.
+
 Two stage buffers serve the worker threads, so one group's device copy overlaps another's
 file I/O. The copier is pluggable: :class:`DeviceCopies` (the core's CUDA copier,
 :mod:`kvxfer.cuda.copy`, one batch per group into pinned memory) for VRAM, and
@@ -25,7 +29,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import StoreError, TransferCancelledError, UnsupportedError
-from .fileio import Calls, run_calls
+from ..memory import Allocation, MemoryKind
+from .fileio import Calls
 from .paths import Hook, Mover, descriptors
 
 __all__ = ["HostCopies", "DeviceCopies", "Stage"]
@@ -83,15 +88,26 @@ class DeviceCopies:
 class Stage:
     """Two stage buffers of ``unit`` bytes and the :class:`~.paths.Mover` that uses them."""
 
-    def __init__(self, copies: Any, unit: int, base: int, stride: int, fd: int, buffers: int = 2) -> None:
-        self.copies, self.unit, self.base, self.stride, self.fd = copies, unit, base, stride, fd
+    def __init__(self, copies: Any, unit: int, base: int, stride: int, io: Callable[[bool, Calls, Any], None],
+                 name: str, register: Any = None, buffers: int = 2) -> None:
+        """``io(write, runs, cancelled)`` moves stage runs to or from the slab (``pwritev``, or a
+        backend's file path, then ``register(allocations)`` -> ``deregister`` handle it first)."""
+        self.copies, self.unit, self.base, self.stride, self.io, self.name = copies, unit, base, stride, io, name
         self._free: "queue.Queue[tuple[int, Any]]" = queue.Queue()
         self._all = [copies.buffer(unit) for _ in range(buffers)]
+        self._registered = None
+        if register is not None:
+            try:
+                self._registered = register[0]([Allocation(a, unit, MemoryKind.DRAM, 0) for a, _ in self._all])
+            except BaseException:
+                self.close()
+                raise
+            self._deregister = register[1]
         for b in self._all:
             self._free.put(b)
 
     def mover(self) -> Mover:
-        return Mover(f"staged-{self.copies.name}", False, self._move)
+        return Mover(self.name, False, self._move)
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, to_local: bool) -> None:
         if isinstance(self.copies, HostCopies):
@@ -118,9 +134,9 @@ class Stage:
                         len(part))
             if write:
                 self._copy(stage, local[:, 0], local[:, 1], False)
-                run_calls(self.fd, True, one, cancelled)
+                self.io(True, one, cancelled)
             else:
-                run_calls(self.fd, False, one, cancelled)
+                self.io(False, one, cancelled)
                 self._copy(local[:, 0], stage, local[:, 1], True)
         finally:
             self._free.put((addr, keep))
@@ -128,6 +144,9 @@ class Stage:
             hook(0)
 
     def close(self) -> None:
+        if self._registered is not None:
+            self._deregister(self._registered)
+            self._registered = None
         for _, keep in self._all:
             self.copies.free(keep)
         self._all = []

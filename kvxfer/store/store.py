@@ -28,7 +28,7 @@ from ..planner import TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
-from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups
+from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
 from .index import Entry, Index
 from .journal import MAX_KEY, Journal, encode_drop, encode_put
 from .paths import Files, Mover, posix_mover
@@ -98,7 +98,7 @@ class Store:
         self._pairings: dict[int, Pairing] = {}
         self._files = Files(self._slab.fd, self._slab.size)  # the slab's registrations with file paths
         self._posix = posix_mover(self._slab.fd)
-        self._stages: dict[tuple[MemoryKind, int], Stage] = {}
+        self._stages: dict[tuple[MemoryKind, int, int], Stage] = {}
         self._closed = False
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
                               f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
@@ -281,16 +281,29 @@ class Store:
             mover = self._files.mover(fp, kind)
             if mover is None and (kind is MemoryKind.VRAM or self._stage_host):
                 mover = self._staged(kind, device)  # VRAM (no GDS): through the pinned host stage
+            elif mover is not None and len(spec.regions) > 1:
+                mover = self._staged(kind, device, fp) or mover  # pages gathered: one I/O per row run
         return spec, mover or self._posix
 
-    def _staged(self, kind: MemoryKind, device: int) -> Mover:
-        """The staged path for ``kind`` (under the lock): created once, freed at close."""
-        key = (kind, device)
+    def _staged(self, kind: MemoryKind, device: int, fp: Any = None) -> Mover | None:
+        """The staged path for ``kind`` (under the lock), into ``pwritev`` or the file path
+        ``fp``: created once, freed at close; None when ``fp`` takes no stage memory."""
+        key = (kind, device, id(fp))
         st = self._stages.get(key)
         if st is None:
             copies = DeviceCopies(device) if kind is MemoryKind.VRAM else HostCopies()
             stride = self.geometry.stride
-            st = Stage(copies, max(1, MAX_CALL // stride) * stride, HEADER, stride, self._slab.fd)
+            unit = max(1, MAX_CALL // stride) * stride
+            if fp is None:
+                fd = self._slab.fd
+                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled: run_calls(fd, w, c, cancelled),
+                           f"staged-{copies.name}")
+            else:
+                try:
+                    st = Stage(copies, unit, HEADER, stride, self._files.io(fp, kind), f"{fp.name}+stage",
+                               register=(fp.register, fp.deregister))
+                except UnsupportedError:
+                    return None
             self._stages[key] = st
         return st.mover()
 
@@ -390,8 +403,9 @@ class Store:
                   limit: float, mover: Mover, spec: KVCacheSpec) -> Transfer:
         path = mover.label(op is Op.WRITE)
         posts = len(calls) if mover.bridges else len(self._groups(calls, mover))
-        ios = calls.descriptors if mover.bridges else int(calls.iov.shape[0])  # a file path: one I/O each
-        stats = TransferStats(ios, p.nbytes, posts, time.perf_counter() - t0, path=path,
+        descs = calls.descriptors if mover.bridges else int(calls.iov.shape[0])
+        ios = len(calls) if mover.per_run else descs  # NIXL POSIX: one I/O per descriptor
+        stats = TransferStats(descs, p.nbytes, posts, time.perf_counter() - t0, path=path, telemetry=[{"ios": ios}],
                               backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
         started = time.perf_counter()
         job = Job(self._jobs, body, cleanup, path, keep=spec)  # the spec keeps the local memory alive

@@ -8,8 +8,9 @@ otherwise ride in every blob a peer loads), and file I/O never waits on a peer t
 lock. Transfers target that agent's own name, as NIXL's local file I/O requires.
 
 * Memory: what the backend registered (:meth:`NixlBackend.register`), mirrored into the file
-  agent the first time a post runs after a registration changed; every post is checked
-  against the backend's registered spans, and against the registered file's size.
+  agent the first time a post runs after a registration changed, and the core's stage
+  buffers (:meth:`NixlFiles.register`, never the peer agent's); every post is checked
+  against those spans, and against the registered file's size.
 * The file: registered once by fd (``FILE`` segment ``(0, size, fd)``).
 * A post: one ``initialize_xfer`` over the post's descriptors (NIXL does one I/O per
   descriptor, io_uring or aio, so the core's merged runs are what makes it fast).
@@ -20,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import MemoryKind, Op
+from kvxfer import Allocation, MemoryKind, Op
 from kvxfer.errors import BackendError, OutOfRegistrationError
 from kvxfer.plugin.files import FilePath
+from kvxfer.spans import SpanIndex
 
 from ._nixl import map_error, nx
 
@@ -54,6 +56,7 @@ class NixlFiles(FilePath):
             raise map_error(exc, "creating NIXL's POSIX file plugin") from exc
         self._mirrored: dict[int, tuple[Any, Any]] = {}  # id(Registration) -> (it, file-agent handle)
         self._files: dict[int, tuple[int, int, Any]] = {}  # id(handle token) -> fd, size, NIXL registration
+        self._own: dict[int, tuple[tuple[Allocation, ...], Any]] = {}  # the core's stage buffers
 
     def _sync(self) -> None:
         """Mirror the backend's DRAM registrations (under the lock)."""
@@ -74,6 +77,28 @@ class NixlFiles(FilePath):
                 except Exception as exc:
                     raise map_error(exc, f"registering {len(dram)} DRAM allocation(s) for file I/O") from exc
             self._mirrored[rid] = (r, h)
+
+    def register(self, allocations: Sequence[Allocation]) -> Any:
+        """The core's own host buffers (the store's row stage), registered here only."""
+        allocs = tuple(allocations)
+        if any(a.kind is not MemoryKind.DRAM for a in allocs):
+            raise BackendError("NIXL POSIX takes DRAM stage buffers only")
+        arr = np.array([(a.address, a.nbytes, a.device) for a in allocs], dtype=np.uint64)
+        with self._lock:
+            try:
+                h = self._agent.register_memory(arr, "DRAM", backends=["POSIX"])
+            except Exception as exc:
+                raise map_error(exc, f"registering {len(allocs)} stage buffer(s) for file I/O") from exc
+            token = object()
+            self._own[id(token)] = (allocs, h)
+            return token
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            entry = self._own.pop(id(handle), None)
+            if entry is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(entry[1])
 
     def register_file(self, fd: int, nbytes: int) -> Any:
         with self._lock:
@@ -103,7 +128,8 @@ class NixlFiles(FilePath):
                 raise BackendError("post() needs a file registered with this path")
             fd, size, _ = entry
             local = np.ascontiguousarray(local, dtype=np.uint64)
-            self._backend._memory.check(local, kind, "store descriptors")  # inside the backend's registrations
+            mine = SpanIndex([*self._backend._memory.allocations, *(a for al, _ in self._own.values() for a in al)])
+            mine.check(local, kind, "store descriptors")  # inside the backend's registrations or the stage
             off = np.asarray(offsets, dtype=np.uint64)
             end = off + local[:, 1]
             if off.shape[0] != local.shape[0] or bool(((end > np.uint64(size)) | (end < off)).any()):
@@ -148,11 +174,12 @@ class NixlFiles(FilePath):
             for _, h in self._mirrored.values():
                 with contextlib.suppress(Exception):
                     self._agent.deregister_memory(h)
-            for _, _, reg in self._files.values():
+            for reg in [r for _, _, r in self._files.values()] + [h for _, h in self._own.values()]:
                 with contextlib.suppress(Exception):
                     self._agent.deregister_memory(reg)
             self._mirrored.clear()
             self._files.clear()
+            self._own.clear()
 
 
 class Files:
