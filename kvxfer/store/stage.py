@@ -79,9 +79,17 @@ class DeviceCopies:
         self.c.rt.cudaFreeHost(ctypes.c_void_p(keep))
 
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, to_device: bool) -> None:
+        from ..cuda._driver import CudaError
+
         dev = self.device
-        h = self.copier.copy(dst, src, sizes, dev, engine=self.engine, src_device=None if to_device else dev,
-                             dst_device=dev if to_device else None)
+        try:
+            h = self.copier.copy(dst, src, sizes, dev, engine=self.engine, src_device=None if to_device else dev,
+                                 dst_device=dev if to_device else None)
+        except CudaError:
+            if self.engine != "ce":
+                raise
+            self.engine = "sm"  # the copy engines refused a host location: the copy kernel reaches it (UVA)
+            h = self.copier.copy(dst, src, sizes, dev, engine="sm")
         self.copier.synchronize(h)
 
 
