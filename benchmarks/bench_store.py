@@ -1,6 +1,6 @@
 """The KV store: offload/restore GB/s for whole-row and per-layer caches, against fio, in one run.
 
-    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4]
+    python benchmarks/bench_store.py [--dir /tmp] [--tokens 16384] [--repeat 5] [--threads 4] [--stub-digests]
 
 The cache is one TP8 rank of a Llama-3-70B-style GQA model (80 layers, K and V of one head x
 128 fp16/bf16 bytes-alike, 16-token blocks): 4 KiB pages, 640 KiB rows, 160 pages per row,
@@ -22,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--stub-digests", action="store_true",
+                    help="diagnostic: also run whole rows with the store's digests replaced by zeros (the path alone)")
     args = ap.parse_args()
     n = -(-args.tokens // TOKENS)
     work = tempfile.mkdtemp(dir=args.dir, prefix="kvxfer-bench-store-")
@@ -163,28 +166,64 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
     local = rng.permutation(n)  # local ids shuffled; the store gives consecutive slots
     out = []
 
-    def offload(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+    def offload(spec: Any) -> kvxfer.Transfer:
         store.discard(keys)
         return store.offload(spec, local, keys).wait()
 
-    def restore(spec: kvxfer.KVCacheSpec) -> kvxfer.Transfer:
+    def restore(spec: Any) -> kvxfer.Transfer:
         return store.restore(keys, spec, local).wait()
 
-    for what, fn, spec, dst in (("offload", offload, "src rows", None), ("restore", restore, "dst rows", "rows"),
-                                ("offload", offload, "src layers", None),
-                                ("restore", restore, "dst layers", "layers")):
-        t = fn(specs[spec])  # warm-up, and the bytes checked once
+    # The store's own path (a spec: preadv/pwritev) and NIXL POSIX (an agent of the nixl backend).
+    given: dict[tuple[str, str], Any] = {("pwritev", k): v for k, v in specs.items()}
+    agents = []
+    try:
+        for k, v in specs.items():
+            a = kvxfer.Agent(f"bench-{k.replace(' ', '-')}", backend="nixl")
+            a.register(v)
+            agents.append(a)
+            given[("nixl-posix", k)] = a
+    except Exception as exc:
+        out.append({"run": f"store over NIXL POSIX unavailable: {exc!r:.60}", "cache": "-"})
+    for (path, spec), what, fn, dst in [((p, s), w, f, d) for p in ("pwritev", "nixl-posix")
+                                        for s, w, f, d in (("src rows", "offload", offload, None),
+                                                           ("dst rows", "restore", restore, "rows"),
+                                                           ("src layers", "offload", offload, None),
+                                                           ("dst layers", "restore", restore, "layers"))
+                                        if (p, s) in given]:
+        t = fn(given[(path, spec)])  # warm-up, and the bytes checked once
+        assert t.stats.path in ((path, "preadv") if path == "pwritev" else (path, path + "+stage")), t.stats.path
         if dst == "rows":
             assert np.array_equal(keep_dst[0].view(np.uint16), keep_src[0].view(np.uint16)), "restored rows differ"
             keep_dst[0].view(np.uint8)[...] = 0xAA
         elif dst == "layers":
             assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(keep_dst[1:], keep_src[1:])), "restored pages differ"
-        secs = samples(lambda: fn(specs[spec]), args.repeat)
-        out.append({"run": f"store {what}", "cache": spec.split()[1], "requests": 1, "descriptors": t.stats.descriptors,
-                    "ios": t.stats.posts, "per_layer_ios": n * 2 * LAYERS, **_rates(nbytes, secs)})
-    rows_view = store._slab.rows[:n, :row_bytes]
-    secs = samples(lambda: row_digests(rows_view), args.repeat)
-    out.append({"run": "row digests alone (xxh3, one thread)", "cache": "-", **_rates(nbytes, secs)})
+        secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
+        ios = t.stats.telemetry[0]["ios"]  # system calls, staged row runs, or NIXL's one I/O per descriptor
+        out.append({"run": f"store {what} ({t.stats.path})", "cache": spec.split()[1], "requests": t.stats.posts,
+                    "descriptors": t.stats.descriptors, "ios": ios, "per_layer_ios": n * 2 * LAYERS,
+                    **_rates(nbytes, secs)})
+    if args.stub_digests:  # what the data path costs without the row digests (never a product setting)
+        import kvxfer.store.store as store_module
+
+        real = store_module.row_digests
+        store_module.row_digests = lambda mapped, slots: np.zeros(slots.shape[0], np.uint64)
+        try:
+            for path in ("pwritev", "nixl-posix"):
+                for spec, what, fn in (("src rows", "offload", offload), ("dst rows", "restore", restore)):
+                    if (path, spec) in given:
+                        t = fn(given[(path, spec)])
+                        secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
+                        out.append({"run": f"store {what} ({t.stats.path}), digests stubbed", "cache": "rows",
+                                    "requests": t.stats.posts, "descriptors": t.stats.descriptors,
+                                    **_rates(nbytes, secs)})
+        finally:
+            store_module.row_digests = real
+    for a in agents:
+        a.close()
+    slots = np.arange(n)
+    secs = samples(lambda: row_digests(store._slab.mapped, slots), args.repeat)
+    out.append({"run": "row digests alone (kvxfer.integrity xxh3 rows, one thread)", "cache": "-",
+                **_rates(nbytes, secs)})
     store.close()
     for a in keep_dst:
         a.view(np.uint8)[...] = 0xAA

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh tests   # plugins/kvxfer_nixl/tests/test_nixl_backend.py + tests/test_cuda_gpu.py
 #   bash benchmarks/gpu_suite.sh security  # device-path attacks (widened allocation, handle poisoning), one GPU
 #   bash benchmarks/gpu_suite.sh fixedcost   # bench_fixed_cost.py, host and device path; the owner's VRAM conformance
+#   bash benchmarks/gpu_suite.sh store   # benchmarks/gpu_store.sh: VRAM store test, GB/s, the GDS probe (one GPU)
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1
@@ -31,6 +32,8 @@ for stage in "$@"; do
           | tee $LOGS/fixed_$m.txt
       done
       timeout 120 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py -k "VRAMOwner" 2>&1 | tee $LOGS/owner_vram.txt ;;
+    store)
+      LOGS=$LOGS bash benchmarks/gpu_store.sh ;;
     tests)
       timeout 300 $T tests/test_cuda_gpu.py tests/test_cuda_path.py -k "not killed" 2>&1 | tee $LOGS/tests_path.txt
       timeout 300 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py 2>&1 | tee $LOGS/tests_nixl.txt

@@ -172,6 +172,7 @@ def bad_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
     (["bench", "--tokens", "12,x"], ["--tokens"]),
     (["bench", "--options", "{not json"], ["--options"]),
     (["bench", "--plot", "/nonexistent/folder/x.png"], ["--plot"]),
+    (["bench", "--store", "/nonexistent/folder"], ["--store"]),
     (["demo", "--tokens", "-5"], ["--tokens"]),
     (["demo", "--backend", "no-such-backend"], ["no backend named"]),
     (["doctor", "--listen", "nonsense"], ["--listen"]),
@@ -206,6 +207,24 @@ def test_bench_table_output() -> None:
     r = kvxfer_cmd("bench", "--tokens", "64", "--repeat", "1", "--op", "write")
     assert r.returncode == 0, r.stderr
     assert "GB/s" in r.stdout and "verified runs" in r.stdout and "write" in r.stdout
+
+
+def test_bench_store_json_and_table(tmp_path: Path) -> None:
+    """``bench --store``: offload and restore rows per layout and size, each run verified by
+    the bench (sentinel elsewhere); the temporary store is removed afterwards."""
+    rows = as_json(kvxfer_cmd("bench", "--store", str(tmp_path), "--tokens", "128", "--repeat", "1", "--json",
+                              "--layouts", "packed:packed,layers:packed"))
+    got = {(r["op"], r["layout"]): r for r in rows}
+    assert set(got) == {(op, lo) for op in ("offload", "restore") for lo in ("packed", "layers")}
+    for (op, layout), r in got.items():
+        assert r["blocks"] == 2 and r["bytes"] == 2 * MLA_ROW and r["verified"] == 2 and r["gbps"] > 0
+        assert r["path"] == ("pwritev" if op == "offload" else "preadv")
+        # A row per block, or a page per member and block (random blocks may merge into runs).
+        assert (1 <= r["descriptors"] <= 2) if layout == "packed" else (61 <= r["descriptors"] <= 2 * 61)
+    assert list(tmp_path.iterdir()) == []
+    r = kvxfer_cmd("bench", "--store", str(tmp_path), "--tokens", "64", "--repeat", "1")
+    assert r.returncode == 0, r.stderr
+    assert "GB/s" in r.stdout and "pwritev" in r.stdout and "verified runs" in r.stdout
 
 
 @pytest.mark.multiprocess

@@ -18,6 +18,7 @@ import kvxfer
 from kvxfer.errors import (DuplicateBlockIdError, LayoutMismatchError, StoreBusyError, StoreError, StoreFullError,
                            StoreMissError, TransferTimeoutError)
 from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
+from store_paths import _via_pool, via  # noqa: F401  (fixtures)
 
 
 def _store(path, dims, slots: int = 64, **kw) -> kvxfer.Store:
@@ -28,17 +29,17 @@ def _store(path, dims, slots: int = 64, **kw) -> kvxfer.Store:
 @pytest.mark.parametrize("geom", sorted(DIMS))
 @pytest.mark.parametrize("src_kind,dst_kind", [("row", "row"), ("layer", "layer"), ("row", "layer"),
                                                ("layer", "row")])
-def test_round_trip(tmp_path, geom, src_kind, dst_kind) -> None:
+def test_round_trip(tmp_path, geom, src_kind, dst_kind, via) -> None:
     dims = DIMS[geom]
     X = logical(dims)
     src, dst = cache(src_kind, dims, X), cache(dst_kind, dims)
     sblocks, dblocks = [3, 4, 5, 11, 0, 17], [9, 2, 3, 4, 20, 5]
     with _store(tmp_path, dims) as st:
-        t = st.offload(src.spec, sblocks, keys(6)).wait()
-        assert t.stats.nbytes == 6 * row_bytes(dims) and t.stats.path == "pwritev"
+        t = st.offload(via(src), sblocks, keys(6)).wait()
+        assert t.stats.nbytes == 6 * row_bytes(dims) and t.stats.path == via.path(True, src_kind)
         assert st.lookup(keys(6)).all() and not st.lookup([b"other"]).any()
-        t = st.restore(keys(6), dst.spec, dblocks).wait()
-        assert t.stats.path == "preadv"
+        t = st.restore(keys(6), via(dst), dblocks).wait()
+        assert t.stats.path == via.path(False, dst_kind)
     got = dst.logical()
     assert np.array_equal(got[:, :, dblocks], X[:, :, sblocks])
     assert dst.untouched(dblocks)
@@ -66,50 +67,56 @@ def _calls(st: kvxfer.Store) -> list[int]:
 
 
 @pytest.mark.parametrize("geom", sorted(DIMS))
-def test_contiguous_slots_are_one_io_per_request(tmp_path, geom) -> None:
+def test_contiguous_slots_are_one_io_per_request(tmp_path, geom, via) -> None:
+    """The store's own path: one system call per run of slots. NIXL POSIX: one post per
+    request of this size, one I/O per descriptor (a whole aligned row run is one)."""
     dims = DIMS[geom]
     X = logical(dims)
     src = cache("row", dims, X)
+    pad = geom == "padded"
     with _store(tmp_path, dims) as st:
         seen = _calls(st)
-        t = st.offload(src.spec, [8, 9, 10, 11, 12, 13, 14, 15], keys(8)).wait()
-        assert len(seen) == 1 and t.stats.posts == 1  # 8 rows, fresh slots 0..7: one pwritev
+        t = st.offload(via(src), [8, 9, 10, 11, 12, 13, 14, 15], keys(8)).wait()
+        assert len(seen) == 1 and t.stats.posts == 1  # 8 rows, fresh slots 0..7: one pwritev (one post)
+        # Padded rows are a descriptor each (pwritev bridges the padding in one call); an
+        # aligned run of rows is one.
+        assert t.stats.descriptors == (8 if pad else 1)
         seen.clear()
         layer = cache("layer", dims)
-        t = st.restore(keys(8), layer.spec, [0, 1, 2, 3, 4, 5, 6, 7]).wait()
+        t = st.restore(keys(8), via(layer), [0, 1, 2, 3, 4, 5, 6, 7]).wait()
         # A per-layer cache: 8 rows x 8 pages gathered by one preadv (64 iovecs).
         assert len(seen) == 1 and t.stats.descriptors == 8 * 2 * dims[0]
         assert np.array_equal(layer.logical()[:, :, :8], X[:, :, 8:16])
-        # Control: rows in every other slot cannot merge: one call per row.
+        # Control: rows in every other slot cannot merge: one call (one I/O) per row.
         st.discard(keys(8)[1::2])
         seen.clear()
-        t = st.restore(keys(8)[::2], cache("row", dims).spec, [0, 1, 2, 3]).wait()
-        assert len(seen) == 4 and t.stats.posts == 4
+        t = st.restore(keys(8)[::2], via(cache("row", dims)), [0, 1, 2, 3]).wait()
+        assert t.stats.descriptors == 4 and len(seen) == t.stats.posts == (4 if via.name == "own" else 1)
 
 
-def test_a_large_request_splits_over_worker_threads(tmp_path) -> None:
+def test_a_large_request_splits_over_worker_threads(tmp_path, via) -> None:
     dims = (4, 640, 16, 2, 32)  # 640 rows of 16 KiB in 2 KiB pages: 10 MiB
     X = logical(dims)
     src, dst = cache("layer", dims, X), cache("row", dims)
     ids = np.random.default_rng(3).permutation(640)
     with kvxfer.Store(tmp_path, capacity=640 * 16384, layout=src.spec, threads=3) as st:
-        t = st.offload(src.spec, ids, keys(640)).wait()
+        t = st.offload(via(src), ids, keys(640)).wait()
         # One file run of 640 rows x 8 pages = 5120 iovecs: cut every 8 MiB (4096 iovecs) and
-        # every IOV_MAX (1024) iovecs, 5 calls shared by the 3 threads.
-        assert t.stats.posts == 5 and t.stats.descriptors == 5120
-        t = st.restore(keys(640), dst.spec, np.arange(640)).wait()
+        # every IOV_MAX (1024) iovecs, 5 calls shared by the 3 threads (NIXL: one post per 8 MiB).
+        assert t.stats.posts == (5 if via.name == "own" else 2) and t.stats.descriptors == 5120
+        t = st.restore(keys(640), via(dst), np.arange(640)).wait()
         # Contiguous on both sides: one 10 MiB descriptor, cut at 8 MiB into two calls.
-        assert t.stats.descriptors == 1 and t.stats.posts == 2
+        assert t.stats.descriptors == (1 if via.name == "own" else 2) and t.stats.posts == 2
     assert np.array_equal(dst.logical(), X[:, :, ids])
 
 
-def test_lru_evicts_and_a_pinned_entry_stays(tmp_path) -> None:
+def test_lru_evicts_and_a_pinned_entry_stays(tmp_path, via) -> None:
     dims = DIMS["aligned"]
     X = logical(dims)
     src = cache("row", dims, X)
     st = _store(tmp_path, dims, slots=4)
     try:
-        st.offload(src.spec, [0, 1, 2, 3], keys(4)).wait()
+        st.offload(via(src), [0, 1, 2, 3], keys(4)).wait()
         gate, entered = threading.Event(), threading.Event()
 
         def hold(stage: str) -> None:
@@ -119,35 +126,35 @@ def test_lru_evicts_and_a_pinned_entry_stays(tmp_path) -> None:
 
         st._fault = hold
         dst0 = cache("row", dims)
-        pinned = st.restore([b"k0"], dst0.spec, [5])  # in flight: k0 pinned
+        pinned = st.restore([b"k0"], via(dst0), [5])  # in flight: k0 pinned
         assert entered.wait(60)
         for i in (1, 2, 3):  # k0 becomes the least recently used entry
-            st.restore([f"k{i}".encode()], cache("row", dims).spec, [0]).wait()
-        st.offload(src.spec, [10], [b"new"]).wait()  # full: evicts the LRU entry that is not pinned
+            st.restore([f"k{i}".encode()], via(cache("row", dims)), [0]).wait()
+        st.offload(via(src), [10], [b"new"]).wait()  # full: evicts the LRU entry that is not pinned
         assert st.lookup([b"k0", b"k1", b"k2", b"k3", b"new"]).tolist() == [True, False, True, True, True]
         with pytest.raises(StoreFullError):  # 1 free slot; k0 pinned, the rest evictable: room for 4, not 5
-            st.offload(src.spec, [11, 12, 13, 14, 15], keys(5, "x"))
+            st.offload(via(src), [11, 12, 13, 14, 15], keys(5, "x"))
         gate.set()
         pinned.wait()
         assert np.array_equal(dst0.logical()[:, :, 5], X[:, :, 0]) and dst0.untouched([5])
         # Control: unpinned now, k0 is the LRU entry and is the one evicted.
         st._fault = None
-        st.offload(src.spec, [11], [b"newer"]).wait()
+        st.offload(via(src), [11], [b"newer"]).wait()
         assert st.lookup([b"k0", b"newer"]).tolist() == [False, True]
         dst = cache("row", dims)
-        st.restore([b"new", b"newer"], dst.spec, [0, 1]).wait()
+        st.restore([b"new", b"newer"], via(dst), [0, 1]).wait()
         assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [10, 11]])
     finally:
         st.close()
 
 
-def test_a_timed_out_offload_publishes_nothing(tmp_path) -> None:
+def test_a_timed_out_offload_publishes_nothing(tmp_path, via) -> None:
     dims = DIMS["aligned"]
     src = cache("row", dims, logical(dims))
     st = _store(tmp_path, dims)
     gate = threading.Event()
     st._fault = lambda stage: gate.wait(60) if stage == "written" else None
-    t = st.offload(src.spec, [0, 1], [b"a", b"b"])
+    t = st.offload(via(src), [0, 1], [b"a", b"b"])
     with pytest.raises(TransferTimeoutError):
         t.wait(timeout=0.2)
     gate.set()
@@ -155,7 +162,7 @@ def test_a_timed_out_offload_publishes_nothing(tmp_path) -> None:
     with _store(tmp_path, dims) as st:
         assert not st.lookup([b"a", b"b"]).any() and len(st) == 0
         # Control: the same offload left to finish is published.
-        st.offload(src.spec, [0, 1], [b"a", b"b"]).wait()
+        st.offload(via(src), [0, 1], [b"a", b"b"]).wait()
         assert st.lookup([b"a", b"b"]).all()
 
 
@@ -250,13 +257,13 @@ def test_calls_move_exactly_the_descriptors_bytes(tmp_path, seed, max_call) -> N
         os.close(fd)
 
 
-def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path) -> None:
+def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path, via) -> None:
     dims = DIMS["aligned"]
     X, Y = logical(dims, seed=1), logical(dims, seed=2)
     old, new = cache("row", dims, X), cache("row", dims, Y)
     st = _store(tmp_path, dims, slots=2)
     try:
-        st.offload(old.spec, [3], [b"k"]).wait()
+        st.offload(via(old), [3], [b"k"]).wait()
         gate, entered = threading.Event(), threading.Event()
 
         def hold(stage: str) -> None:
@@ -266,10 +273,10 @@ def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path) -> None:
 
         st._fault = hold
         first = cache("row", dims)
-        t = st.restore([b"k"], first.spec, [0])  # k checked, pinned, not yet copied
+        t = st.restore([b"k"], via(first), [0])  # k checked, pinned, not yet copied
         assert entered.wait(60)
-        st.offload(new.spec, [3], [b"k"]).wait()  # replaces k: the other slot
-        st.offload(new.spec, [4], [b"j"]).wait()  # evicts the new k; the old k's slot stays pinned
+        st.offload(via(new), [3], [b"k"]).wait()  # replaces k: the other slot
+        st.offload(via(new), [4], [b"j"]).wait()  # evicts the new k; the old k's slot stays pinned
         assert st.lookup([b"k", b"j"]).tolist() == [False, True]
         gate.set()
         t.wait()
@@ -278,32 +285,35 @@ def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path) -> None:
         # (with the slot freed on replacement, j would have landed there: Y's block 4).
         assert np.array_equal(first.logical()[:, :, 0], X[:, :, 3])
         second = cache("row", dims)
-        st.restore([b"j"], second.spec, [0]).wait()
+        st.restore([b"j"], via(second), [0]).wait()
         assert np.array_equal(second.logical()[:, :, 0], Y[:, :, 4])
-        st.offload(new.spec, [5], [b"i"]).wait()  # the old slot is free once the read ended
+        st.offload(via(new), [5], [b"i"]).wait()  # the old slot is free once the read ended
         assert st.lookup([b"j", b"i"]).all()
     finally:
         st.close()
 
 
-def test_threads_sharing_one_store(tmp_path) -> None:
+def test_threads_sharing_one_store(tmp_path, via) -> None:
     """Four threads offload, restore and discard random keys at once; every restore is exact."""
     dims = DIMS["padded"]
     X = logical(dims)
     src = cache("layer", dims, X)
+    srcs, dsts = via(src), [cache("row", dims) for _ in range(4)]  # a destination per thread
+    given = [via(d) for d in dsts]
     errors: list[BaseException] = []
     with _store(tmp_path, dims, slots=40) as st:
 
         def worker(w: int) -> None:
             rng = np.random.default_rng(w)
+            dst = dsts[w]
             try:
                 for r in range(30):
                     blocks = rng.choice(dims[1], 3, replace=False)
                     ks = [f"{w}:{r}:{b}".encode() for b in blocks]
-                    st.offload(src.spec, blocks, ks).wait()
-                    dst = cache("row", dims)
+                    st.offload(srcs, blocks, ks).wait()
+                    dst.storages[0].view(np.uint8)[...] = SENTINEL
                     try:
-                        st.restore(ks, dst.spec, [0, 1, 2]).wait()
+                        st.restore(ks, given[w], [0, 1, 2]).wait()
                     except StoreMissError:  # another thread's offload evicted some: a miss, fine
                         continue
                     assert np.array_equal(dst.logical()[:, :, :3], X[:, :, blocks]) and dst.untouched([0, 1, 2])
@@ -321,15 +331,15 @@ def test_threads_sharing_one_store(tmp_path) -> None:
         assert 0 < len(st) <= 40 and int((st._index.state != 0).sum()) == len(st)  # no slot leaked
 
 
-def test_one_key_restored_into_two_blocks_and_empty_requests(tmp_path) -> None:
+def test_one_key_restored_into_two_blocks_and_empty_requests(tmp_path, via) -> None:
     dims = DIMS["padded"]
     X = logical(dims)
     src, dst = cache("layer", dims, X), cache("row", dims)
     with _store(tmp_path, dims) as st:
-        assert st.offload(src.spec, [], []).wait().stats.posts == 0 and len(st) == 0
-        st.offload(src.spec, [3, 4], [b"a", b"b"]).wait()
-        st.restore([b"a", b"a", b"b"], dst.spec, [0, 5, 9]).wait()
-        assert st.restore([], dst.spec, []).wait().stats.nbytes == 0
+        assert st.offload(via(src), [], []).wait().stats.posts == 0 and len(st) == 0
+        st.offload(via(src), [3, 4], [b"a", b"b"]).wait()
+        st.restore([b"a", b"a", b"b"], via(dst), [0, 5, 9]).wait()
+        assert st.restore([], via(dst), []).wait().stats.nbytes == 0
     assert np.array_equal(dst.logical()[:, :, [0, 5, 9]], X[:, :, [3, 3, 4]]) and dst.untouched([0, 5, 9])
 
 
@@ -362,3 +372,93 @@ def test_store_lifecycle_is_logged_for_operators(tmp_path, caplog) -> None:
     assert events == ["store_open", "store_evict", "store_close", "store_open", "store_close"], lines
     assert "created, 0 of 2 rows" in lines[0] and "evicted 1 least recently used row" in lines[1]
     assert "opened, 2 of 2 rows" in lines[3]
+
+
+@pytest.mark.parametrize("kind", ["row", "layer"])
+def test_stored_digests_are_kvxfer_integrity_row_digests(tmp_path, kind) -> None:
+    """The digest on record for a row is what kvxfer.integrity computes for the source block,
+    whatever the source's layout (one digest implementation)."""
+    from kvxfer.integrity import compute
+
+    dims = DIMS["padded"]
+    src = cache(kind, dims, logical(dims))
+    with _store(tmp_path, dims) as st:
+        st.offload(src.spec, [5, 1, 8], keys(3)).wait()
+        got = [st._index.entries[k].digest for k in keys(3)]
+    want = compute(src.spec, [5, 1, 8], algorithm="xxh3", rows=True).values[:, 0].tolist()
+    assert got == want
+    assert compute(src.spec, [1, 5, 8], algorithm="xxh3", rows=True).values[:, 0].tolist() != want  # control
+
+
+def test_entries_of_another_digest_or_journal_version_are_misses(tmp_path) -> None:
+    """A journal of version 1 (no digest field) or a slab header naming another digest: the
+    store opens, every old entry is a miss, new offloads work; control: the current format keeps them."""
+    import json
+    import struct
+    import zlib
+
+    dims = DIMS["aligned"]
+    X = logical(dims)
+    src = cache("row", dims, X)
+    with _store(tmp_path, dims) as st:
+        st.offload(src.spec, [0, 1], keys(2)).wait()
+        idx, slab = st._slab.index_path, st.path
+    with _store(tmp_path, dims) as st:  # control: reopened as written, both are there
+        assert st.lookup(keys(2)).all()
+    raw = open(idx, "rb").read()
+    n, _ = struct.unpack_from("<II", raw)
+    head = raw[8:8 + 29]  # version 1's header: type, fingerprint, slots
+    old = struct.pack("<II", 29, zlib.crc32(head)) + head + raw[8 + n:]
+    open(idx, "wb").write(old)
+    with _store(tmp_path, dims) as st:
+        assert not st.lookup(keys(2)).any() and len(st) == 0
+        st.offload(src.spec, [2], [b"new"]).wait()
+    with open(slab, "r+b") as f:  # the slab header names another digest
+        h = f.read(4096)
+        body_len = struct.unpack_from("<I", h, 12)[0]
+        d = json.loads(h[16:16 + body_len])
+        d["digest"] = "xxh3-64"
+        body = json.dumps(d, sort_keys=True).encode()
+        f.seek(0)
+        f.write((h[:12] + struct.pack("<I", len(body)) + body).ljust(4096, b"\0"))
+    with _store(tmp_path, dims) as st:
+        assert st.lookup([b"new"]).all()  # the journal is current: the header alone does not drop entries
+        dst = cache("row", dims)
+        st.restore([b"new"], dst.spec, [0]).wait()
+        assert np.array_equal(dst.logical()[:, :, 0], X[:, :, 2])
+    with open(slab, "rb") as f:
+        assert b"integrity-xxh3-rows" in f.read(4096)  # the header was brought up to date
+
+
+def test_the_nixl_file_path_refuses_memory_and_file_ranges_it_was_not_given(tmp_path) -> None:
+    """NIXL POSIX's post checks every descriptor against the backend's registered memory and
+    the registered file's size (OutOfRegistrationError); control: an in-bounds post moves bytes."""
+    from common import has_nixl
+    from kvxfer.errors import OutOfRegistrationError
+    from kvxfer.memory import MemoryKind, Op
+
+    if not has_nixl():
+        pytest.skip("nixl is not installed: pip install -e '.[nixl]'")
+    from kvxfer.store.paths import _wait
+
+    buf = np.arange(8192, dtype=np.uint8) % 251
+    other = np.zeros(4096, dtype=np.uint8)  # never registered
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 16384)
+    with kvxfer.Agent("files", backend="nixl") as a:
+        a.register(kvxfer.spec_from_arrays({"x": buf.reshape(2, 4096)}, dims="BX"))
+        fp = a.backend.file_path()
+        f = fp.register_file(fd, 16384)
+        ok = np.array([[buf.ctypes.data, 4096, 0]], dtype=np.uint64)
+        for local, off in ((np.array([[other.ctypes.data, 4096, 0]], dtype=np.uint64), [0]),  # not registered
+                           (np.array([[buf.ctypes.data + 4096, 8192, 0]], dtype=np.uint64), [0]),  # runs past it
+                           (ok, [16384 - 100])):  # past the file's end
+            with pytest.raises(OutOfRegistrationError):
+                fp.post(Op.WRITE, f, local, np.array(off, dtype=np.uint64), MemoryKind.DRAM)
+        x = fp.post(Op.WRITE, f, ok, np.array([8192], dtype=np.uint64), MemoryKind.DRAM)  # control
+        _wait(fp, x, True)
+        fp.release(x)
+        fp.deregister_file(f)
+    data = os.pread(fd, 16384, 0)
+    os.close(fd)
+    assert data[8192:12288] == buf[:4096].tobytes() and data[:8192] == bytes(8192) and data[12288:] == bytes(4096)

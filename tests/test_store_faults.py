@@ -25,7 +25,9 @@ import kvxfer
 from kvxfer.errors import StoreBusyError, StoreCorruptError, StoreError, StoreFullError
 from kvxfer.store import fileio, journal
 from kvxfer.store.slab import HEADER
-from store_caches import DIMS, cache, keys, logical, row_bytes
+from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
+from common import has_nixl
+from store_paths import Via, _via_pool, via  # noqa: F401  (fixtures)
 
 TESTS = str(Path(__file__).parent)
 DIMS_A = DIMS["aligned"]
@@ -39,12 +41,14 @@ from store_caches import DIMS, cache, keys, logical
 dims = DIMS["aligned"]
 src = cache("layer", dims, logical(dims))
 st = kvxfer.Store({path!r}, capacity={cap}, layout=src.spec, threads=1)  # one worker: a held call holds the batch
-{body}
+{setup}{body}
 """
 
 
-def _child(path: Path, body: str) -> subprocess.Popen[str]:
-    code = _CHILD.format(tests=TESTS, path=str(path), cap=CAP, body=textwrap.dedent(body))
+def _child(path: Path, body: str, via: Via | None = None) -> subprocess.Popen[str]:
+    """A process holding the store; ``who`` is what it offloads through (``via``'s path)."""
+    setup = via.child_setup("who", "src") if via is not None else "who = src.spec\n"
+    code = _CHILD.format(tests=TESTS, path=str(path), cap=CAP, setup=setup, body=textwrap.dedent(body))
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
@@ -66,29 +70,31 @@ def _open(path: Path) -> kvxfer.Store:
 
 
 _OFFLOAD_AND_HANG = """
-st.offload(src.spec, [0, 1, 2, 3], keys(4, "a")).wait()
+st.offload(who, [0, 1, 2, 3], keys(4, "a")).wait()
 st.discard([b"a1", b"a3"])  # slots 1 and 3 free: batch b lands in two runs, two pwritev calls
 def hang(stage):
     if stage == {stage!r}:
         print("HANG", flush=True)
         time.sleep(600)
 st._fault = hang
-st.offload(src.spec, [10, 11, 12, 13], keys(4, "b")).wait()
-print("DONE", flush=True)
+t = st.offload(who, [10, 11, 12, 13], keys(4, "b")).wait()
+print("DONE", t.stats.path, flush=True)
 time.sleep(600)
 """
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", ["call", "written", "control"])
-def test_sigkill_mid_offload_leaves_no_entry(tmp_path, stage) -> None:
+def test_sigkill_mid_offload_leaves_no_entry(tmp_path, stage, via) -> None:
     """``call``: killed after the first of batch b's writes (a torn batch); ``written``: all
     rows written and digested, not yet published; ``control``: killed once the offload was
-    DONE, when batch b must be found."""
+    DONE, when batch b must be found (restored by this process: a new one for the store)."""
     X = logical(DIMS_A)
-    proc = _child(tmp_path, _OFFLOAD_AND_HANG.format(stage=stage))
+    proc = _child(tmp_path, _OFFLOAD_AND_HANG.format(stage=stage), via)
     try:
-        assert _until(proc, "HANG", "DONE") == ("DONE" if stage == "control" else "HANG")
+        done = f"DONE {via.path(True, 'layer')}"  # the child's source is a per-layer cache
+        got = _until(proc, "HANG", done)
+        assert got == (done if stage == "control" else "HANG")
     finally:
         _kill(proc)
     with _open(tmp_path) as st:  # the dead child's lock is gone with it
@@ -96,14 +102,14 @@ def test_sigkill_mid_offload_leaves_no_entry(tmp_path, stage) -> None:
         assert st.lookup(keys(4, "b")).all() == (stage == "control")
         assert st.lookup(keys(4, "b")).any() == (stage == "control")
         dst = cache("row", DIMS_A)
-        st.restore([b"a0", b"a2"], dst.spec, [5, 6]).wait()
+        st.restore([b"a0", b"a2"], via(dst), [5, 6]).wait()
         assert np.array_equal(dst.logical()[:, :, [5, 6]], X[:, :, [0, 2]])
         if stage == "control":
-            st.restore(keys(4, "b"), dst.spec, [7, 8, 9, 10]).wait()
+            st.restore(keys(4, "b"), via(dst), [7, 8, 9, 10]).wait()
             assert np.array_equal(dst.logical()[:, :, 7:11], X[:, :, 10:14])
         else:  # nothing of the torn batch is left: a new offload works as usual
-            st.offload(cache("row", DIMS_A, X).spec, [20, 21, 22, 23], keys(4, "c")).wait()
-            st.restore(keys(4, "c"), dst.spec, [7, 8, 9, 10]).wait()
+            st.offload(via(cache("row", DIMS_A, X)), [20, 21, 22, 23], keys(4, "c")).wait()
+            st.restore(keys(4, "c"), via(dst), [7, 8, 9, 10]).wait()
             assert np.array_equal(dst.logical()[:, :, 7:11], X[:, :, 20:24])
             assert len(st) == 6 and int((st._index.state != 0).sum()) == 6  # b's reserved slots are free
 
@@ -117,18 +123,18 @@ def _slot_of(path: Path, row: bytes, stride: int = 16384) -> int:
     return int(hit[0])
 
 
-def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog) -> None:
+def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog, via) -> None:
     X = logical(DIMS_A)
     src = cache("row", DIMS_A, X)
     with _open(tmp_path) as st:
-        st.offload(src.spec, [4, 5, 6], keys(3)).wait()
+        st.offload(via(src), [4, 5, 6], keys(3)).wait()
         slab = Path(st.path)
     row2 = src.storages[0][6].tobytes()  # key k2's row as the source cache holds it
     slot = _slot_of(slab, row2)
     stride = len(row2)
     with _open(tmp_path) as st:  # control: intact, the row restores exactly
         dst = cache("row", DIMS_A)
-        st.restore(keys(3), dst.spec, [0, 1, 2]).wait()
+        st.restore(keys(3), via(dst), [0, 1, 2]).wait()
         assert np.array_equal(dst.logical()[:, :, [0, 1, 2]], X[:, :, [4, 5, 6]])
     at = HEADER + slot * stride + 5000
     fd = os.open(slab, os.O_RDWR)  # one flipped bit, written behind the (closed) store's back
@@ -141,27 +147,27 @@ def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog) -> None
     with _open(tmp_path) as st:
         dst = cache("row", DIMS_A)
         with pytest.raises(StoreCorruptError) as e:
-            st.restore(keys(3), dst.spec, [0, 1, 2]).wait()
+            st.restore(keys(3), via(dst), [0, 1, 2]).wait()
         assert e.value.keys == [b"k2"]
         assert [r.kvxfer["dropped"] for r in caplog.records if getattr(r, "kvxfer", {}).get("event") == "store_corrupt"] == [1]
         assert dst.untouched([])  # no row of the failed restore was copied
         assert st.lookup(keys(3)).tolist() == [True, True, False]  # dropped: the next lookup is a miss
-        st.restore(keys(2), dst.spec, [0, 1]).wait()
+        st.restore(keys(2), via(dst), [0, 1]).wait()
         assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]]) and dst.untouched([0, 1])
 
 
-def test_a_truncated_or_missing_slab_is_a_typed_miss(tmp_path) -> None:
+def test_a_truncated_or_missing_slab_is_a_typed_miss(tmp_path, via) -> None:
     X = logical(DIMS_A)
     src = cache("row", DIMS_A, X)
     st = _open(tmp_path)
     try:
-        st.offload(src.spec, [0, 1], keys(2)).wait()
+        st.offload(via(src), [0, 1], keys(2)).wait()
         dst = cache("row", DIMS_A)
-        st.restore(keys(2), dst.spec, [0, 1]).wait()  # control: restores while intact
+        st.restore(keys(2), via(dst), [0, 1]).wait()  # control: restores while intact
         os.truncate(st.path, HEADER)
         dst = cache("row", DIMS_A)
         with pytest.raises(StoreCorruptError):  # not SIGBUS, not garbage
-            st.restore(keys(2), dst.spec, [0, 1]).wait()
+            st.restore(keys(2), via(dst), [0, 1]).wait()
         assert dst.untouched([])
     finally:
         st.close()
@@ -219,23 +225,33 @@ def test_disk_full_at_creation_on_a_tiny_file_system(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("capacity,expect", [(64 << 20, "FULL"), (256 << 10, "OK")])
-def test_disk_full_at_creation_under_a_file_size_limit(tmp_path, capacity, expect) -> None:
-    """RLIMIT_FSIZE makes the preallocation fail with EFBIG; the 256 KiB store is the control."""
+def test_disk_full_at_creation_under_a_file_size_limit(tmp_path, capacity, expect, via) -> None:
+    """RLIMIT_FSIZE makes the preallocation fail with EFBIG; the 256 KiB store is the control,
+    and it round-trips a row through the path under test in the same limited process."""
     code = f"""
 import resource, signal, sys
 sys.path.insert(0, {TESTS!r})
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+import numpy as np
 import kvxfer
-from store_caches import DIMS, cache
+from store_caches import DIMS, cache, logical
+dims = DIMS["aligned"]
+X = logical(dims)
+src, dst = cache("row", dims, X), cache("row", dims)
+{via.child_setup("who", "src")}{via.child_setup("back", "dst")}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # after the agents: UCX's own files exceed the limit
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:
-    kvxfer.Store({str(tmp_path)!r}, capacity={capacity}, layout=cache("row", DIMS["aligned"]).spec).close()
-    print("OK")
+    st = kvxfer.Store({str(tmp_path)!r}, capacity={capacity}, layout=src.spec)
 except kvxfer.StoreFullError as e:
     print("FULL")
+    sys.exit(0)
+t = st.offload(who, [3], [b"a"]).wait()
+st.restore([b"a"], back, [0]).wait()
+st.close()
+print("OK", t.stats.path, np.array_equal(dst.logical()[:, :, 0], X[:, :, 3]) and dst.untouched([0]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == [expect]
+    assert out == (["FULL"] if expect == "FULL" else ["OK", via.write_path, "True"])
     assert _listing(tmp_path) == ({"slab.lock"} if expect == "FULL" else {"slab.lock", "slab.kv", "slab.idx"})
 
 
@@ -300,17 +316,19 @@ def test_the_journal_is_compacted_while_open(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_random_sigkills_never_leave_a_torn_entry(tmp_path) -> None:
+def test_random_sigkills_never_leave_a_torn_entry(tmp_path, via) -> None:
     """The CI size of ``python -m kvxfer.testing.store_kill`` (RELIABILITY.md has the large run)."""
     from kvxfer.testing.store_kill import campaign
 
-    out = campaign(str(tmp_path / "s"), 3, seed=5)
+    path = {"own": "pwritev", "nixl": "nixl", "staged": "staged"}[via.name]
+    out = campaign(str(tmp_path / "s"), 3, seed=5, path=path)
+    assert out["paths"] in ([via.path(True, "layer")], [])  # [] only if every child was killed before its first DONE
     assert out["kills"] == 3 and out["wrong"] == 0 and out["torn_published"] == 0
     assert out["missing_last_done"] == 0
     assert out["present"] > 0 and out["batches_done"] > 0  # control: there was something to lose
 
 
-def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path) -> None:
+def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path, via) -> None:
     """200 rows, each damaged at one random byte of its row (a random new value); the bytes
     after the row (slot padding, never restored) are the control: damage there is harmless."""
     dims = DIMS["padded"]  # 2560-byte rows in 4096-byte slots
@@ -319,20 +337,22 @@ def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path) -> None:
     rng = np.random.default_rng(11)
     rl = row_bytes(dims)
     detected = harmless = 0
+    dst = cache("row", dims)
+    to = via(dst)
     with kvxfer.Store(tmp_path, capacity=8 * 4096, layout=src.spec) as st:
         fd = os.open(st.path, os.O_RDWR)
         try:
             for i in range(200):
                 b = int(rng.integers(0, dims[1]))
-                st.offload(src.spec, [b], [b"r"]).wait()
+                st.offload(via(src), [b], [b"r"]).wait()
                 slot = st._index.entries[b"r"].slot
                 pad = i % 4 == 0  # every 4th: damage the padding instead
                 at = HEADER + slot * 4096 + int(rng.integers(rl, 4096) if pad else rng.integers(0, rl))
                 old = os.pread(fd, 1, at)[0]
                 os.pwrite(fd, bytes([(old + int(rng.integers(1, 256))) % 256]), at)
-                dst = cache("row", dims)
+                dst.storages[0].view(np.uint8)[...] = SENTINEL
                 try:
-                    st.restore([b"r"], dst.spec, [0]).wait()
+                    st.restore([b"r"], to, [0]).wait()
                     harmless += pad
                     assert pad and np.array_equal(dst.logical()[:, :, 0], X[:, :, b])
                 except StoreCorruptError:
@@ -343,3 +363,25 @@ def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path) -> None:
         finally:
             os.close(fd)
     assert (detected, harmless) == (150, 50)
+
+
+@pytest.mark.multiprocess
+def test_a_new_process_restores_what_the_other_path_offloaded(tmp_path, via) -> None:
+    """A child offloads through ``via``'s path and exits; this process restores through the
+    other path: one slab format, whichever path wrote it."""
+    if via.own and not has_nixl():
+        pytest.skip("nixl is not installed: pip install -e '.[nixl]'")
+    other = Via("nixl" if via.own else "own")
+    X = logical(DIMS_A)
+    proc = _child(tmp_path, 'print("DONE", st.offload(who, [9, 2, 7], keys(3)).wait().stats.path, flush=True)\n'
+                  'st.close()\n', via)
+    assert _until(proc, f"DONE {via.path(True, 'layer')}") and proc.wait() == 0
+    try:
+        with _open(tmp_path) as st:
+            dst = cache("row", DIMS_A)
+            t = st.restore(keys(3)[::-1], other(dst), [0, 1, 2]).wait()
+            assert t.stats.path == other.read_path
+        assert np.array_equal(dst.logical()[:, :, [0, 1, 2]], X[:, :, [7, 2, 9]]) and dst.untouched([0, 1, 2])
+        assert not np.array_equal(dst.logical()[:, :, [0, 1, 2]], X[:, :, [9, 2, 7]])  # control: order matters
+    finally:
+        other.close()

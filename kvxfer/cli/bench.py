@@ -53,6 +53,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the source bytes and of the random block ids "
                                                           "(default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline per transfer, seconds (default 120)")
+    p.add_argument("--store", metavar="PATH", help="offload to and restore from a kvxfer.Store in a temporary "
+                                                   "folder under PATH instead of moving between agents")
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s and descriptors against request size "
                                                       f"(needs matplotlib: {PLOT_INSTALL})")
     add_json(p)
@@ -83,6 +85,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]], d
         raise CliError("--timeout must be positive")
     layouts = _layouts(args.layouts)
     geometry = resolve(args.preset)
+    if args.plot and args.store:
+        raise CliError("--plot draws peer transfers; it does not apply with --store")
     if args.plot:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
@@ -114,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     from ..testing.peer import InProcessPeer, PeerProcess
 
     geometry, layouts, options = _check_args(args)
+    if args.store:
+        from . import bench_store
+
+        return bench_store.run(args, geometry, [(lo, LAYOUTS[lo]) for lo, _ in layouts], options)
     sizes = sorted(set(args.tokens))
     nmax = geometry.blocks_for(sizes[-1])
     pool = nmax + max(4, nmax // 8)

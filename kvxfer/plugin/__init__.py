@@ -29,12 +29,14 @@ The factory string is imported only when an agent first uses the backend, so lis
 backends never loads a transport library, and a missing dependency is reported with the
 ``install`` command. Shared building blocks for data paths live in the core:
 :mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
-(notification delivery when nobody polls).
+(notification delivery when nobody polls). A backend that can also serve the store's file
+I/O returns a :class:`FilePath` (:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
 """
 
 from __future__ import annotations
 
 from .backend import Backend, Capabilities
+from .files import FilePath
 from .hookspecs import RegisterBackend, hookimpl, hookspec
 
-__all__ = ["Backend", "Capabilities", "RegisterBackend", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "FilePath", "RegisterBackend", "hookimpl", "hookspec"]

@@ -111,6 +111,12 @@ class Backend(abc.ABC):
         """Which data path carries a posted transfer (reported in ``TransferStats.path``)."""
         return None
 
+    # files (optional)
+    def file_path(self) -> Any:
+        """Optional: a :class:`kvxfer.plugin.files.FilePath` serving the store's file I/O
+        over this backend's registered memory, or None (the store then uses ``preadv``)."""
+        return None
+
     # notifications
     @abc.abstractmethod
     def notify(self, peer: str, message: bytes) -> None: ...

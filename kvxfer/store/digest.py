@@ -1,47 +1,30 @@
-"""Row digests: the one function the store checks every restored row with.
+"""Row digests for the store: :mod:`kvxfer.integrity`'s row digest, over rows as the slab holds them.
 
-STORE-DIGEST: a stand-in, kept behind :func:`row_digests` alone so that the lead can switch
-it to the shared row digest (issue 23) at merge. The journal records only its 64-bit output,
-and :data:`DIGEST_NAME` is part of the slab's fingerprint and header, so a slab written with
-another digest is never misread: it is another slab.
+One implementation: a stored row's digest is exactly what ``kvxfer.integrity.compute(spec,
+blocks, rows=True)`` gives for the same logical block of any cache that pairs with the slab
+(xxh3-64 of each member page, folded into one value per row), because the slab is described
+to it as a host cache whose memory is the slab's read-only map. A source that already
+computed its digests (a verified transfer) and the store therefore agree.
 
-The stand-in is XXH3-64 of each row's bytes (``xxhash``, about 15 GB/s a core here, twice
-numpy's best weighted sum), one call per row: rows are contiguous in the slab, so there is no
-Python code per descriptor. It guards against accidents (torn, stale, flipped or truncated
-rows), not against an adversary who can write the slab (which is 0600 and locked).
+:data:`DIGEST_NAME` is written in the slab's header and the journal's header record: a slab
+or journal written with another digest is reused, its entries dropped (misses, never errors).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ..errors import MissingDependencyError
+from ..integrity import compute
+from ..layout import KVCacheSpec
 
 __all__ = ["row_digests", "DIGEST_NAME"]
 
-DIGEST_NAME = "xxh3-64"
-_xxh3: Any = None
+DIGEST_NAME = "integrity-xxh3-rows"
 
 
-def _hasher() -> Any:
-    global _xxh3
-    if _xxh3 is None:
-        try:
-            import xxhash
-        except ImportError:
-            raise MissingDependencyError("the KV store digests rows with xxhash: pip install 'xxhash>=3.4'") from None
-        _xxh3 = xxhash.xxh3_64_intdigest
-    return _xxh3
-
-
-def row_digests(rows: np.ndarray) -> np.ndarray:
-    """One ``uint64`` digest per row of an ``(n, row_len)`` ``uint8`` array (rows may be a
-    strided view, e.g. slots of the mapped slab, as long as each row's bytes are contiguous)."""
-    if rows.ndim != 2 or rows.dtype != np.uint8:
-        raise ValueError("row_digests takes an (n, row_len) uint8 array")
-    if rows.shape[1] and rows.strides[1] != 1:
-        rows = np.ascontiguousarray(rows)
-    h = _hasher()
-    return np.fromiter((h(r) for r in rows), dtype=np.uint64, count=rows.shape[0])
+def row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
+    """One ``uint64`` digest per slot of ``mapped`` (the slab spec over its map), as
+    :func:`kvxfer.integrity.compute` defines row digests."""
+    if slots.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    return compute(mapped, slots, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)

@@ -100,15 +100,22 @@ def build_calls(addr: np.ndarray, off: np.ndarray, length: np.ndarray, *, base: 
     return Calls(iov, first, count, o[first], nbytes, n)
 
 
-def groups(c: Calls, base: int, stride: int) -> list[tuple[int, int, int, int]]:
+def groups(c: Calls, base: int, stride: int, unit: int | None = None) -> list[tuple[int, int, int, int]]:
     """Consecutive calls as ``(first call, end call, first slot, last slot)`` such that no
     slot's bytes are in two groups: a group can check or digest its rows on its own, right
-    before or after moving them (while they are warm in the CPU caches)."""
+    before or after moving them (while they are warm in the CPU caches).
+
+    ``unit``: also keep calls of one ``unit``-byte cell of the file together (a backend's
+    file path posts a group at once, whatever its gaps: cells of about ``MAX_CALL``)."""
     if not len(c):
         return []
     lo = (c.offset - base) // stride
     hi = (c.offset + c.nbytes - 1 - base) // stride
-    cut = np.flatnonzero(lo[1:] > hi[:-1]) + 1  # a call starting on a fresh slot may start a group
+    fresh = lo[1:] > hi[:-1]  # a call starting on a fresh slot may start a group
+    if unit is not None:
+        cell = (c.offset - base) // unit
+        fresh &= cell[1:] != cell[:-1]
+    cut = np.flatnonzero(fresh) + 1
     a = np.concatenate([[0], cut]).tolist()
     b = np.concatenate([cut, [len(c)]]).tolist()
     return [(i, j, int(lo[i]), int(hi[j - 1])) for i, j in zip(a, b)]

@@ -2,7 +2,10 @@
 
 Record: ``<u32 payload length><u32 crc32 of payload><payload>``; payload byte 0 is the type:
 
-* ``H`` header: ``fingerprint`` (ASCII, 20 bytes) and ``slots`` (u64): which slab this indexes;
+* ``H`` header: ``fingerprint`` (ASCII, 20 bytes), ``slots`` (u64): which slab this indexes;
+  ``version`` (u16) and the digest's name (ASCII, 24 bytes): how its entries' digests were
+  computed. A journal of another version or digest (version 1 had neither field) is replayed
+  as empty: its entries become misses, never errors;
 * ``P`` put: ``generation`` (u64), ``slot`` (u64), ``digest`` (u64), ``key length`` (u16), key;
 * ``D`` drop: ``key length`` (u16), key.
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import StoreError
+from .digest import DIGEST_NAME
 
 __all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "replay", "rewrite", "Journal"]
 
@@ -29,6 +33,8 @@ _HEAD = struct.Struct("<II")
 _PUT = struct.Struct("<cQQQH")
 _DROP = struct.Struct("<cH")
 _MAX_PAYLOAD = _PUT.size + MAX_KEY
+VERSION = 2
+_H1, _H2 = 29, 29 + 2 + 24  # header payload lengths of versions 1 and 2
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ def _frame(payload: bytes) -> bytes:
 
 
 def _header(fingerprint: str, slots: int) -> bytes:
-    return _frame(b"H" + fingerprint.encode("ascii").ljust(20, b"\0")[:20] + struct.pack("<Q", slots))
+    return _frame(b"H" + fingerprint.encode("ascii").ljust(20, b"\0")[:20] + struct.pack("<QH", slots, VERSION)
+                  + DIGEST_NAME.encode("ascii").ljust(24, b"\0")[:24])
 
 
 def encode_put(key: bytes, generation: int, slot: int, digest: int) -> bytes:
@@ -74,12 +81,15 @@ def replay(data: bytes, fingerprint: str, slots: int) -> tuple[list[Record], int
             break
         kind = payload[:1]
         if first:
-            if kind != b"H" or len(payload) != 29:
+            if kind != b"H" or len(payload) < _H1:
                 raise StoreError("the index journal has no header; move it away")
             fp = payload[1:21].rstrip(b"\0").decode("ascii", "replace")
             (nslots,) = struct.unpack_from("<Q", payload, 21)
             if fp != fingerprint or nslots != slots:
                 raise StoreError(f"the index journal belongs to slab {fp} with {nslots} slots; move it away")
+            if len(payload) != _H2 or struct.unpack_from("<H", payload, _H1)[0] != VERSION \
+                    or payload[_H1 + 2:].rstrip(b"\0") != DIGEST_NAME.encode("ascii"):
+                return [], 0  # written by another version or digest: every entry a miss
             first = False
         elif kind == b"P" and len(payload) >= _PUT.size:
             _, gen, slot, digest, klen = _PUT.unpack_from(payload)

@@ -58,15 +58,15 @@ class Geometry:
 
     def describe(self) -> dict[str, Any]:
         return {"members": [m.to_dict() for m in self.members], "row_len": self.row_len, "stride": self.stride,
-                "block_tokens": self.block_tokens, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                "digest": DIGEST_NAME}
+                "block_tokens": self.block_tokens, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
 
 def geometry(layout: KVCacheSpec, model: str = "") -> Geometry:
     """Pack ``layout``'s members into one row and fingerprint the result.
 
     The fingerprint covers every member (name, size, offset, page format, role, head slice,
-    layer), block tokens, the TP slice, the digest in use and the caller's ``model`` string:
+    layer), block tokens, the TP slice and the caller's ``model`` string (not the digest: a
+    slab written with another digest is reused, its entries dropped):
     two caches that would pair byte for byte share a slab; any other pair gets its own.
     """
     if not isinstance(layout, KVCacheSpec):
@@ -86,16 +86,18 @@ def geometry(layout: KVCacheSpec, model: str = "") -> Geometry:
     return dataclasses.replace(g, fingerprint=hashlib.sha256(blob).hexdigest()[:20])
 
 
-def slab_spec(g: Geometry, slots: int) -> KVCacheSpec:
-    """The slab as a row-shaped spec: allocation address = file offset of slot 0."""
-    alloc = Allocation(HEADER, slots * g.stride, MemoryKind.DRAM, 0)
+def slab_spec(g: Geometry, slots: int, address: int = HEADER) -> KVCacheSpec:
+    """The slab as a row-shaped spec: allocation address = file offset of slot 0 (or, with
+    ``address``, where slot 0 is mapped)."""
+    alloc = Allocation(address, slots * g.stride, MemoryKind.DRAM, 0)
     region = Region(0, 0, slots, PackedLayout(g.stride, g.members))
     return KVCacheSpec((alloc,), (region,), layout=g.label, block_tokens=g.block_tokens, tp_rank=g.tp_rank,
                        tp_size=g.tp_size)
 
 
 def _header(g: Geometry, slots: int) -> bytes:
-    body = json.dumps({"fingerprint": g.fingerprint, "slots": slots, **g.describe()}, sort_keys=True).encode()
+    body = json.dumps({"fingerprint": g.fingerprint, "slots": slots, "digest": DIGEST_NAME, **g.describe()},
+                      sort_keys=True).encode()
     head = _MAGIC + struct.pack("<II", _VERSION, len(body))
     if len(head) + len(body) > HEADER:
         # Very wide layouts: the header keeps the fingerprint only; the name already binds it.
@@ -148,6 +150,8 @@ class Slab:
             raise
         self._u8 = np.frombuffer(self.map, dtype=np.uint8, count=slots * g.stride, offset=HEADER)
         self.rows = self._u8.reshape(slots, g.stride)  # slot s is rows[s, :row_len]
+        # The slab as a host cache over the map (what row digests are computed on).
+        self.mapped = slab_spec(g, slots, self._u8.ctypes.data)
 
     def _create(self) -> int:
         tmp = f"{self.path}.tmp-{os.getpid()}"
@@ -177,13 +181,16 @@ class Slab:
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             d = _read_header(fd)
-            if d.get("fingerprint") != self.g.fingerprint or d.get("digest") != DIGEST_NAME:
-                raise StoreError(f"{self.path} was written for another layout or digest; move it away")
+            if d.get("fingerprint") != self.g.fingerprint:
+                raise StoreError(f"{self.path} was written for another layout; move it away")
             if d.get("slots") != self.slots or d.get("stride") != self.g.stride:
                 raise StoreError(f"{self.path} has {d.get('slots')} slots of {d.get('stride')} bytes; open it "
                                  f"with capacity={d.get('slots', 0) * d.get('stride', 0)} or move it away")
             if os.fstat(fd).st_size < self.size:
                 raise StoreError(f"{self.path} is shorter than its {self.size} bytes (truncated); move it away")
+            if d.get("digest") != DIGEST_NAME:  # rows of another digest: the journal drops them too
+                os.pwrite(fd, _header(self.g, self.slots), 0)
+                os.fsync(fd)
             return fd
         except BaseException:
             os.close(fd)

@@ -28,9 +28,11 @@ from ..planner import TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
-from .fileio import ENGINE, Calls, Job, build_calls, groups, run_calls
+from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
 from .index import Entry, Index
 from .journal import MAX_KEY, Journal, encode_drop, encode_put
+from .paths import Files, Mover, posix_mover
+from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
 
 __all__ = ["Store"]
@@ -68,6 +70,8 @@ class Store:
 
     #: Journal bytes appended before a compaction is considered (see :meth:`_append`).
     COMPACT_BYTES = 4 << 20
+    #: Test hook: host caches go through the staged path too (how the CPU suite covers it).
+    _stage_host = False
 
     def __init__(self, path: str | os.PathLike[str], *, capacity: int, layout: KVCacheSpec, model: str = "",
                  durable: bool = False, threads: int = 4, timeout: float = 30.0) -> None:
@@ -92,6 +96,9 @@ class Store:
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="kvxfer-store")
         self._jobs = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-store-job")
         self._pairings: dict[int, Pairing] = {}
+        self._files = Files(self._slab.fd, self._slab.size)  # the slab's registrations with file paths
+        self._posix = posix_mover(self._slab.fd)
+        self._stages: dict[tuple[MemoryKind, int, int], Stage] = {}
         self._closed = False
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
                               f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
@@ -160,7 +167,7 @@ class Store:
         ks = _keys(keys)
         if len(set(ks)) != len(ks):
             raise DuplicateBlockIdError("a key appears twice in one offload; each key names one row")
-        spec = self._check_local(spec)
+        spec, mover = self._check_local(spec)
         with self._lock:
             slots, evicted = self._index.reserve(len(ks))
             self._append(b"".join(encode_drop(k) for k in evicted))
@@ -169,14 +176,14 @@ class Store:
                                   evicted=len(evicted))
         try:
             p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
-            calls = self._calls(p)
+            calls = self._calls(p, mover)
         except BaseException:
             with self._lock:
                 self._index.unreserve(slots)
             raise
 
         def body(job: Job) -> None:
-            digests = self._run(job, calls, slots, None)
+            digests = self._run(job, calls, slots, None, mover)
             if self.durable:
                 os.fdatasync(self._slab.fd)
             self._stage("written")
@@ -192,7 +199,7 @@ class Store:
                 with self._lock:
                     self._index.unreserve(slots)
 
-        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, "pwritev", spec)
+        return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, mover, spec)
 
     def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
                 timeout: float | None = None) -> Transfer:
@@ -209,7 +216,7 @@ class Store:
         t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
                                           else getattr(spec, "timeout", None))
         ks = _keys(keys)
-        spec = self._check_local(spec)
+        spec, mover = self._check_local(spec)
         with self._lock:
             entries = self._index.lookup(ks, touch=True)
             missing = [k for k, e in zip(ks, entries) if e is None]
@@ -221,7 +228,7 @@ class Store:
             slots = np.fromiter((e.slot for e in got), dtype=np.int64, count=len(got))
             want = np.fromiter((e.digest for e in got), dtype=np.uint64, count=len(got))
             p = plan(spec, self.spec, local_blocks, slots, Op.READ, coalesce=True, pairing=self._pairing(spec))
-            calls = self._calls(p)
+            calls = self._calls(p, mover)
         except BaseException:
             with self._lock:
                 self._index.unpin(got)
@@ -229,7 +236,7 @@ class Store:
 
         def body(job: Job) -> None:
             try:
-                self._run(job, calls, slots, want)
+                self._run(job, calls, slots, want, mover)
             except _Damaged as exc:
                 lost = [got[i].key for i in np.flatnonzero(np.isin(slots, exc.slots)).tolist()]
                 with self._lock:
@@ -245,7 +252,7 @@ class Store:
             with self._lock:
                 self._index.unpin(got)
 
-        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, "preadv", spec)
+        return self._transfer(p, calls, body, cleanup, Op.READ, t0, deadline, limit, mover, spec)
 
     # -- internals --------------------------------------------------------------------------
     def _begin(self, timeout: float | None) -> tuple[float, float, float]:
@@ -254,18 +261,51 @@ class Store:
         limit = self.timeout if timeout is None else check_timeout(timeout)
         return time.perf_counter(), time.monotonic() + limit, limit
 
-    def _check_local(self, spec: Any) -> KVCacheSpec:
-        """The local spec: a :class:`KVCacheSpec`, or an agent's registered one."""
+    def _check_local(self, spec: Any) -> tuple[KVCacheSpec, Mover]:
+        """The local spec (a :class:`KVCacheSpec`, or an agent's registered one) and the data
+        path for it: the agent's backend's file path when it has one for the memory kind
+        (:mod:`.paths`), else the store's own ``preadv``/``pwritev``."""
+        fp = None
         if not isinstance(spec, KVCacheSpec):
             agent = spec
             agent._check_open()
             spec = agent.spec
             if spec is None:
                 raise SpecError("register a KV cache before offloading or restoring")
-        if any(a.kind is not MemoryKind.DRAM for a in spec.allocations):
-            raise UnsupportedError("the store's loopback path moves host (DRAM) memory only; stage VRAM through "
-                                   "host memory (see docs/storage.md)")
-        return spec
+            fp = agent.backend.file_path()
+        kinds = {(a.kind, a.device if a.kind is MemoryKind.VRAM else 0) for a in spec.allocations}
+        if len(kinds) != 1:
+            raise UnsupportedError("the store moves a cache of one memory kind on one device at a time")
+        ((kind, device),) = kinds
+        with self._lock:
+            mover = self._files.mover(fp, kind)
+            if mover is None and (kind is MemoryKind.VRAM or self._stage_host):
+                mover = self._staged(kind, device)  # VRAM (no GDS): through the pinned host stage
+            elif mover is not None and len(spec.regions) > 1:
+                mover = self._staged(kind, device, fp) or mover  # pages gathered: one I/O per row run
+        return spec, mover or self._posix
+
+    def _staged(self, kind: MemoryKind, device: int, fp: Any = None) -> Mover | None:
+        """The staged path for ``kind`` (under the lock), into ``pwritev`` or the file path
+        ``fp``: created once, freed at close; None when ``fp`` takes no stage memory."""
+        key = (kind, device, id(fp))
+        st = self._stages.get(key)
+        if st is None:
+            copies = DeviceCopies(device) if kind is MemoryKind.VRAM else HostCopies()
+            stride = self.geometry.stride
+            unit = max(1, MAX_CALL // stride) * stride
+            if fp is None:
+                fd = self._slab.fd
+                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled: run_calls(fd, w, c, cancelled),
+                           f"staged-{copies.name}")
+            else:
+                try:
+                    st = Stage(copies, unit, HEADER, stride, self._files.io(fp, kind), f"{fp.name}+stage",
+                               register=(fp.register, fp.deregister))
+                except UnsupportedError:
+                    return None
+            self._stages[key] = st
+        return st.mover()
 
     def _pairing(self, spec: KVCacheSpec) -> Pairing:
         with self._lock:
@@ -277,7 +317,7 @@ class Store:
                 self._pairings[id(spec)] = hit
         return hit
 
-    def _calls(self, p: TransferPlan) -> Calls:
+    def _calls(self, p: TransferPlan, mover: Mover) -> Calls:
         loc, rem = [], []
         for leg in p.legs:
             la, ra = p.explicit(leg)
@@ -288,9 +328,11 @@ class Store:
         if off.size and (int(off.min()) < HEADER or int((off + ra[:, 1].astype(np.int64)).max()) > self._slab.size):
             raise StoreError("a planned descriptor leaves the slab")  # the planner's bounds make this unreachable
         g = self.geometry
-        return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride, row_len=g.row_len)
+        # Bridging the padding after a row needs a scratch iovec: only the store's own path can.
+        return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride,
+                           row_len=g.row_len if mover.bridges else g.stride)
 
-    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None) -> np.ndarray:
+    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover) -> np.ndarray:
         """Move the calls group by group on the worker threads (:func:`~.fileio.groups`): a
         restore (``want``: the digests on record) checks a group's rows right before copying
         them, an offload digests its rows right after writing them; returns the digests."""
@@ -299,7 +341,7 @@ class Store:
         write = want is None
         uniq, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
         dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
-        fd, bad = self._slab.fd, []
+        bad: list[np.ndarray] = []
         cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
         hook = (lambda k: self._stage("call")) if self._fault is not None else None
 
@@ -312,11 +354,11 @@ class Store:
                     bad.append(wrong)
                     return
                 self._stage("verified")
-            run_calls(fd, write, part, cancelled, hook)
+            mover(write, part, cancelled, hook)
             if write:
                 dig[i:j] = self._digest_slots(uniq[i:j])
 
-        todo = groups(calls, HEADER, self.geometry.stride)
+        todo = self._groups(calls, mover)
         if len(todo) == 1:
             one(*todo[0])
         else:
@@ -331,12 +373,15 @@ class Store:
             raise _Damaged(np.concatenate(bad))
         return dig[inverse]
 
+    def _groups(self, calls: Calls, mover: Mover) -> list[tuple[int, int, int, int]]:
+        """Groups of whole rows, one task each: runs of calls for the store's own path, cells of
+        about :data:`~.fileio.MAX_CALL` bytes for a file path (one post each, gaps and all)."""
+        stride = self.geometry.stride
+        return groups(calls, HEADER, stride, None if mover.bridges else max(1, MAX_CALL // stride) * stride)
+
     def _digest_slots(self, sorted_slots: np.ndarray) -> np.ndarray:
-        """Digests of these rows as the slab holds them (one call per run of slots)."""
-        rows, rl = self._slab.rows, self.geometry.row_len
-        cut = (np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist()
-        parts = [row_digests(rows[int(r[0]):int(r[-1]) + 1, :rl]) for r in np.split(sorted_slots, cut) if r.size]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+        """Digests of these rows as the slab holds them (:mod:`.digest`: kvxfer.integrity's row digest)."""
+        return row_digests(self._slab.mapped, sorted_slots)
 
     def _append(self, records: bytes) -> None:
         """Journal records (under the lock); compact once the journal is mostly dead records,
@@ -355,8 +400,12 @@ class Store:
 
     def _transfer(self, p: TransferPlan, calls: Calls, body: Callable[[Job], None],
                   cleanup: Callable[[Job, BaseException | None], None], op: Op, t0: float, deadline: float,
-                  limit: float, path: str, spec: KVCacheSpec) -> Transfer:
-        stats = TransferStats(calls.descriptors, p.nbytes, len(calls), time.perf_counter() - t0, path=path,
+                  limit: float, mover: Mover, spec: KVCacheSpec) -> Transfer:
+        path = mover.label(op is Op.WRITE)
+        posts = len(calls) if mover.bridges else len(self._groups(calls, mover))
+        descs = calls.descriptors if mover.bridges else int(calls.iov.shape[0])
+        ios = len(calls) if mover.per_run else descs  # NIXL POSIX: one I/O per descriptor
+        stats = TransferStats(descs, p.nbytes, posts, time.perf_counter() - t0, path=path, telemetry=[{"ios": ios}],
                               backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
         started = time.perf_counter()
         job = Job(self._jobs, body, cleanup, path, keep=spec)  # the spec keeps the local memory alive
@@ -372,6 +421,9 @@ class Store:
         with self._lock:
             self._journal.close()
             journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
+            self._files.close()
+            for st in self._stages.values():
+                st.close()
             self._slab.close()
         lifecycle.store_event("store_close", self.path, f"closed with {len(self._index)} row(s)",
                               entries=len(self._index))

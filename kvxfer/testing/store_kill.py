@@ -1,6 +1,6 @@
 """SIGKILL a process that offloads to a :class:`kvxfer.Store` at random moments, then check.
 
-    python -m kvxfer.testing.store_kill --count 50 --seed 1 [--dir /tmp]
+    python -m kvxfer.testing.store_kill --count 50 --seed 1 [--dir /tmp] [--path pwritev|nixl|staged]
 
 Each round starts a child that opens the store (the slab survives from round to round) and
 offloads batches of random blocks of a per-layer cache under keys naming the block, printing
@@ -8,7 +8,9 @@ each batch once its transfer is DONE; the parent kills it after a random delay. 
 then reopens the store and checks, against numpy over the logical array (never the store's
 arithmetic): every entry present restores byte-exact into a sentinel-filled cache (no torn
 entry is ever served, nor published: a digest failure is counted as ``torn_published``), and
-the last batch reported DONE is present. Prints one JSON line.
+the last batch reported DONE is present. ``--path`` is the data path the child offloads
+through: the store's ``pwritev`` (a spec), NIXL POSIX (an agent of the ``nixl`` backend) or
+the staged path (host memory through the stage, as for VRAM). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -45,19 +47,27 @@ def _store(path: str, spec: Any) -> Any:
     return kvxfer.Store(path, capacity=SLOTS * LAYERS * 2 * PAGE, layout=spec)
 
 
-def _child(path: str, seed: int) -> None:
+def _child(path: str, seed: int, via: str = "pwritev") -> None:
     import kvxfer
 
     arrs, _ = _cache(True)
     spec = kvxfer.spec_from_arrays(arrs, dims="BX")
     st = _store(path, spec)
+    who: Any = spec
+    if via == "nixl":
+        who = kvxfer.Agent("store-kill", backend="nixl")
+        who.register(spec)
+    elif via == "staged":
+        kvxfer.Store._stage_host = True
     rng = random.Random(seed)
     print("READY", flush=True)
     r, prev = 0, []
     while True:
         blocks = rng.sample(range(BLOCKS), BATCH)
         keys = [f"{seed}:{r}:{b}".encode() for b in blocks]
-        st.offload(spec, blocks, keys).wait()
+        t = st.offload(who, blocks, keys).wait()
+        if r == 0:
+            print("PATH " + str(t.stats.path), flush=True)
         print("DONE " + " ".join(k.decode() for k in keys), flush=True)
         if r % 5 == 4:  # some drops too (never of the batch just reported)
             st.discard(prev[:2])
@@ -90,13 +100,15 @@ def _check(path: str, last: list[bytes]) -> dict[str, int]:
     return {"present": len(entries), "wrong": wrong, "torn_published": torn, "missing_last_done": missing_last}
 
 
-def campaign(directory: str, count: int, seed: int) -> dict[str, Any]:
-    """``count`` kills; returns totals (``wrong`` and ``missing_last_done`` must be 0)."""
+def campaign(directory: str, count: int, seed: int, path: str = "pwritev") -> dict[str, Any]:
+    """``count`` kills; returns totals (``wrong`` and ``missing_last_done`` must be 0) and the
+    data paths the children reported."""
     rng = random.Random(seed)
-    out = {"kills": 0, "present": 0, "wrong": 0, "torn_published": 0, "missing_last_done": 0, "batches_done": 0}
+    out: dict[str, Any] = {"kills": 0, "present": 0, "wrong": 0, "torn_published": 0, "missing_last_done": 0,
+                           "batches_done": 0, "paths": []}
     for i in range(count):
         proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.store_kill", "--child", directory,
-                                 "--seed", str(seed * 1000 + i)], stdout=subprocess.PIPE, text=True)
+                                 "--seed", str(seed * 1000 + i), "--path", path], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "READY":
             raise RuntimeError(f"child did not start (rc={proc.wait()})")
@@ -108,6 +120,7 @@ def campaign(directory: str, count: int, seed: int) -> dict[str, Any]:
         if lines and not rest.endswith("\n"):
             lines = lines[:-1]  # the kill cut the last line short: a batch counts once its line is whole
         whole = [ln.split()[1:] for ln in lines if ln.startswith("DONE ")]
+        out["paths"] = sorted(set(out["paths"]) | {ln.split()[1] for ln in lines if ln.startswith("PATH ")})
         last = [k.encode() for k in whole[-1]] if whole else []
         res = _check(directory, last)
         out["kills"] += 1
@@ -122,13 +135,14 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--path", choices=("pwritev", "nixl", "staged"), default="pwritev")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.seed)
+        _child(args.child, args.seed, args.path)
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        print(json.dumps(campaign(os.path.join(d, "store"), args.count, args.seed)))
+        print(json.dumps(campaign(os.path.join(d, "store"), args.count, args.seed, args.path)))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from kvxfer.spans import SpanIndex
 
 from . import _blob, _identity, _probe
 from ._device import DeviceCopies
+from ._files import Files
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
 from ._parking import Parking
@@ -48,7 +49,7 @@ _LOCAL_AGENT = "NIXL_INIT_AGENT"
 _COLLECT_EVERY = 1e-3
 
 
-class NixlBackend(Notifications, Backend):
+class NixlBackend(Notifications, Files, Backend):
     """kvxfer backend over NIXL (UCX by default): DRAM and VRAM, READ and WRITE, notifications.
 
     Options (``kvxfer.Agent(name, backend="nixl", **options)``):
