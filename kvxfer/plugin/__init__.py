@@ -29,12 +29,15 @@ The factory string is imported only when an agent first uses the backend, so lis
 backends never loads a transport library, and a missing dependency is reported with the
 ``install`` command. Shared building blocks for data paths live in the core:
 :mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
-(notification delivery when nobody polls).
+(notification delivery when nobody polls). A backend with more than one way of moving bytes
+keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`); the core's same-host GPU
+path, :class:`kvxfer.cuda.DevicePath`, is such a row.
 """
 
 from __future__ import annotations
 
 from .backend import Backend, Capabilities
+from .datapath import DataPath, choose
 from .hookspecs import RegisterBackend, hookimpl, hookspec
 
-__all__ = ["Backend", "Capabilities", "RegisterBackend", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "DataPath", "RegisterBackend", "choose", "hookimpl", "hookspec"]

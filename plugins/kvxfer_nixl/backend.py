@@ -2,9 +2,9 @@
 
 This class owns the NIXL agent's lifetime, registrations, peers (loading and unloading their
 metadata), notifications and the choice of data path for each post. The bytes move in the
-data paths: :mod:`kvxfer_nixl._xfer` (NIXL prepared lists) and :mod:`kvxfer_nixl._device`
-(the core's device path, :mod:`kvxfer.cuda`, for VRAM between agents of one host). Why it
-is built this way is in ``plugins/kvxfer_nixl/README.md``.
+data paths, rows of :class:`kvxfer.plugin.DataPath`: :mod:`kvxfer_nixl._xfer` (NIXL prepared
+lists) and the core's device path (:class:`kvxfer.cuda.DevicePath`, VRAM between agents of one
+host). Why it is built this way is in ``plugins/kvxfer_nixl/README.md``.
 
 This module imports ``nixl``; :mod:`kvxfer_nixl` itself does not, so listing backends on a
 machine without NIXL stays cheap and says how to install it.
@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -25,15 +25,15 @@ from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind
 from kvxfer.cuda import DevicePath
 from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegistrationError, StalePeerError,
                            TransferCancelledError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
 from . import _blob, _identity, _probe
-from ._device import DeviceCopies
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
 from ._parking import Parking
-from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances
+from ._records import Flush, Prepared, Registration, Remote, Xfer, extents, instances
 from ._xfer import NixlPath, as_int32
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
@@ -89,7 +89,7 @@ class NixlBackend(Notifications, Backend):
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
                  prove_timeout: float = 30.0) -> None:
         super().__init__(agent_name)
-        # The core device path (its state; DeviceCopies below is its entry in the table of paths).
+        # The core device path: its state, and a row of the table of data paths below.
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
@@ -140,11 +140,8 @@ class NixlBackend(Notifications, Backend):
         self._collected = 0.0  # when notifications were last read
         self._request_descriptors = max(1, int(request_descriptors))
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
-        # Data paths, most specific first: post() takes the first whose test accepts the pair.
-        self._paths: list[tuple[Callable[[Prepared, Prepared], bool], Path]] = [
-            (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._path)),
-            (lambda lp, rp: lp.nixl is not None and rp.nixl is not None, self._nixl_path),
-        ]
+        # Data paths, most specific first: post() takes the first that serves the pair.
+        self._paths: tuple[DataPath, ...] = (self._path, self._nixl_path)
         self._flush = Flush()
         self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
         self._closed = False
@@ -371,11 +368,7 @@ class NixlBackend(Notifications, Backend):
         li, ri = as_int32(local_idx), as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        for serves, path in self._paths:
-            if serves(local, remote):
-                break
-        else:
-            raise BackendError("descriptor list was released or is empty")
+        path = choose(self._paths, local, remote)
         x = Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
         if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
             x.pumped = True
