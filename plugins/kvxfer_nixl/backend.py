@@ -23,8 +23,8 @@ import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.cuda import DevicePath
-from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegistrationError, StalePeerError,
-                           TransferCancelledError, UnknownPeerError, UnsupportedError)
+from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
+                           StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
 from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
@@ -210,7 +210,7 @@ class NixlBackend(Notifications, Backend):
                 raise map_error(exc, "reading local NIXL metadata") from exc
         return _blob.encode(peers.here(), self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
 
         Only :class:`~kvxfer.errors.KvxferError` leaves this method, and a failure leaves the
@@ -265,7 +265,6 @@ class NixlBackend(Notifications, Backend):
         for gone in {a for a in (old.nixl if old is not None else None, parked) if a is not None and a != alias}:
             with contextlib.suppress(KvxferError):  # the old incarnation is gone either way
                 self._unload(peer_name, gone)
-        return peer_name
 
     def _reusable(self, peer: str, blob: bytes) -> str | None:
         """The NIXL alias already holding exactly these bytes for ``peer`` (:mod:`._parking`)."""
@@ -490,4 +489,4 @@ class NixlBackend(Notifications, Backend):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise BackendError(f"NIXL backend of {self.agent_name!r} is closed")
+            raise BackendClosedError(f"NIXL backend of {self.agent_name!r} is closed")

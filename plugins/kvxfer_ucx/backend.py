@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import (AgentClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
+from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
 from kvxfer.plugin import DataPath, choose
@@ -166,10 +166,10 @@ class UcxBackend(Backend):
             self._check_open()
             return encode_blob(self.agent_name, self._w.version, self._w.address, self._mem.advertised(), self._host)
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         """Connect to a peer; on any failure nothing changes (a known peer keeps its connection)."""
         try:
-            return self._add_remote(peer_name, blob)
+            self._add_remote(peer_name, blob)
         except KvxferError:
             raise
         except Exception as exc:  # the seam's contract: only typed errors leave add_remote
@@ -179,7 +179,7 @@ class UcxBackend(Backend):
         """Whether a new blob is loaded in a helper first (``prove_metadata``, and who signed it)."""
         return self._prover is not None and (self._prove_all or not self.peers_authenticated)
 
-    def _add_remote(self, peer_name: str, blob: bytes) -> str:
+    def _add_remote(self, peer_name: str, blob: bytes) -> None:
         b = parse_blob(blob)
         if b.agent != peer_name:
             raise MetadataError(f"ucx metadata names agent {b.agent!r}, expected {peer_name!r}")
@@ -224,7 +224,6 @@ class UcxBackend(Backend):
             self._by_ep[ep] = peer
             if old is not None:
                 self._drop_peer(old)
-        return peer_name
 
     def peer_path(self, peer: str) -> tuple[str, str]:
         """``("same-host-copy" | "ucx-rma", reason)`` for a connected peer."""
@@ -441,7 +440,7 @@ class UcxBackend(Backend):
     # -- teardown -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise AgentClosedError("ucx backend is closed")
+            raise BackendClosedError("ucx backend is closed")
 
     def close(self) -> None:
         self._pump.stop()  # outside the lock: its thread may be waiting for it

@@ -97,7 +97,7 @@ class TinyCopy(Backend):
     def local_metadata(self) -> bytes:
         return self._token + self._device.blob()
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         other = _LIVE.get(bytes(blob[:_TOKEN]))
         if other is None:
             raise PeerDisconnectedError(f"{peer_name} is not alive in this process")
@@ -108,7 +108,6 @@ class TinyCopy(Backend):
         except Exception as exc:  # only typed errors leave add_remote
             raise MetadataError(f"bad device export from {peer_name!r}: {exc!r}") from exc
         self._peers[peer_name] = other
-        return peer_name
 
     def remove_remote(self, peer: str) -> None:
         self._peers.pop(peer, None)
