@@ -26,7 +26,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 UCX_ARGS = ["--json", "--modes", "ucx,ucx-rma,agent-ucx,agent-ucx-rma,nixl-raw,agent-nixl", "--rows", "100",
-            "--iters", "7"]
+            "--iters", "11"]
 NIXL_ARGS = ["--memory", "DRAM", "--blocks", "128", "--iters", "7", "--small-iters", "50", "--write"]
 
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--b", type=Path, required=True, help="tree B (after)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None, help="also write every sample here")
+    ap.add_argument("--benches", default="ucx,nixl", help="which of bench_ucx and bench_nixl to run")
     a = ap.parse_args()
     trees = {"A": a.a.resolve(), "B": a.b.resolve()}
     for k, t in trees.items():
@@ -71,18 +72,18 @@ def main() -> None:
     cpu: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in range(a.rounds):
         for k in ("AB" if r % 2 == 0 else "BA"):
-            for rec in _ucx(trees[k]):
-                if "gbps" in rec:
+            for rec in _ucx(trees[k]) if "ucx" in a.benches else []:
+                if "gbps" in rec:  # every counted iteration's GB/s; CPU time: the run's median
                     name = f"bench_ucx {rec['mode']}"
-                    gbps[(name, k)].append(rec["gbps"])
+                    gbps[(name, k)].extend(rec["samples_gbps"][1:])
                     cpu[(name, k)].append(rec["cpu_ms"])
-            for rec in _nixl(trees[k]):
+            for rec in _nixl(trees[k]) if "nixl" in a.benches else []:
                 name = f"bench_nixl {rec['who']} {rec['mode']} {rec['op']}"
                 nbytes = rec["bytes"]
                 gbps[(name, k)].extend(nbytes / s / 1e9 for s in rec["samples_s"])
                 cpu[(name, k)].extend(1e3 * c for c in rec["cpu_s"])
             print(f"round {r + 1} {k} done", flush=True)
-    print("| benchmark | samples A / B | median GB/s A / B | CPU ms per transfer A / B (B/A) |")
+    print("| benchmark | GB/s samples A / B | median GB/s A / B | CPU ms per transfer A / B (B/A) |")
     print("|---|---|---|---|")
     for name in sorted({n for n, _ in gbps}):
         ga, gb, ca, cb = gbps[(name, "A")], gbps[(name, "B")], cpu[(name, "A")], cpu[(name, "B")]
