@@ -75,7 +75,7 @@ def main() -> None:
             for rec in _ucx(trees[k]) if "ucx" in a.benches else []:
                 if "gbps" in rec:  # every counted iteration's GB/s; CPU time: the run's median
                     name = f"bench_ucx {rec['mode']}"
-                    gbps[(name, k)].extend(rec["samples_gbps"][1:])
+                    gbps[(name, k)].extend(rec["samples_gbps"])  # warm-up already left out
                     cpu[(name, k)].append(rec["cpu_ms"])
             for rec in _nixl(trees[k]) if "nixl" in a.benches else []:
                 name = f"bench_nixl {rec['who']} {rec['mode']} {rec['op']}"
