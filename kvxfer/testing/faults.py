@@ -18,11 +18,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .. import Backend, DescriptorList, Op, hookimpl
+from .. import Backend, DescriptorList, Op
+from ..plugin import RegisterBackend, hookimpl
 from ..errors import PeerDisconnectedError
 from ..memory import Allocation, MemoryKind
 from ..plugin.registry import get_backend_class, plugin_manager, reset_plugins
@@ -283,7 +284,7 @@ class CorruptingBackend(FaultyBackend):
 
 class _Plugin:
     @hookimpl
-    def kvxfer_register_backends(self, register: Callable[..., None]) -> None:
+    def kvxfer_register_backends(self, register: RegisterBackend) -> None:
         register("faulty", FaultyBackend, summary="fault injection around another backend (tests only)")
         register("corrupting", CorruptingBackend, summary="damages delivered READs (integrity tests only)")
 

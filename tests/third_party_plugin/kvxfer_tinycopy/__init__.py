@@ -17,11 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-import kvxfer
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import DevicePath, Spans
 from kvxfer.errors import KvxferError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
-from kvxfer.plugin import DataPath, RegisterBackend, choose
+from kvxfer.plugin import DataPath, RegisterBackend, choose, hookimpl
 from kvxfer.progress import Pump
 
 _LIVE: dict[bytes, "TinyCopy"] = {}
@@ -159,6 +158,6 @@ class TinyCopy(Backend):
         _LIVE.pop(self._token, None)
 
 
-@kvxfer.hookimpl
+@hookimpl
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("tinycopy", TinyCopy, summary="third-party example: same-process memmove")
