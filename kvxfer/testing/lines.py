@@ -31,22 +31,30 @@ def say(out: IO[str], doc: Reply) -> None:
 
 
 def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[str] | None = None,
-          stdin: IO[str] | None = None, poll_s: float = 0.001) -> int:
+          stdin: IO[str] | None = None, poll_s: float = 0.001, on_exit: Callable[[], Reply] | None = None) -> int:
     """Answer commands until ``exit`` (or a reply holding ``"exit"``) or end of input; returns 0.
 
-    ``idle`` runs whenever no command waited for ``poll_s`` seconds (progress the agent there).
+    ``idle`` runs whenever no command waited for ``poll_s`` seconds (progress the agent there);
+    ``on_exit``, if given, answers the ``exit`` command (after closing what it must).
     """
     out = sys.stdout if out is None else out
-    stdin = sys.stdin if stdin is None else stdin
+    fd = (sys.stdin if stdin is None else stdin).fileno()
+    buf = b""  # read from the fd itself, so two commands in one read are both answered
     while True:
-        if not select.select([stdin], [], [], poll_s)[0]:
-            idle()
+        if b"\n" not in buf:
+            if not select.select([fd], [], [], poll_s)[0]:
+                idle()
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return 0
+            buf += chunk
             continue
-        line = stdin.readline()
-        if not line:
-            return 0
+        line, buf = buf.split(b"\n", 1)
         cmd: Reply = json.loads(line)
         if cmd.get("cmd") == "exit":
+            if on_exit is not None:
+                say(out, on_exit())
             return 0
         try:
             reply = handle(cmd)
@@ -72,13 +80,20 @@ class Channel:
         self._in.write(data if self._text else data.encode())  # type: ignore[arg-type]
         self._in.flush()
 
-    def read(self, timeout: float) -> Reply:
-        """The next reply; :class:`TimeoutError` if none came in time, :class:`EOFError` if the child exited."""
+    def read(self, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
+        """The next reply; :class:`TimeoutError` if none came in time, :class:`EOFError` if the child exited.
+
+        ``idle`` runs about every millisecond while waiting (a parent whose transport moves
+        only while it is progressed drives it there)."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+            if left <= 0:
                 raise TimeoutError(f"no reply within {timeout:g} s")
+            if not select.select([self._fd], [], [], left if idle is None else min(left, 0.001))[0]:
+                if idle is not None:
+                    idle()
+                continue
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
                 raise EOFError("the child exited")
@@ -86,6 +101,6 @@ class Channel:
         line, self._buf = self._buf.split(b"\n", 1)
         return dict(json.loads(line))
 
-    def ask(self, doc: Reply, timeout: float) -> Reply:
+    def ask(self, doc: Reply, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
         self.send(doc)
-        return self.read(timeout)
+        return self.read(timeout, idle)
