@@ -51,6 +51,31 @@ def _nixl(tree: Path) -> list[dict[str, Any]]:
         return json.loads(out.read_text())["runs"]  # type: ignore[no-any-return]
 
 
+#: The agent's own per-transfer work, without a transport to wait on: loopback reads, CPU time.
+AGENT_COST = """
+import json, statistics, time
+import kvxfer
+from kvxfer.testing.buffers import make_cache
+g = dict(num_layers=61, page=73728)
+src, dst = make_cache("packed", num_blocks=128, seed=1, **g), make_cache("packed", num_blocks=128, **g)
+with kvxfer.Agent("p", backend="loopback") as a, kvxfer.Agent("d", backend="loopback") as b:
+    a.register(src.views); b.register(dst.views); b.add_peer(a.metadata())
+    out = []
+    for name, blocks, n in (("1 block", [3], 300), ("128 blocks", list(range(128)), 30)):
+        ts = []
+        for _ in range(n):
+            c0 = time.process_time(); b.read("p", blocks, blocks).wait(); ts.append(time.process_time() - c0)
+        out.append({"mode": name, "cpu_ms": 1e3 * statistics.median(ts[5:])})
+    print(json.dumps(out))
+"""
+
+
+def _agent(tree: Path) -> list[dict[str, Any]]:
+    p = subprocess.run([sys.executable, "-c", AGENT_COST], env=_env(tree), capture_output=True, text=True, cwd="/",
+                       timeout=600)
+    return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []  # type: ignore[no-any-return]
+
+
 def _which(tree: Path) -> str:
     code = "import kvxfer, kvxfer_ucx, kvxfer_nixl; print(kvxfer.__file__, kvxfer_ucx.__file__, kvxfer_nixl.__file__)"
     return subprocess.run([sys.executable, "-c", code], env=_env(tree), capture_output=True, text=True,
@@ -63,7 +88,8 @@ def main() -> None:
     ap.add_argument("--b", type=Path, required=True, help="tree B (after)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None, help="also write every sample here")
-    ap.add_argument("--benches", default="ucx,nixl", help="which of bench_ucx and bench_nixl to run")
+    ap.add_argument("--benches", default="ucx,nixl", help="which of ucx, nixl (the bench scripts) and agent "
+                    "(loopback reads: the agent's own CPU time per transfer) to run")
     a = ap.parse_args()
     trees = {"A": a.a.resolve(), "B": a.b.resolve()}
     for k, t in trees.items():
@@ -77,6 +103,8 @@ def main() -> None:
                     name = f"bench_ucx {rec['mode']}"
                     gbps[(name, k)].extend(rec["samples_gbps"])  # warm-up already left out
                     cpu[(name, k)].append(rec["cpu_ms"])
+            for rec in _agent(trees[k]) if "agent" in a.benches else []:
+                cpu[(f"agent loopback {rec['mode']}", k)].append(rec["cpu_ms"])
             for rec in _nixl(trees[k]) if "nixl" in a.benches else []:
                 name = f"bench_nixl {rec['who']} {rec['mode']} {rec['op']}"
                 nbytes = rec["bytes"]
@@ -85,13 +113,13 @@ def main() -> None:
             print(f"round {r + 1} {k} done", flush=True)
     print("| benchmark | GB/s samples A / B | median GB/s A / B | CPU ms per transfer A / B (B/A) |")
     print("|---|---|---|---|")
-    for name in sorted({n for n, _ in gbps}):
+    for name in sorted({n for n, _ in cpu}):
         ga, gb, ca, cb = gbps[(name, "A")], gbps[(name, "B")], cpu[(name, "A")], cpu[(name, "B")]
-        if not ga or not gb:
+        if not ca or not cb:
             continue
         ma, mb = statistics.median(ca), statistics.median(cb)
-        print(f"| {name} | {len(ga)} / {len(gb)} | {statistics.median(ga):.2f} / {statistics.median(gb):.2f} | "
-              f"{ma:.1f} / {mb:.1f} ({mb / ma:.2f}×) |", flush=True)
+        bw = f"{statistics.median(ga):.2f} / {statistics.median(gb):.2f}" if ga and gb else "-"
+        print(f"| {name} | {len(ga)} / {len(gb)} | {bw} | {ma:.3f} / {mb:.3f} ({mb / ma:.2f}×) |", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"gbps": {f"{n}|{k}": v for (n, k), v in gbps.items()},
                                       "cpu_ms": {f"{n}|{k}": v for (n, k), v in cpu.items()}}))
