@@ -72,13 +72,17 @@ class PathJob:
         self.job, self.peer = job, peer
 
 
-class CopyPath:
-    """Same-host single copy; the peer's registration page is rechecked before and after."""
+class _Row:
+    """What both rows share: the backend they serve, and that the backend sends notifications."""
 
     sends_notification = False
 
     def __init__(self, backend: Owner) -> None:
         self._b = backend
+
+
+class CopyPath(_Row):
+    """Same-host single copy; the peer's registration page is rechecked before and after."""
 
     @staticmethod
     def serves(local: Prepared, remote: Prepared) -> bool:
@@ -113,13 +117,8 @@ class CopyPath:
         return COPY
 
 
-class RmaPath:
+class RmaPath(_Row):
     """UCX GET/PUT; cancelling settles what is in flight, or closes the connection."""
-
-    sends_notification = False
-
-    def __init__(self, backend: Owner) -> None:
-        self._b = backend
 
     @staticmethod
     def serves(local: Prepared, remote: Prepared) -> bool:
