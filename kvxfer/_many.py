@@ -60,5 +60,5 @@ def post_many(agent: Any, op: Op, local_blocks: Any, remote_blocks: Mapping[str,
     unread = [n for n in peers if n not in plans]
     if notify is not None:
         for n in unread:
-            agent.backend.notify(peers[n].key, bytes(notify))
+            agent.backend.notify(peers[n].name, bytes(notify))
     return TransferGroup(parts, unread, agent.timeout, started=t0)

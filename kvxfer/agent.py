@@ -18,7 +18,6 @@ from .deadlines import check_timeout, deadline_scope
 from .fdlimit import limit_error, raise_soft_limit
 from .errors import (
     AgentClosedError,
-    BackendError,
     InvalidArgumentError,
     KvxferError,
     MetadataError,
@@ -65,7 +64,6 @@ class Peer:
 
     name: str
     generation: int
-    key: str  # the backend's name for it
     spec: KVCacheSpec | None
     prepared: dict[Any, Any] = field(default_factory=dict)
     pairing: Pairing | Gather | None = None
@@ -237,17 +235,14 @@ class Agent:
             self._drop_peer(known)
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
         try:
-            key = self.backend.add_remote(md.name, md.blob)
+            self.backend.add_remote(md.name, md.blob)
         except BaseException as exc:
             self._forget_remote(md.name)  # whatever the backend half-built under that name
             ran_out = limit_error(f"adding peer {md.name!r}") if isinstance(exc, Exception) else None
             if ran_out is not None:  # the transport's own error would blame the peer
                 raise ran_out from exc
             raise
-        if not isinstance(key, str) or not key:
-            self._forget_remote(key if isinstance(key, str) and key else md.name)
-            raise BackendError(f"backend {self.backend_name!r} returned {key!r} as the key of peer {md.name!r}")
-        self._peers[md.name] = Peer(md.name, md.generation, key, md.spec, pairing=pairing, source=self._adding_source)
+        self._peers[md.name] = Peer(md.name, md.generation, md.spec, pairing=pairing, source=self._adding_source)
         lifecycle.peer_added(self, self._peers[md.name])
         return md.name
 
@@ -311,7 +306,7 @@ class Agent:
                 pass
         peer.prepared.clear()
         peer.pairing = None
-        self.backend.remove_remote(peer.key)
+        self.backend.remove_remote(peer.name)
 
     def _peer(self, name: str) -> Peer:
         peer = self._peers.get(name) if isinstance(name, str) else None
@@ -379,7 +374,7 @@ class Agent:
         chunks: list[Chunk] = []
         posts: list[_Post] = []
         try:
-            plan_chunks(self.backend, p, peer.key, self._local_prepared, peer.prepared, chunks)
+            plan_chunks(self.backend, p, peer.name, self._local_prepared, peer.prepared, chunks)
             stats = TransferStats(p.descriptors, p.nbytes, len(chunks), planned + time.perf_counter() - t0,
                                   backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
             single = len(chunks) == 1
@@ -404,7 +399,7 @@ class Agent:
         on_done = None
         if notify is not None and not single:
             # Several posts may complete in any order: notify only once all data is visible.
-            msg, key = bytes(notify), peer.key
+            msg, key = bytes(notify), peer.name
             on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
         t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
                      started=started, on_finish=self._finished, plan=p, verify=verify)
@@ -459,7 +454,7 @@ class Agent:
         self._check_open()
         if not isinstance(message, (bytes, bytearray)):
             raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
-        self.backend.notify(self._peer(peer).key, bytes(message))
+        self.backend.notify(self._peer(peer).name, bytes(message))
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, keyed by the sending agent's name."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "KvxferError",
+    "BackendClosedError",
     "BackendNameConflictError",
     "SpecError",
     "LayoutMismatchError",
@@ -204,6 +205,10 @@ class UnsupportedError(KvxferError):
 
 class AgentClosedError(KvxferError):
     """The agent was closed; create a new one."""
+
+
+class BackendClosedError(AgentClosedError, BackendError):
+    """A closed backend was called (every backend raises this one type; its agent is closed too)."""
 
 
 class HandshakeError(KvxferError):

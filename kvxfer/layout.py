@@ -340,6 +340,21 @@ class KVCacheSpec:
             self._cache[key] = bases
         return self._cache[key]
 
+    def allocation_starts(self, kind: MemoryKind) -> np.ndarray:
+        """Start addresses of this spec's allocations of one kind, sorted (computed once).
+
+        Two storages can sit back to back in memory; a run of descriptors must not cross
+        from one registered allocation into the next, or the merged descriptor spans two
+        registrations. Allocations of one kind and device never overlap, so two contiguous
+        descriptors lie in different allocations exactly when the second starts where an
+        allocation starts. Read on every coalesced transfer.
+        """
+        key = ("alloc_starts", kind)
+        if key not in self._cache:
+            self._cache[key] = np.array(sorted({a.address for a in self.allocations if a.kind is kind}),
+                                        dtype=np.uint64)
+        return self._cache[key]  # type: ignore[no-any-return]
+
     def descriptor_list(self, granularity: Granularity, kind: MemoryKind, *, strided: bool = False) -> DescriptorList:
         """The list a backend prepares once; plans index into it."""
         granularity, kind = Granularity(granularity), MemoryKind(kind)

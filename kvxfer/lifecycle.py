@@ -81,7 +81,7 @@ def _path(agent: Agent, peer: Peer) -> str | None:
     if not callable(ask):
         return None
     try:
-        where = ask(peer.key)
+        where = ask(peer.name)
     except Exception:  # a log line must never fail add_peer
         return None
     if isinstance(where, tuple):

@@ -12,16 +12,22 @@ import logging
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar
+from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
 from .deadlines import check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
 
-if TYPE_CHECKING:
-    from .owner import Owner
-
 __all__ = ["OwnedFuture", "OwnedTransfer"]
+
+
+class Owner(Protocol):
+    """What a handle asks of the :class:`~kvxfer.owner.Owner` it came from (a Protocol here,
+    so this module needs nothing from the one that imports it)."""
+
+    def _check_not_loop(self, what: str) -> None: ...
+
+    def _cancel(self, t: "OwnedTransfer") -> None: ...
 
 log = logging.getLogger("kvxfer.owner")
 T = TypeVar("T")

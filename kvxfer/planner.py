@@ -23,12 +23,14 @@ import numpy as np
 from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
                      LayoutMismatchError)
 from .layout import Granularity, KVCacheSpec
-from .memory import DescriptorList, MemoryKind, Op
+from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
+from .memory import DescriptorList, Op
 from .pairing import Group, Pairing, cached_pairing, pair
 from .reshard import Gather
 from .slicedlists import may_merge as _may_merge
 
-__all__ = ["plan", "plan_gather", "pair", "Pairing", "TransferPlan", "Leg", "as_block_ids", "check_unique"]
+__all__ = ["plan", "plan_gather", "pair", "Pairing", "TransferPlan", "Leg", "ExplicitLeg", "SlicedLeg", "SpecLeg",
+           "as_block_ids", "check_unique"]
 
 
 def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
@@ -101,59 +103,6 @@ def check_unique(blocks: np.ndarray, num_blocks: int, side: str) -> None:
                                 "each destination block takes exactly one source block")
 
 
-class Leg:
-    """One backend post: index arrays into one local and one remote prepared list.
-
-    A plan has one leg per ``(local kind, local granularity, remote kind, remote granularity)``
-    it touches; the common cases have exactly one. Descriptors are in block-major order
-    (block ``i``'s pieces, ``sizes``, then block ``i+1``'s) or, when ``member_major``, piece
-    by piece (every block of piece 0, then of piece 1), whichever lets more of them merge.
-    When the plan was coalesced the leg carries explicit descriptor lists instead
-    (``local_idx``/``remote_idx`` are ``None``).
-    """
-
-    __slots__ = ("local_granularity", "local_kind", "remote_granularity", "remote_kind", "local_idx",
-                 "remote_idx", "sizes", "blocks", "local_descs", "remote_descs", "descriptors", "nbytes",
-                 "member_major", "lists")
-
-    def __init__(self, local_granularity: Granularity, local_kind: MemoryKind, remote_granularity: Granularity,
-                 remote_kind: MemoryKind, local_idx: np.ndarray | None, remote_idx: np.ndarray | None,
-                 sizes: np.ndarray, blocks: int, local_descs: DescriptorList | None = None,
-                 remote_descs: DescriptorList | None = None, block_bytes: int | None = None,
-                 member_major: bool = False, lists: Any = None) -> None:
-        self.local_granularity = local_granularity
-        self.local_kind = local_kind
-        self.remote_granularity = remote_granularity
-        self.remote_kind = remote_kind
-        self.local_idx = local_idx
-        self.remote_idx = remote_idx
-        self.sizes = sizes
-        self.blocks = blocks
-        self.local_descs = local_descs
-        self.remote_descs = remote_descs
-        self.member_major = member_major
-        self.lists = lists  # lists of its own (a gather's sliced pages) instead of the specs' prepared ones
-        # Plain attributes, computed once: every transfer reads them.
-        self.descriptors: int = len(local_descs) if local_descs is not None else blocks * int(sizes.shape[0])
-        if local_descs is not None:
-            self.nbytes: int = local_descs.nbytes
-        else:
-            self.nbytes = blocks * (int(sizes.sum()) if block_bytes is None else block_bytes)
-
-    def __repr__(self) -> str:
-        return (f"Leg({self.local_kind.value}/{self.local_granularity.value} <-> "
-                f"{self.remote_kind.value}/{self.remote_granularity.value}, {self.descriptors} descriptors)")
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Bytes of every descriptor, in order."""
-        if self.local_descs is not None:
-            return self.local_descs.lengths.astype(np.int64)
-        if self.member_major:
-            return np.repeat(self.sizes, self.blocks)
-        return np.tile(self.sizes, self.blocks)
-
-
 class TransferPlan:
     """Paired descriptor indices for one request, plus what they cost.
 
@@ -185,16 +134,7 @@ class TransferPlan:
 
     def explicit(self, leg: Leg) -> tuple[DescriptorList, DescriptorList]:
         """``(local, remote)`` explicit ``N x 3`` lists for one leg."""
-        if leg.local_descs is not None and leg.remote_descs is not None:
-            return leg.local_descs, leg.remote_descs
-        assert leg.local_idx is not None and leg.remote_idx is not None
-        if leg.lists is not None:
-            la, ra = leg.lists.local().array[leg.local_idx], leg.lists.remote().array[leg.remote_idx]
-            return DescriptorList(la, leg.local_kind), DescriptorList(ra, leg.remote_kind)
-        # From the strided lists: the cost follows the request, not the specs' sizes.
-        local = self.local_spec.descriptor_list(leg.local_granularity, leg.local_kind, strided=True)
-        remote = self.remote_spec.descriptor_list(leg.remote_granularity, leg.remote_kind, strided=True)
-        return local.take(leg.local_idx), remote.take(leg.remote_idx)
+        return leg.explicit(self.local_spec, self.remote_spec)
 
     def local_descriptors(self) -> list[DescriptorList]:
         return [self.explicit(leg)[0] for leg in self.legs]
@@ -208,23 +148,9 @@ class TransferPlan:
         total = 0
         for leg in self.legs:
             la, ra = self.explicit(leg)
-            total += int(_run_starts(la.array, ra.array, _alloc_starts(self.local_spec, leg.local_kind),
-                                     _alloc_starts(self.remote_spec, leg.remote_kind)).sum())
+            total += int(_run_starts(la.array, ra.array, self.local_spec.allocation_starts(leg.local_kind),
+                                     self.remote_spec.allocation_starts(leg.remote_kind)).sum())
         return total
-
-
-def _alloc_starts(spec: KVCacheSpec, kind: MemoryKind) -> np.ndarray:
-    """Start addresses of the spec's allocations of one kind.
-
-    Two storages can sit back to back in memory; a run must not cross from one registered
-    allocation into the next, or the merged descriptor spans two registrations. Allocations
-    of one kind and device never overlap, so two contiguous descriptors lie in different
-    allocations exactly when the second starts where an allocation starts.
-    """
-    key = ("alloc_starts", kind)
-    if key not in spec._cache:  # read on every coalesced transfer: compute once per spec
-        spec._cache[key] = np.array(sorted({a.address for a in spec.allocations if a.kind is kind}), dtype=np.uint64)
-    return spec._cache[key]  # type: ignore[no-any-return]
 
 
 def _run_starts(la: np.ndarray, ra: np.ndarray, lstarts: np.ndarray | None = None,
@@ -295,11 +221,11 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
         merged = []
         for leg in legs:
             la, ra = tmp.explicit(leg)
-            lo, ro = _coalesce(la.array, ra.array, _alloc_starts(local_spec, leg.local_kind),
-                               _alloc_starts(remote_spec, leg.remote_kind))
-            merged.append(Leg(leg.local_granularity, leg.local_kind, leg.remote_granularity, leg.remote_kind,
-                              None, None, leg.sizes, leg.blocks, DescriptorList(lo, leg.local_kind),
-                              DescriptorList(ro, leg.remote_kind), member_major=leg.member_major))
+            lo, ro = _coalesce(la.array, ra.array, local_spec.allocation_starts(leg.local_kind),
+                               remote_spec.allocation_starts(leg.remote_kind))
+            merged.append(ExplicitLeg(leg.local_granularity, leg.local_kind, leg.remote_granularity, leg.remote_kind,
+                                      DescriptorList(lo, leg.local_kind), DescriptorList(ro, leg.remote_kind),
+                                      leg.sizes, leg.blocks, member_major=leg.member_major))
         legs = tuple(merged)
     return TransferPlan(local_spec, remote_spec, op, legs, whole, split, coalesce)
 
@@ -333,7 +259,7 @@ def _few_legs(groups: Sequence[Group], local: Any, remote: Any, local_n: int, re
         l0, r0 = int(g.lbase[0]), int(g.rbase[0])
         li = np.array([v + l0 for v in local], dtype=g.dtype)
         ri = np.array([v + r0 for v in remote], dtype=g.dtype)
-        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
+        legs.append(SpecLeg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
     return tuple(legs)
 
 
@@ -351,7 +277,7 @@ def _legs(groups: Sequence[Group], lb: np.ndarray, rb: np.ndarray) -> tuple[Leg,
         else:  # block by block: all of block i's pieces, then block i+1's
             li = (lbi[:, None] + g.lbase[None, :]).reshape(-1)
             ri = (rbi[:, None] + g.rbase[None, :]).reshape(-1)
-        legs.append(Leg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
+        legs.append(SpecLeg(*g.key, li, ri, g.sizes, n, block_bytes=g.block_bytes, member_major=g.member_major))
     return tuple(legs)
 
 
@@ -412,16 +338,15 @@ def plan_gather(g: Gather, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec
                 lbase = sl.lbase[:, 0:1] if g.k == 1 else sl.lbase[:, sub]
                 np.add(lbase, lblk.astype(buf.dtype)[None, :], out=li.reshape(t.shape[0], -1))
                 np.add(sl.rbase[:, None], rb.astype(buf.dtype)[None, :], out=ri.reshape(t.shape[0], -1))
-                legs.append(Leg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, li, ri, t[:, 7], int(rb.shape[0]),
-                                member_major=True, lists=sl))
+                legs.append(SlicedLeg(lk, rk, li, ri, t[:, 7], int(rb.shape[0]), sl))
                 continue
             la = t[:, 0:1] + lblk[None, :] * t[:, 1:2] + sub[None, :] * t[:, 2:3]  # piece-major: blocks merge
             ra = t[:, 4:5] + rb[None, :] * t[:, 5:6]
             ln = np.repeat(t[:, 7], rb.shape[0])
             ld = np.stack([la.reshape(-1), ln, np.repeat(t[:, 3], rb.shape[0])], axis=1).astype(np.uint64)
             rd = np.stack([ra.reshape(-1), ln, np.repeat(t[:, 6], rb.shape[0])], axis=1).astype(np.uint64)
-            lo, ro = _coalesce(ld, rd, _alloc_starts(local, lk), _alloc_starts(spec, rk))
-            legs.append(Leg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, None, None, t[:, 7], int(rb.shape[0]),
-                            DescriptorList(lo, lk), DescriptorList(ro, rk), member_major=True))
+            lo, ro = _coalesce(ld, rd, local.allocation_starts(lk), spec.allocation_starts(rk))
+            legs.append(ExplicitLeg(Granularity.MEMBERS, lk, Granularity.MEMBERS, rk, DescriptorList(lo, lk),
+                                    DescriptorList(ro, rk), t[:, 7], int(rb.shape[0]), member_major=True))
         out[n] = TransferPlan(local, spec, op, tuple(legs), 0, len(local.regions), True)
     return out

@@ -16,7 +16,7 @@ otherwise leave one set per generation behind).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -26,11 +26,19 @@ from .memory import DescriptorList, MemoryKind
 from .planner import TransferPlan
 from .plugin.backend import Backend
 
-__all__ = ["Chunk", "plan_chunks"]
+__all__ = ["Chunk", "Preparer", "plan_chunks"]
 
-#: local list, local indices, remote list, remote indices, what to call once it is done
-Chunk = tuple[Any, np.ndarray, Any, np.ndarray, list[Callable[[], None]]]
 Cache = dict[Any, Any]
+
+
+class Chunk(NamedTuple):
+    """One backend post: ``local[local_idx[i]] <-> remote[remote_idx[i]]``, and what undoes it."""
+
+    local: Any
+    local_idx: np.ndarray
+    remote: Any
+    remote_idx: np.ndarray
+    cleanup: list[Callable[[], None]]  # called once the post is done (lists prepared for it alone)
 
 
 def plan_chunks(backend: Backend, p: TransferPlan, peer_key: str, local_cache: Cache, remote_cache: Cache,
@@ -38,64 +46,58 @@ def plan_chunks(backend: Backend, p: TransferPlan, peer_key: str, local_cache: C
     """Append the posts for ``p`` to ``out``, honouring the backend's ``max_descriptors``."""
     limit = backend.capabilities.max_descriptors
     for leg in p.legs:
-        cleanup: list[Callable[[], None]] = []
-        if leg.local_idx is None:  # coalesced: prepare the explicit lists for this transfer
-            ld, rd = p.explicit(leg)
-            lp = _prepare_once(backend, None, ld, cleanup)
-            rp = _prepare_once(backend, peer_key, rd, cleanup)
-            li = ri = np.arange(leg.descriptors, dtype=np.int32)
-        elif leg.lists is not None:  # a gather's sliced pages: lists of its own, prepared once
-            assert leg.remote_idx is not None
-            strided = backend.capabilities.strided_lists
-            # Both sides of a gather's lists belong to the peer: dropping it releases them.
-            lp = _cached(remote_cache, (leg.lists, "local"), lambda: backend.prepare(None, leg.lists.local(strided)))
-            rp = _cached(remote_cache, (leg.lists, "remote"),
-                         lambda: backend.prepare(peer_key, leg.lists.remote(strided)))
-            li, ri = leg.local_idx, leg.remote_idx
-        else:
-            assert leg.remote_idx is not None
-            lp, li = _prepared(backend, None, p.local_spec, local_cache, leg.local_granularity, leg.local_kind,
-                               leg.local_idx, cleanup)
-            rp, ri = _prepared(backend, peer_key, p.remote_spec, remote_cache, leg.remote_granularity,
-                               leg.remote_kind, leg.remote_idx, cleanup)
+        lists = Preparer(backend, p, peer_key, local_cache, remote_cache)
+        lp, li, rp, ri = leg.prepare(lists)
         n = leg.descriptors
         if n == 0:
-            for fn in cleanup:
+            for fn in lists.cleanup:
                 fn()
             continue
         if not limit or n <= limit:  # the common case: one post for the whole leg
-            out.append((lp, li, rp, ri, cleanup))
+            out.append(Chunk(lp, li, rp, ri, lists.cleanup))
             continue
         for s in range(0, n, limit):
             last = s + limit >= n
-            out.append((lp, li[s:s + limit], rp, ri[s:s + limit], cleanup if last else []))
+            out.append(Chunk(lp, li[s:s + limit], rp, ri[s:s + limit], lists.cleanup if last else []))
 
 
-def _cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    h = cache.get(key)
-    if h is None:
-        h = cache[key] = make()
-    return h
+class Preparer:
+    """The lists of one leg of one transfer (:class:`kvxfer.legs.Lists`): kept, or prepared for it alone."""
 
+    __slots__ = ("backend", "plan", "peer_key", "local_cache", "remote_cache", "cleanup")
 
-def _prepare_once(backend: Backend, key: str | None, descs: DescriptorList, cleanup: list[Callable[[], None]]) -> Any:
-    h = backend.prepare(key, descs)
-    cleanup.append(lambda: backend.release_prepared(h))
-    return h
+    def __init__(self, backend: Backend, plan: TransferPlan, peer_key: str, local_cache: Cache,
+                 remote_cache: Cache) -> None:
+        self.backend, self.plan, self.peer_key = backend, plan, peer_key
+        self.local_cache, self.remote_cache = local_cache, remote_cache
+        self.cleanup: list[Callable[[], None]] = []
 
+    @property
+    def strided(self) -> bool:
+        return self.backend.capabilities.strided_lists
 
-def _prepared(backend: Backend, key: str | None, spec: KVCacheSpec, cache: Cache, gran: Granularity,
-              kind: MemoryKind, idx: np.ndarray, cleanup: list[Callable[[], None]]) -> tuple[Any, np.ndarray]:
-    """A prepared list of ``spec`` and the indices into it for this transfer (see the module doc)."""
-    h = cache.get((gran, kind))
-    if h is not None:  # only whole lists are cached: the common case costs one lookup
-        return h, idx
-    strided = spec.descriptor_list(gran, kind, strided=True)
-    takes_strided = backend.capabilities.strided_lists
-    if takes_strided or strided.num_spans <= MAX_PREPARED_DESCRIPTORS:
-        h = cache.get((gran, kind))
+    def once(self, remote: bool, descs: DescriptorList) -> Any:
+        h = self.backend.prepare(self.peer_key if remote else None, descs)
+        self.cleanup.append(lambda: self.backend.release_prepared(h))
+        return h
+
+    def for_peer(self, key: Any, remote: bool, make: Callable[[], DescriptorList]) -> Any:
+        h = self.remote_cache.get(key)  # the peer's cache: dropping the peer releases them
         if h is None:
-            h = backend.prepare(key, strided if takes_strided else strided.expand())
-            cache[(gran, kind)] = h
-        return h, idx
-    return _prepare_once(backend, key, strided.take(idx), cleanup), np.arange(idx.shape[0], dtype=idx.dtype)
+            h = self.remote_cache[key] = self.backend.prepare(self.peer_key if remote else None, make())
+        return h
+
+    def of_spec(self, remote: bool, gran: Granularity, kind: MemoryKind, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+        """A prepared list of that side's spec and the indices into it (see the module doc)."""
+        cache = self.remote_cache if remote else self.local_cache
+        h = cache.get((gran, kind))
+        if h is not None:  # only whole lists are cached: the common case costs one lookup
+            return h, idx
+        spec: KVCacheSpec = self.plan.remote_spec if remote else self.plan.local_spec
+        strided = spec.descriptor_list(gran, kind, strided=True)
+        takes_strided = self.backend.capabilities.strided_lists
+        if takes_strided or strided.num_spans <= MAX_PREPARED_DESCRIPTORS:
+            h = cache[(gran, kind)] = self.backend.prepare(self.peer_key if remote else None,
+                                                          strided if takes_strided else strided.expand())
+            return h, idx
+        return self.once(remote, strided.take(idx)), np.arange(idx.shape[0], dtype=idx.dtype)

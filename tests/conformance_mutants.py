@@ -60,9 +60,9 @@ class RawBlobError(LoopbackBackend):
 
     name = "mutant-raw-blob"
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         json.loads(blob)["token"]  # raises JSONDecodeError / KeyError / TypeError raw
-        return super().add_remote(peer_name, blob)
+        super().add_remote(peer_name, blob)
 
 
 class ReleaseKeepsCopying(LoopbackBackend):

@@ -120,7 +120,7 @@ class ReferenceBackend(Backend):
     def local_metadata(self) -> bytes:
         return json.dumps({"port": self._port, "token": self._token}).encode()
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         try:
             doc = json.loads(blob) if len(blob) <= 256 else None
         except (ValueError, RecursionError):
@@ -129,7 +129,6 @@ class ReferenceBackend(Backend):
                 or not isinstance(doc["token"], str) or not 0 < doc["port"] < 65536:
             raise MetadataError(f"{self.name}: malformed connection blob")
         self._peers[peer_name] = ("127.0.0.1", doc["port"], doc["token"])
-        return peer_name
 
     def remove_remote(self, peer: str) -> None:
         self._peers.pop(peer, None)

@@ -118,16 +118,6 @@ def test_a_backend_failing_half_way_leaves_nothing(faulty: None, exc: BaseExcept
         assert b.add_peer(a.metadata()) == "p"
 
 
-def test_a_bad_key_from_the_backend_is_undone(faulty: None) -> None:
-    f = faults.Faults(add_remote_key=12345)
-    with kvxfer.Agent("p", backend="faulty") as a, kvxfer.Agent("d", backend="faulty", faults=f) as b:
-        a.register(make_cache("packed", num_blocks=4, **GEOM).views)
-        b.register(make_cache("packed", num_blocks=4, **GEOM).views)
-        with pytest.raises(BackendError, match="12345"):
-            b.add_peer(a.metadata())
-        assert b.peers == {} and b.backend.inner._peers == {}  # type: ignore[attr-defined]
-
-
 def test_a_failed_restart_leaves_no_half_peer(faulty: None) -> None:
     """A newer generation replaces the old peer; if the backend rejects it, neither remains."""
     f = faults.Faults()

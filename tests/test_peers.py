@@ -106,11 +106,11 @@ def test_loopback_refuses_a_forged_identity(bypass: bool, monkeypatch: pytest.Mo
         forged = json.dumps({**doc, "identity": peers.encode(dataclasses.replace(me, token=os.urandom(16))).hex()})
         if bypass:
             monkeypatch.setattr(peers, "check_this_process", lambda claim, what: None)
-            assert b.backend.add_remote("a", forged.encode()) == "a"
+            b.backend.add_remote("a", forged.encode())
             return
         with pytest.raises(IdentityError):
             b.backend.add_remote("a", forged.encode())
-        assert b.backend.add_remote("a", raw) == "a"
+        b.backend.add_remote("a", raw)
 
 
 @pytest.mark.parametrize("bypass", [False, True], ids=["checked", "control-bypassed"])

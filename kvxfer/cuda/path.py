@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -36,11 +36,17 @@ from ..spans import SpanIndex, merge_runs
 from . import blob
 from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 
-__all__ = ["DevicePath", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
+__all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
 COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
+
+
+class Listed(Protocol):
+    """A backend's prepared list, as the device path's row looks at it."""
+
+    device: "Spans | None"  # what DevicePath.prepare returned for it (None: the transport carries it)
 
 
 @dataclass(eq=False)
@@ -340,6 +346,26 @@ class DevicePath:
                 run_on = mine if self.copy_on == "local" else (sd if op is Op.READ else dd)
                 handles.append(self.cap.copy(d, s, n, run_on, self._engine(dd, sd, run_on), sd, dd))
         return PathXfer(p, handles, p.route.kind or "")
+
+    # -- the DataPath row (kvxfer.plugin.datapath): a backend lists this object among its paths --
+    sends_notification = False  # the backend sends it once poll() reported the copy done
+
+    @staticmethod
+    def serves(local: Listed, remote: Listed) -> bool:
+        """Both lists were taken by :meth:`prepare` (a backend keeps its result as ``.device``)."""
+        return local.device is not None and remote.device is not None
+
+    def start(self, op: Op, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> PathXfer:
+        assert local.device is not None and remote.device is not None
+        return self.post(op, local.device, li, remote.device, ri)
+
+    def cancel(self, x: PathXfer) -> None:
+        self.release(x)  # a copy cannot be aborted: it is waited for (milliseconds)
+
+    @staticmethod
+    def kind(x: PathXfer) -> str:
+        return x.kind  # CUDA_IPC or SAME_PROCESS
 
     def _engine(self, dst_dev: int, src_dev: int, run_on: int) -> str:
         eng = self.engine

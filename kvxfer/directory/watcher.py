@@ -14,15 +14,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import MetadataError
 from .entry import DirectoryError, DirectoryUnavailableError, Entry, Event, EventKind, ResyncNeeded
 
-if TYPE_CHECKING:
-    from .base import Directory
-
 __all__ = ["Watcher", "Subscription"]
+
+
+class Directory(Protocol):
+    """What the watch reads of its :class:`~kvxfer.directory.base.Directory` (a Protocol here,
+    so this module needs nothing from the one that imports it)."""
+
+    cluster: str
+    prefix: str
+    timeout: float
+    store: Any
+
+    def entry_from_store(self, key: Any, value: bytes, revision: int = 0) -> Entry: ...
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,18 @@ The factory string is imported only when an agent first uses the backend, so lis
 backends never loads a transport library, and a missing dependency is reported with the
 ``install`` command. Shared building blocks for data paths live in the core:
 :mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
-(notification delivery when nobody polls). A backend that can also serve the store's file
-I/O returns a :class:`FilePath` (:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
+(notification delivery when nobody polls). A backend with more than one way of moving bytes
+keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`); the core's same-host GPU
+path, :class:`kvxfer.cuda.DevicePath`, is such a row.
+A backend that can also serve the store's file I/O returns a :class:`FilePath`
+(:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
 """
 
 from __future__ import annotations
 
 from .backend import Backend, Capabilities
+from .datapath import DataPath, choose
 from .files import FilePath
 from .hookspecs import RegisterBackend, hookimpl, hookspec
 
-__all__ = ["Backend", "Capabilities", "FilePath", "RegisterBackend", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "RegisterBackend", "choose", "hookimpl", "hookspec"]

@@ -79,8 +79,8 @@ class Backend(abc.ABC):
         """Opaque connection blob a peer passes to :meth:`add_remote`."""
 
     @abc.abstractmethod
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
-        """Connect to a peer; returns the key this backend uses for it."""
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
+        """Connect to a peer; every later call names it by ``peer_name``."""
 
     @abc.abstractmethod
     def remove_remote(self, peer: str) -> None: ...

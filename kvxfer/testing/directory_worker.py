@@ -4,7 +4,7 @@ Tests (and the network-namespace harness) start it as
 ``python -m kvxfer.testing.directory_worker --directory URL --role prefill --name p0 ...``.
 It builds a cache (random bytes from ``--seed``, else the 0xAA sentinel), registers it,
 publishes the agent, prints ``{"ready": true, "name": ..., "generation": ...}``, then answers
-one JSON command per line on stdin (driving the backend's progress in between):
+one JSON command per line on stdin (:mod:`kvxfer.testing.lines`; driving the backend's progress in between):
 
 ``{"cmd": "sync"}`` -> what :meth:`PeerTracker.sync` did (needs ``--follow ROLE``)
 ``{"cmd": "wait_peer", "name": n, "newer_than": g, "timeout": s}`` -> ``{"peers": {name: generation}}``
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import select
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import numpy as np
 from .. import Agent
 from ..directory import PeerTracker, open_directory
 from ..errors import KvxferError
+from . import lines
 from .buffers import SENTINEL, make_cache
 
 
@@ -61,30 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     tracker = PeerTracker(agent, directory, role=args.follow) if args.follow else None
     _say({"ready": True, "name": agent.name, "generation": agent.generation})
     try:
-        while True:
-            ready, _, _ = select.select([sys.stdin], [], [], 0.001)
-            if not ready:
-                agent.progress()
-                continue
-            line = sys.stdin.readline()
-            if not line:
-                return 0
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "exit":
-                return 0
-            try:
-                reply = _handle(agent, cache, tracker, cmd)
-            except Exception as exc:  # report and keep serving: the test decides what it means
-                reply = {"error": type(exc).__name__, "message": str(exc)}
-            _say(reply)
+        return lines.serve(lambda cmd: _handle(agent, cache, tracker, cmd), agent.progress)
     finally:
         directory.close()
         agent.close()
 
 
 def _say(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
+    lines.say(sys.stdout, doc)
 
 
 def _peers(agent: Agent) -> dict[str, int]:
@@ -144,7 +127,7 @@ class WorkerProcess:
         start = popen or subprocess.Popen
         self.proc = start([sys.executable, "-m", "kvxfer.testing.directory_worker", *argv], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, env=env)
-        self._buf = b""
+        self._ch = lines.Channel(self.proc)
         first = self.read(ready_timeout)
         if not first.get("ready"):
             raise RuntimeError(f"worker did not start: {first}")
@@ -153,26 +136,15 @@ class WorkerProcess:
 
     def read(self, timeout: float) -> dict[str, Any]:
         """The next JSON line from the worker; RuntimeError if none within ``timeout`` or it died."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"no reply from the worker within {timeout}s")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise RuntimeError(f"the worker exited (code {self.proc.wait(5)})")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return dict(json.loads(line))
+        try:
+            return self._ch.read(timeout)
+        except TimeoutError:
+            raise RuntimeError(f"no reply from the worker within {timeout}s") from None
+        except EOFError:
+            raise RuntimeError(f"the worker exited (code {self.proc.wait(5)})") from None
 
     def send(self, doc: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(doc) + "\n").encode())
-        self.proc.stdin.flush()
+        self._ch.send(doc)
 
     def ask(self, doc: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
         self.send(doc)

@@ -53,8 +53,8 @@ class EtcdServer:
         self.data_dir = self.base / "data"
         self.hosts = hosts
         self.netns = netns
-        self.client_port = client_port or (2379 if netns else free_port(hosts[0]))
-        self.peer_port = peer_port or (2380 if netns else free_port(hosts[0]))
+        self.client_port = client_port or (2379 if netns else free_port(host=hosts[0]))
+        self.peer_port = peer_port or (2380 if netns else free_port(host=hosts[0]))
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.base / "etcd.log"
 

@@ -18,11 +18,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .. import Backend, DescriptorList, Op, hookimpl
+from .. import Backend, DescriptorList, Op
+from ..plugin import RegisterBackend, hookimpl
 from ..errors import PeerDisconnectedError
 from ..memory import Allocation, MemoryKind
 from ..plugin.registry import get_backend_class, plugin_manager, reset_plugins
@@ -38,7 +39,6 @@ class Faults:
     fail_post: bool = False
     post_delay: float = 0.0  # seconds each post takes (a slow transport inside post)
     add_remote_raises: BaseException | None = None  # raised after the inner backend added the peer
-    add_remote_key: Any = None  # returned instead of the inner key when not None
     released: list[Any] = field(default_factory=list)
     added: list[str] = field(default_factory=list)  # peer names add_remote was called with
     removed: list[str] = field(default_factory=list)
@@ -77,12 +77,11 @@ class FaultyBackend(Backend):
     def local_metadata(self) -> bytes:
         return self.inner.local_metadata()
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         self.faults.added.append(peer_name)
-        key = self.inner.add_remote(peer_name, blob)
+        self.inner.add_remote(peer_name, blob)
         if self.faults.add_remote_raises is not None:
             raise self.faults.add_remote_raises
-        return key if self.faults.add_remote_key is None else self.faults.add_remote_key
 
     def remove_remote(self, peer: str) -> None:
         self.faults.removed.append(peer)
@@ -285,7 +284,7 @@ class CorruptingBackend(FaultyBackend):
 
 class _Plugin:
     @hookimpl
-    def kvxfer_register_backends(self, register: Callable[..., None]) -> None:
+    def kvxfer_register_backends(self, register: RegisterBackend) -> None:
         register("faulty", FaultyBackend, summary="fault injection around another backend (tests only)")
         register("corrupting", CorruptingBackend, summary="damages delivered READs (integrity tests only)")
 

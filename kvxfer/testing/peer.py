@@ -1,4 +1,4 @@
-"""A peer agent in its own process, driven over stdin/stdout with JSON lines, and its driver.
+"""A peer agent in its own process, driven over stdin/stdout with JSON lines (:mod:`.lines`), and its driver.
 
 The conformance suite's two-process tests, the demo and ``kvxfer bench`` start it through
 :class:`PeerProcess` (or by hand: ``python -m kvxfer.testing.peer --backend nixl ...``). The
@@ -37,8 +37,6 @@ import base64
 import json
 import os
 import queue
-import select
-import selectors
 import subprocess
 import sys
 import tempfile
@@ -47,6 +45,7 @@ from typing import Any, Sequence
 
 from .. import Agent
 from ..errors import KvxferError
+from . import lines
 from .buffers import allocate, make_cache
 
 __all__ = ["PeerProcess", "InProcessPeer", "PeerError", "main", "TOKEN_ENV"]
@@ -135,34 +134,20 @@ def main(argv: list[str] | None = None) -> int:
         # A test harness: a spawner that gives no token opts out explicitly.
         server = MetadataServer(agent.metadata, host or "127.0.0.1", int(port or 0),
                                 token=os.environ.get(TOKEN_ENV) or NO_AUTH, on_peer=incoming.put)
-    out.write(json.dumps({"metadata": _b64(agent.metadata()), "address": list(server.address) if server else None,
-                          "pid": os.getpid(), "timings": timings}) + "\n")
-    out.flush()
+    lines.say(out, {"metadata": _b64(agent.metadata()), "address": list(server.address) if server else None,
+                    "pid": os.getpid(), "timings": timings})
     pending_notes: dict[str, list[bytes]] = {}
-    try:
-        while True:
-            while not incoming.empty():  # peers that contacted the side channel
-                try:
-                    agent.add_peer(incoming.get_nowait())
-                except Exception as exc:  # a bad peer must not stop this one
-                    print(f"peer: refused a peer: {exc}", file=sys.stderr)
-            ready, _, _ = select.select([sys.stdin], [], [], 0.001)
-            if not ready:
-                agent.progress()
-                continue
-            line = sys.stdin.readline()
-            if not line:
-                return 0
-            cmd: dict[str, Any] = json.loads(line)
-            reply: dict[str, Any]
+
+    def idle() -> None:
+        while not incoming.empty():  # peers that contacted the side channel
             try:
-                reply = handle(agent, cache, cmd, pending_notes)
-            except Exception as exc:  # report, keep serving: the test decides what it means
-                reply = {"error": type(exc).__name__, "message": str(exc)}
-            if reply.get("exit"):
-                return 0
-            out.write(json.dumps(reply) + "\n")
-            out.flush()
+                agent.add_peer(incoming.get_nowait())
+            except Exception as exc:  # a bad peer must not stop this one
+                print(f"peer: refused a peer: {exc}", file=sys.stderr)
+        agent.progress()
+
+    try:
+        return lines.serve(lambda cmd: handle(agent, cache, cmd, pending_notes), idle, out)
     finally:
         if server is not None:
             server.close()
@@ -250,6 +235,7 @@ class PeerProcess:
         self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.peer", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_env)
+        self._ch = lines.Channel(self.proc)
         try:
             self.ready = self._readline()
         except BaseException:
@@ -271,20 +257,14 @@ class PeerProcess:
         return self.proc.pid
 
     def _readline(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
         try:
-            if not sel.select(self.timeout):
-                self.kill()
-                raise PeerError(f"peer process did not answer within {self.timeout:g} s")
-        finally:
-            sel.close()
-        line = self.proc.stdout.readline()
-        if not line:
+            reply = self._ch.read(self.timeout)
+        except TimeoutError:
+            self.kill()
+            raise PeerError(f"peer process did not answer within {self.timeout:g} s") from None
+        except EOFError:
             code = self.proc.wait()
-            raise PeerError(f"peer process exited with {code}: {self.stderr_tail() or 'no message'}")
-        reply: dict[str, Any] = json.loads(line)
+            raise PeerError(f"peer process exited with {code}: {self.stderr_tail() or 'no message'}") from None
         if "error" in reply:
             raise PeerError(f"peer failed: {reply['error']}: {reply['message']}")
         return reply
@@ -302,9 +282,7 @@ class PeerProcess:
         return lines[-1] if lines else ""
 
     def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self._ch.send(cmd)
         return self._readline()
 
     def kill(self) -> None:
@@ -315,9 +293,7 @@ class PeerProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
+                self._ch.send({"cmd": "exit"})
                 self.proc.wait(timeout=30)
             except Exception:
                 self.kill()

@@ -9,13 +9,11 @@ registers the backend through the ``kvxfer`` entry-point group and imports nothi
 
 from __future__ import annotations
 
-from typing import Callable
-
-import kvxfer
+from kvxfer.plugin import RegisterBackend, hookimpl
 
 
-@kvxfer.hookimpl
-def kvxfer_register_backends(register: Callable[..., None]) -> None:
+@hookimpl
+def kvxfer_register_backends(register: RegisterBackend) -> None:
     register(
         "loopback",
         "kvxfer_loopback.backend:LoopbackBackend",

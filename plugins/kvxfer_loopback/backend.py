@@ -31,7 +31,8 @@ import numpy as np
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.spans import SpanIndex
 from kvxfer.extras import install_hint
-from kvxfer.errors import BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
+from kvxfer.errors import (BackendClosedError, BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError,
+                           UnsupportedError)
 
 _LIVE: dict[str, "LoopbackBackend"] = {}
 _LIVE_LOCK = threading.Lock()
@@ -120,9 +121,10 @@ class LoopbackBackend(Backend):
 
     # -- peers ----------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
+        self._check_open()
         return json.dumps({"token": self._token, "identity": peers.encode(peers.here()).hex()}).encode()
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         try:
             doc = json.loads(blob) if len(blob) <= 512 else None  # ours is ~180 bytes
         except (ValueError, RecursionError):
@@ -145,7 +147,6 @@ class LoopbackBackend(Backend):
         if peer is None or peer._closed:
             raise PeerDisconnectedError(f"loopback peer {peer_name!r} is gone (closed or restarted)")
         self._peers[peer_name] = peer
-        return peer_name
 
     def remove_remote(self, peer: str) -> None:
         self._peers.pop(peer, None)
@@ -160,6 +161,7 @@ class LoopbackBackend(Backend):
 
     # -- lists and transfers --------------------------------------------------------------
     def prepare(self, peer: str | None, descs: DescriptorList) -> _Prepared:
+        self._check_open()
         owner = self if peer is None else self._live_peer(peer)
         arr = descs.expand().array
         owner._check_inside(arr, descs.kind)
@@ -167,8 +169,7 @@ class LoopbackBackend(Backend):
 
     def post(self, op: Op, local: _Prepared, local_idx: np.ndarray, remote: _Prepared, remote_idx: np.ndarray,
              notification: bytes | None) -> _Xfer:
-        if self._closed:
-            raise BackendError("loopback backend is closed")
+        self._check_open()
         peer = remote.owner
         if peer._closed:
             raise PeerDisconnectedError(f"loopback peer {peer.agent_name!r} was closed")
@@ -245,6 +246,10 @@ class LoopbackBackend(Backend):
             out = dict(self._inbox)
             self._inbox.clear()
         return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError("loopback backend is closed")
 
     def close(self) -> None:
         self._closed = True

@@ -11,16 +11,14 @@ How the backend is built, and why: ``plugins/kvxfer_nixl/README.md``.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from kvxfer.extras import install_hint
-from kvxfer.plugin import hookimpl
+from kvxfer.plugin import RegisterBackend, hookimpl
 
 __all__ = ["kvxfer_register_backends"]
 
 
 @hookimpl
-def kvxfer_register_backends(register: Callable[..., None]) -> None:
+def kvxfer_register_backends(register: RegisterBackend) -> None:
     """Offer the ``nixl`` backend; its module is imported only when first used."""
     register(
         "nixl",

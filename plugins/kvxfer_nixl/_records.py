@@ -11,18 +11,19 @@ from __future__ import annotations
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, DescriptorList, MemoryKind
 from kvxfer.errors import KvxferError, OutOfRegistrationError
 from kvxfer.peers import on_fork
+from kvxfer.plugin import DataPath
 from kvxfer.spans import SpanIndex
 
 from ._blob import PeerBlob
 
-__all__ = ["Flush", "Path", "Prepared", "Registration", "Remote", "Xfer", "extents", "instances", "notice",
+__all__ = ["Flush", "Prepared", "Registration", "Remote", "Xfer", "extents", "instances", "notice",
            "parse_notice"]
 
 _U64 = (1 << 64) - 1
@@ -92,21 +93,6 @@ class Registration:
     device_token: int = 0
 
 
-class Path(Protocol):
-    """A data path: start a post, poll it (one step), cancel it; ``kind`` names it in stats."""
-
-    sends_notification: bool
-
-    def start(self, op: Op, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, peer: str,
-              notification: bytes | None) -> Any: ...
-
-    def poll(self, h: Any) -> bool: ...
-
-    def cancel(self, h: Any) -> None: ...
-
-    def kind(self, h: Any) -> str: ...
-
-
 class Flush:
     """A pseudo-transfer the notify thread polls: progress NIXL until ``until`` passes."""
 
@@ -118,7 +104,7 @@ class Xfer:
 
     __slots__ = ("path", "h", "rem", "notification", "done", "error", "released", "pumped")
 
-    def __init__(self, path: Path, h: Any, rem: Remote, notification: bytes | None) -> None:
+    def __init__(self, path: DataPath, h: Any, rem: Remote, notification: bytes | None) -> None:
         self.path, self.h, self.rem, self.notification = path, h, rem, notification
         self.done = self.released = self.pumped = False
         self.error: KvxferError | None = None

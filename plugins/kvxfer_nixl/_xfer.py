@@ -59,7 +59,7 @@ class NixlXfer:
 
 
 class NixlPath:
-    """start / poll / cancel over one NIXL agent; the backend's lock guards every NIXL call."""
+    """A :class:`kvxfer.plugin.DataPath` over one NIXL agent; the backend's lock guards every NIXL call."""
 
     sends_notification = True  # NIXL sends it after the data
 
@@ -68,6 +68,11 @@ class NixlPath:
         self._lock = lock
         self._piece = max(1, int(piece))
         self.unreleased: list[Any] = []  # handles NIXL was still aborting; retried by reap()
+
+    @staticmethod
+    def serves(local: _Listed, remote: _Listed) -> bool:
+        """Both lists were prepared by NIXL (a list of two agents of one process may not be)."""
+        return local.nixl is not None and remote.nixl is not None
 
     def start(self, op: Op, local: _Listed, li: np.ndarray, remote: _Listed, ri: np.ndarray, peer: str,
               notification: bytes | None) -> NixlXfer:

@@ -2,9 +2,9 @@
 
 This class owns the NIXL agent's lifetime, registrations, peers (loading and unloading their
 metadata), notifications and the choice of data path for each post. The bytes move in the
-data paths: :mod:`kvxfer_nixl._xfer` (NIXL prepared lists) and :mod:`kvxfer_nixl._device`
-(the core's device path, :mod:`kvxfer.cuda`, for VRAM between agents of one host). Why it
-is built this way is in ``plugins/kvxfer_nixl/README.md``.
+data paths, rows of :class:`kvxfer.plugin.DataPath`: :mod:`kvxfer_nixl._xfer` (NIXL prepared
+lists) and the core's device path (:class:`kvxfer.cuda.DevicePath`, VRAM between agents of one
+host). Why it is built this way is in ``plugins/kvxfer_nixl/README.md``.
 
 This module imports ``nixl``; :mod:`kvxfer_nixl` itself does not, so listing backends on a
 machine without NIXL stays cheap and says how to install it.
@@ -17,24 +17,24 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
 from kvxfer.cuda import DevicePath
-from kvxfer.errors import (BackendError, KvxferError, MetadataError, OutOfRegistrationError, StalePeerError,
-                           TransferCancelledError, UnknownPeerError, UnsupportedError)
+from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
+                           StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
 from . import _blob, _identity, _probe
-from ._device import DeviceCopies
 from ._files import Files
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import Notifications
 from ._parking import Parking
-from ._records import Flush, Path, Prepared, Registration, Remote, Xfer, extents, instances
+from ._records import Flush, Prepared, Registration, Remote, Xfer, extents, instances
 from ._xfer import NixlPath, as_int32
 
 __all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
@@ -90,7 +90,7 @@ class NixlBackend(Notifications, Files, Backend):
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
                  prove_timeout: float = 30.0) -> None:
         super().__init__(agent_name)
-        # The core device path (its state; DeviceCopies below is its entry in the table of paths).
+        # The core device path: its state, and a row of the table of data paths below.
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
@@ -141,11 +141,8 @@ class NixlBackend(Notifications, Files, Backend):
         self._collected = 0.0  # when notifications were last read
         self._request_descriptors = max(1, int(request_descriptors))
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
-        # Data paths, most specific first: post() takes the first whose test accepts the pair.
-        self._paths: list[tuple[Callable[[Prepared, Prepared], bool], Path]] = [
-            (lambda lp, rp: lp.device is not None and rp.device is not None, DeviceCopies(self._path)),
-            (lambda lp, rp: lp.nixl is not None and rp.nixl is not None, self._nixl_path),
-        ]
+        # Data paths, most specific first: post() takes the first that serves the pair.
+        self._paths: tuple[DataPath, ...] = (self._path, self._nixl_path)
         self._flush = Flush()
         self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
         self._closed = False
@@ -214,7 +211,7 @@ class NixlBackend(Notifications, Files, Backend):
                 raise map_error(exc, "reading local NIXL metadata") from exc
         return _blob.encode(peers.here(), self._id, self._reg_epoch, self._path.blob(), bytes(md))
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
 
         Only :class:`~kvxfer.errors.KvxferError` leaves this method, and a failure leaves the
@@ -269,7 +266,6 @@ class NixlBackend(Notifications, Files, Backend):
         for gone in {a for a in (old.nixl if old is not None else None, parked) if a is not None and a != alias}:
             with contextlib.suppress(KvxferError):  # the old incarnation is gone either way
                 self._unload(peer_name, gone)
-        return peer_name
 
     def _reusable(self, peer: str, blob: bytes) -> str | None:
         """The NIXL alias already holding exactly these bytes for ``peer`` (:mod:`._parking`)."""
@@ -372,11 +368,7 @@ class NixlBackend(Notifications, Files, Backend):
         li, ri = as_int32(local_idx), as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        for serves, path in self._paths:
-            if serves(local, remote):
-                break
-        else:
-            raise BackendError("descriptor list was released or is empty")
+        path = choose(self._paths, local, remote)
         x = Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
         if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
             x.pumped = True
@@ -498,4 +490,4 @@ class NixlBackend(Notifications, Files, Backend):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise BackendError(f"NIXL backend of {self.agent_name!r} is closed")
+            raise BackendClosedError(f"NIXL backend of {self.agent_name!r} is closed")

@@ -18,10 +18,8 @@ This module does not load UCX: listing backends only looks for ``libucp.so`` on 
 
 from __future__ import annotations
 
-from typing import Callable
-
 from kvxfer.extras import install_hint
-from kvxfer.plugin import hookimpl
+from kvxfer.plugin import RegisterBackend, hookimpl
 
 __all__ = ["kvxfer_register_backends"]
 
@@ -35,6 +33,6 @@ def _check() -> str | None:
 
 
 @hookimpl
-def kvxfer_register_backends(register: Callable[..., None]) -> None:
+def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install=install_hint("ucx"),
              summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check)

@@ -14,7 +14,10 @@ from kvxfer.spans import SpanIndex
 from ._hostpage import PeerPage, ProcessWatch
 from ._worker import Worker
 
-__all__ = ["Peer", "Xfer"]
+__all__ = ["COPY", "RMA", "Peer", "Xfer"]
+
+#: The two data paths' names (``peer_path``, ``TransferStats.path``).
+COPY, RMA = "same-host-copy", "ucx-rma"
 
 
 @dataclass(eq=False)
@@ -35,13 +38,14 @@ class Peer:
 
     @property
     def path(self) -> str:
-        return "same-host-copy" if self.page is not None else "ucx-rma"
+        return COPY if self.page is not None else RMA
 
 
 @dataclass(eq=False)
 class Xfer:
     peer: Peer
-    job: Any  # RmaJob | SH.CopyJob | None once the bytes are in place
+    path: Any  # the kvxfer_ucx._paths row that moves it
+    job: Any  # that path's handle; None once the bytes are in place
     notification: bytes | None
     am: int | None = None
     am_buffers: tuple[Any, ...] = ()

@@ -1,14 +1,13 @@
 """The UCX backend's control plane: connections, liveness, notifications, choice of data path.
 
-Bytes move through one of two data paths, each a small module with one shape (constructing
-a job starts it; ``step(deadline)`` returns True once every byte is in place; ``cancel``
-stops it):
+Bytes move through one of two data paths, rows of :class:`kvxfer.plugin.DataPath`
+(:mod:`kvxfer_ucx._paths`), of which ``post`` takes the first that serves the pair:
 
-* :class:`kvxfer_ucx._samehost.CopyJob`: ``process_vm_readv``/``writev`` for peers proven
+* :class:`~kvxfer_ucx._paths.CopyPath`: ``process_vm_readv``/``writev`` for peers proven
   to be on this host (:mod:`kvxfer_ucx._hostpage` says how a peer is proven);
-* :class:`kvxfer_ucx._rma.RmaJob`: UCX GET/PUT and a flush, for every other peer.
+* :class:`~kvxfer_ucx._paths.RmaPath`: UCX GET/PUT and a flush, for every other peer.
 
-This module chooses the path per peer at :meth:`UcxBackend.add_remote`, checks descriptors
+This module proves a peer for the same-host path at :meth:`UcxBackend.add_remote`, checks descriptors
 against registrations at :meth:`~UcxBackend.prepare`, verifies a finished transfer against
 the peer's liveness (same-host: its registration page is unchanged and still its own) before
 reporting it done, and only then sends the notification as an active message, so that a
@@ -29,12 +28,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import (AgentClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
+from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
+from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.prove import named, shared
-from kvxfer.spans import SpanIndex, merge_runs
+from kvxfer.spans import SpanIndex
 
 from . import _libucp as L, _samehost as SH
 from ._config import transport_config, warn_if_ptrace_is_narrower
@@ -43,9 +43,9 @@ from ._hostpage import ProcessWatch, host_identity, prove, same_host
 from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
+from ._paths import CopyPath, RmaPath, guarded
 from ._peers import Peer as _Peer, Xfer as _Xfer
 from ._peerworkers import PeerWorkers
-from ._rma import RmaJob
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]
@@ -127,6 +127,7 @@ class UcxBackend(Backend):
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
         self._mem = Registrations(self._w)
+        self._paths: tuple[DataPath, ...] = (CopyPath(self), RmaPath(self))  # post() takes the first that serves
         self._libc: SH.Libc | None = None
         ident = host_identity()
         self._host = None if ident is None else Host(**ident, page=None, digest=None)
@@ -165,10 +166,10 @@ class UcxBackend(Backend):
             self._check_open()
             return encode_blob(self.agent_name, self._w.version, self._w.address, self._mem.advertised(), self._host)
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
         """Connect to a peer; on any failure nothing changes (a known peer keeps its connection)."""
         try:
-            return self._add_remote(peer_name, blob)
+            self._add_remote(peer_name, blob)
         except KvxferError:
             raise
         except Exception as exc:  # the seam's contract: only typed errors leave add_remote
@@ -178,7 +179,7 @@ class UcxBackend(Backend):
         """Whether a new blob is loaded in a helper first (``prove_metadata``, and who signed it)."""
         return self._prover is not None and (self._prove_all or not self.peers_authenticated)
 
-    def _add_remote(self, peer_name: str, blob: bytes) -> str:
+    def _add_remote(self, peer_name: str, blob: bytes) -> None:
         b = parse_blob(blob)
         if b.agent != peer_name:
             raise MetadataError(f"ucx metadata names agent {b.agent!r}, expected {peer_name!r}")
@@ -223,7 +224,6 @@ class UcxBackend(Backend):
             self._by_ep[ep] = peer
             if old is not None:
                 self._drop_peer(old)
-        return peer_name
 
     def peer_path(self, peer: str) -> tuple[str, str]:
         """``("same-host-copy" | "ucx-rma", reason)`` for a connected peer."""
@@ -251,8 +251,8 @@ class UcxBackend(Backend):
             del self._by_ep[peer.ep]
         if w is not self._w:
             for x in list(peer.xfers):
-                if isinstance(x.job, RmaJob):
-                    x.job.cancel(0.0, lambda: False)  # frees every request; nothing is waited on
+                if x.job is not None:
+                    x.path.abandon(x.job)  # frees every request; nothing is waited on
                 if x.am is not None:
                     w.drain([x.am], 0.0, lambda: False)
                     x.am = None
@@ -308,11 +308,6 @@ class UcxBackend(Backend):
         li, ri = np.asarray(local_idx, dtype=np.int64), np.asarray(remote_idx, dtype=np.int64)
         if li.shape != ri.shape or li.ndim != 1:
             raise BackendError("ucx backend: local and remote index arrays must be 1-D and of equal length")
-        la, ln, _ = local.resolve(li)
-        ra, rn, slot = remote.resolve(ri)
-        if not np.array_equal(ln, rn):
-            i = int(np.flatnonzero(ln != rn)[0])
-            raise BackendError(f"ucx backend: pair {i} moves {int(ln[i])} local bytes but {int(rn[i])} remote bytes")
         peer: _Peer = remote.owner
         with self._lock:
             self._check_open()
@@ -322,28 +317,12 @@ class UcxBackend(Backend):
                 raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added since this list was "
                                      "prepared; prepare it again")
             self._raise_if_failed(peer)
-            if peer.page is not None:
-                assert self._libc is not None
-                self._guard(peer, peer.page.recheck, self._libc)
-                la, ra, ln = merge_runs(la, ra, ln)  # fewer iovecs; both sides were checked already
-                job: Any = SH.CopyJob(self._libc, peer.page.pid, op is Op.WRITE, la, ra, ln, peer=peer.name,
-                                      chunk=self._copy_chunk)
-            else:
-                job = RmaJob(peer.w or self._w, peer.ep, op is Op.READ, la, ra, ln, peer.rkeys[slot],
-                             lambda st, call: self._fail(peer, st, call))
-            x = _Xfer(peer, job, notification)
+            path = choose(self._paths, local, remote)
+            x = _Xfer(peer, path, path.start(op, local, li, remote, ri, peer.name, notification), notification)
             peer.xfers.add(x)
         if notification is not None:
             self._pump.add(x)
         return x
-
-    def _guard(self, peer: _Peer, fn: Any, *args: Any) -> Any:
-        """Run a same-host step; a vanished peer process is as final as UCX's error callback."""
-        try:
-            return fn(*args)
-        except PeerDisconnectedError:
-            peer.failed = peer.failed or L.UCS_ERR_CONNECTION_RESET
-            raise
 
     def poll(self, xfer: Any) -> bool:
         x: _Xfer = xfer
@@ -370,12 +349,7 @@ class UcxBackend(Backend):
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
         if x.job is not None:
-            if isinstance(x.job, SH.CopyJob):
-                if not self._guard(peer, x.job.step, time.monotonic() + self._budget):
-                    return False
-                assert peer.page is not None and self._libc is not None
-                self._guard(peer, peer.page.recheck, self._libc)  # still the peer, still registered
-            elif not x.job.step(time.monotonic() + self._budget):
+            if not x.path.poll(x.job):
                 return False
             x.job = None
             self._raise_if_failed(peer, force=True)  # alive when every byte had moved
@@ -400,24 +374,17 @@ class UcxBackend(Backend):
         self._pump.discard(x)
         with self._lock:
             job, x.job = x.job, None
-            if isinstance(job, SH.CopyJob):
-                job.cancel()  # between steps: no syscall is running, nothing moves any more
-            if self._closed:
+            if job is not None:  # the bytes were still moving (a notification is sent only after)
+                x.path.cancel(job)
+            if self._closed or x.am is None:
                 return
             peer = x.peer
-            deadline = time.monotonic() + self._cancel_timeout
             alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
-            settled = job.cancel(deadline, alive) if isinstance(job, RmaJob) else True
-            if x.am is not None:
-                (peer.w or self._w).drain([x.am], deadline, alive)
-                x.am = None
-            if not settled and alive():
-                # The peer neither finished nor failed in time: force the endpoint closed, which
-                # completes its requests, so that nothing writes into our memory after we return.
-                peer.failed = L.UCS_ERR_CANCELED
-                peer.why = (f"did not settle a cancelled transfer within cancel_timeout={self._cancel_timeout:g} s, "
-                            "so its connection was closed (nothing can arrive late)")
-                self._disconnect(peer, force=True)
+            (peer.w or self._w).drain([x.am], time.monotonic() + self._cancel_timeout, alive)
+            x.am = None
+
+    def data_path(self, xfer: Any) -> str | None:
+        return xfer.path.kind(xfer.job)  # type: ignore[no-any-return]
 
     # -- notifications --------------------------------------------------------------------------
     def _send_notification(self, peer: _Peer, message: bytes) -> tuple[int | None, tuple[Any, ...]]:
@@ -473,7 +440,7 @@ class UcxBackend(Backend):
     # -- teardown -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise AgentClosedError("ucx backend is closed")
+            raise BackendClosedError("ucx backend is closed")
 
     def close(self) -> None:
         self._pump.stop()  # outside the lock: its thread may be waiting for it

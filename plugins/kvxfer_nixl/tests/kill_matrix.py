@@ -29,8 +29,6 @@ import argparse
 import base64
 import json
 import os
-import selectors
-import subprocess
 import sys
 import threading
 import time
@@ -38,6 +36,8 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+
+from kvxfer.testing.peer import PeerProcess
 
 SENTINEL = 0xAA
 GEOM: dict[str, Any] = {"num_blocks": 64, "num_layers": 4, "page": 256 << 10}  # 1 MiB rows, 64 MiB per side
@@ -52,57 +52,18 @@ def _env() -> dict[str, str]:
             "UCX_LOG_LEVEL": "fatal"}
 
 
-class Peer:
-    """A peer agent in its own process; holds a seeded cache (``seed``) or the sentinel."""
+class Peer(PeerProcess):
+    """A peer agent in its own process (:mod:`kvxfer.testing.peer`): a seeded cache (``seed``) or the sentinel."""
 
     def __init__(self, seed: int | None, timeout: float = 120.0) -> None:
-        cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", "nixl", "--name", "peer", "--cache", "packed",
-               "--blocks", str(GEOM["num_blocks"]), "--layers", str(GEOM["num_layers"]), "--page", str(GEOM["page"]),
-               "--replicated"] + ([] if seed is None else ["--seed", str(seed)])
-        self.timeout = timeout
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=_env())
-        self.metadata = base64.b64decode(self._read()["metadata"])
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(self.timeout):
-            raise TimeoutError("peer process did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"peer failed: {reply}")
-        return reply
-
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        args = ["--backend", "nixl", "--name", "peer", "--cache", "packed", "--blocks", str(GEOM["num_blocks"]),
+                "--layers", str(GEOM["num_layers"]), "--page", str(GEOM["page"]),
+                "--replicated"] + ([] if seed is None else ["--seed", str(seed)])
+        super().__init__(args, timeout=timeout, env=_env())
 
     def pages(self) -> np.ndarray:
         raw = base64.b64decode(self.call({"cmd": "pages"})["pages"])
         return np.frombuffer(raw, np.uint8).reshape(GEOM["num_layers"], GEOM["num_blocks"], GEOM["page"])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call({"cmd": "exit"})
-            except Exception:
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class Matrix:

@@ -7,9 +7,7 @@ Every transfer moves real bytes and checks what changed and what must not have. 
 from __future__ import annotations
 
 import base64
-import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from ucx_helpers import SENT, descs, drive, pattern
 
 from kvxfer import Agent, Allocation, Op
 from kvxfer.errors import PeerDisconnectedError, UnknownPeerError
+from kvxfer.testing import lines
 from kvxfer_ucx.backend import UcxBackend
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
@@ -47,26 +46,16 @@ class Peer:
     def __init__(self, name: str, nbytes: int, fill: str, *options: str) -> None:
         self.proc = subprocess.Popen([sys.executable, PEER, name, str(nbytes), fill, *options],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._ch = lines.Channel(self.proc)
         hello = self._read()
         self.blob, self.address = base64.b64decode(hello["meta"]), int(hello["address"])
 
     def _read(self, progress: UcxBackend | None = None) -> dict[str, Any]:
         """One reply line; meanwhile drive ``progress`` (software RMA needs the target to)."""
-        assert self.proc.stdout is not None
-        if progress is not None:
-            deadline = time.monotonic() + 30
-            while not select.select([self.proc.stdout], [], [], 0.001)[0]:
-                progress.progress()
-                assert time.monotonic() < deadline, "peer did not answer"
-        line = self.proc.stdout.readline()
-        assert line, "peer process exited"
-        return json.loads(line)
+        return self._ch.read(60, progress.progress if progress is not None else None)
 
     def cmd(self, progress: UcxBackend | None = None, **msg: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self._read(progress)
+        return self._ch.ask(msg, 60, progress.progress if progress is not None else None)
 
     def kill(self) -> None:
         """SIGKILL and reap at once, as a supervisor would (see the README on zombies)."""

@@ -18,15 +18,14 @@ Usage: python plugins/kvxfer_ucx/tests/ucx_peer.py NAME NBYTES PATTERN_SEED|aa [
 from __future__ import annotations
 
 import base64
-import json
 import os
-import select
 import sys
 import time
 
 import numpy as np
 
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer.testing import lines
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
@@ -49,58 +48,43 @@ def main() -> None:
     addr = buf.ctypes.data
     be.register([Allocation(addr, nbytes, MemoryKind.DRAM)])
 
-    def say(obj: dict) -> None:
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
+    lines.say(out, {"meta": base64.b64encode(be.local_metadata()).decode(), "address": addr, "pid": os.getpid()})
+    def exit_() -> dict:
+        be.close()
+        return {"ok": True}
 
-    say({"meta": base64.b64encode(be.local_metadata()).decode(), "address": addr, "pid": os.getpid()})
-    stdin = sys.stdin.buffer
-    pending = b""
-    while True:
-        be.progress()
-        r, _, _ = select.select([stdin], [], [], 0.0005)
-        if not r:
-            continue
-        chunk = os.read(stdin.fileno(), 1 << 20)
-        if not chunk:
-            break
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            msg = json.loads(line)
-            cmd = msg["cmd"]
-            if cmd == "exit":
-                be.close()
-                say({"ok": True})
-                return
-            if cmd == "add":
-                be.add_remote(msg["name"], base64.b64decode(msg["blob"]))
-                say({"ok": True})
-            elif cmd == "dump":
-                o, n = msg.get("offset", 0), msg.get("nbytes", nbytes)
-                say({"data": base64.b64encode(buf[o:o + n].tobytes()).decode()})
-            elif cmd == "fill":
-                buf[:] = msg["byte"]
-                say({"ok": True})
-            elif cmd == "notifs":
-                got = be.drain_notifications()
-                say({"notifs": {k: [base64.b64encode(m).decode() for m in v] for k, v in got.items()}})
-            elif cmd == "write":
-                pairs = np.array(msg["pairs"], dtype=np.uint64).reshape(-1, 3)
-                local = be.prepare(None, DescriptorList(np.stack([addr + pairs[:, 0], pairs[:, 2],
-                                                                  np.zeros(len(pairs), np.uint64)], 1)))
-                remote = be.prepare(msg["peer"], DescriptorList(np.stack([pairs[:, 1], pairs[:, 2],
-                                                                          np.zeros(len(pairs), np.uint64)], 1)))
-                idx = np.arange(len(pairs), dtype=np.int64)
-                note = base64.b64decode(msg["notify"]) if msg.get("notify") else None
-                x = be.post(Op.WRITE, local, idx, remote, idx, note)
-                deadline = time.monotonic() + 30
-                while not be.poll(x):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("write did not finish")
-                be.release(x)
-                say({"ok": True})
+    def handle(msg: dict) -> dict:
+        cmd = msg["cmd"]
+        if cmd == "add":
+            be.add_remote(msg["name"], base64.b64decode(msg["blob"]))
+            return {"ok": True}
+        if cmd == "dump":
+            o, n = msg.get("offset", 0), msg.get("nbytes", nbytes)
+            return {"data": base64.b64encode(buf[o:o + n].tobytes()).decode()}
+        if cmd == "fill":
+            buf[:] = msg["byte"]
+            return {"ok": True}
+        if cmd == "notifs":
+            got = be.drain_notifications()
+            return {"notifs": {k: [base64.b64encode(m).decode() for m in v] for k, v in got.items()}}
+        if cmd == "write":
+            pairs = np.array(msg["pairs"], dtype=np.uint64).reshape(-1, 3)
+            local = be.prepare(None, DescriptorList(np.stack([addr + pairs[:, 0], pairs[:, 2],
+                                                              np.zeros(len(pairs), np.uint64)], 1)))
+            remote = be.prepare(msg["peer"], DescriptorList(np.stack([pairs[:, 1], pairs[:, 2],
+                                                                      np.zeros(len(pairs), np.uint64)], 1)))
+            idx = np.arange(len(pairs), dtype=np.int64)
+            note = base64.b64decode(msg["notify"]) if msg.get("notify") else None
+            x = be.post(Op.WRITE, local, idx, remote, idx, note)
+            deadline = time.monotonic() + 30
+            while not be.poll(x):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("write did not finish")
+            be.release(x)
+            return {"ok": True}
+        raise ValueError(f"unknown command {cmd!r}")
 
+    lines.serve(handle, be.progress, out, poll_s=0.0005, on_exit=exit_)
 
 if __name__ == "__main__":
     main()

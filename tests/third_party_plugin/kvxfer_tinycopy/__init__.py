@@ -2,6 +2,8 @@
 
 It is the worked example of CONTRIBUTING.md: register through the hook, implement the
 seam with numpy, let the core do validation, planning, deadlines and notifications' order.
+Its ``post`` is one loop over a table of data paths (:class:`kvxfer.plugin.DataPath`): the
+core's same-host GPU path (:class:`kvxfer.cuda.DevicePath`) is one row, memmove the other.
 """
 
 from __future__ import annotations
@@ -9,77 +11,139 @@ from __future__ import annotations
 import ctypes
 import itertools
 import secrets
+import threading
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-import kvxfer
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, Op
-from kvxfer.errors import PeerDisconnectedError, UnknownPeerError
+from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer.cuda import DevicePath, Spans
+from kvxfer.errors import KvxferError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
+from kvxfer.plugin import DataPath, RegisterBackend, choose, hookimpl
+from kvxfer.progress import Pump
 
 _LIVE: dict[bytes, "TinyCopy"] = {}
+_TOKEN = 16  # bytes of the blob naming the agent; the device path's export follows them
+
+
+class Listed:
+    """A prepared list: expanded rows, their kind, whose memory it is, the device path's view."""
+
+    def __init__(self, descs: DescriptorList, owner: "TinyCopy", device: Spans | None) -> None:
+        self.rows, self.kind, self.owner, self.device = descs.expand().array, descs.kind, owner, device
+
+
+class Memmove:
+    """The host-memory path: one memmove per pair, done before ``start`` returns."""
+
+    sends_notification = False
+
+    @staticmethod
+    def serves(local: Listed, remote: Listed) -> bool:
+        return local.kind is remote.kind is MemoryKind.DRAM
+
+    @staticmethod
+    def start(op: Op, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> str:
+        la, ra = local.rows[li], remote.rows[ri]
+        dst, src = (la, ra) if op is Op.READ else (ra, la)
+        for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), dst[:, 1].tolist()):
+            ctypes.memmove(d, s, n)
+        return "memmove"
+
+    @staticmethod
+    def poll(h: str) -> bool:
+        return True
+
+    @staticmethod
+    def cancel(h: str) -> None:
+        pass
+
+    @staticmethod
+    def kind(h: str) -> str:
+        return "memmove"
+
+
+class Post:
+    def __init__(self, path: DataPath, h: Any, to: "TinyCopy", notification: bytes | None) -> None:
+        self.path, self.h, self.to, self.notification = path, h, to, notification
 
 
 class TinyCopy(Backend):
     name = "tinycopy"
-    capabilities = Capabilities(cross_process=False)  # DRAM, READ/WRITE, notifications
+    # DRAM by memmove; VRAM only where the device path takes the list (prepare refuses the rest).
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}), cross_process=False)
 
     def __init__(self, agent_name: str, **options: Any) -> None:
         super().__init__(agent_name, **options)
-        self._token = secrets.token_bytes(16)
+        self._token = secrets.token_bytes(_TOKEN)
         self._peers: dict[str, TinyCopy] = {}
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
         self._ids = itertools.count()
-        self._prepared_owner: dict[int, TinyCopy] = {}
+        self._device = DevicePath()  # loads CUDA only once VRAM is registered
+        self._paths: tuple[DataPath, ...] = (self._device, Memmove())  # the GPU path is this one row
+        self._pump: Pump[Post] = Pump(self.poll, name="tinycopy-notify")  # notifications nobody polls for
+        self._lock = threading.Lock()  # the caller and the pump may finish one post together
         _LIVE[self._token] = self
 
     def register(self, allocations: Sequence[Allocation]) -> int:
-        return next(self._ids)  # host memory needs no pinning here
+        return self._device.register(allocations)  # host memory needs no pinning; VRAM is exported
 
     def deregister(self, handle: Any) -> None:
-        pass
+        self._device.deregister(handle)
 
     def local_metadata(self) -> bytes:
-        return self._token
+        return self._token + self._device.blob()
 
-    def add_remote(self, peer_name: str, blob: bytes) -> str:
-        if blob not in _LIVE:
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
+        other = _LIVE.get(bytes(blob[:_TOKEN]))
+        if other is None:
             raise PeerDisconnectedError(f"{peer_name} is not alive in this process")
-        self._peers[peer_name] = _LIVE[blob]
-        return peer_name
+        try:
+            self._device.add_peer(peer_name, bytes(blob[_TOKEN:]))
+        except KvxferError:
+            raise
+        except Exception as exc:  # only typed errors leave add_remote
+            raise MetadataError(f"bad device export from {peer_name!r}: {exc!r}") from exc
+        self._peers[peer_name] = other
 
     def remove_remote(self, peer: str) -> None:
         self._peers.pop(peer, None)
+        self._device.remove_peer(peer)
 
-    def prepare(self, peer: str | None, descs: DescriptorList) -> np.ndarray:
+    def prepare(self, peer: str | None, descs: DescriptorList) -> Listed:
         if peer is not None and peer not in self._peers:
             raise UnknownPeerError(peer)
-        arr = descs.expand().array
-        self._prepared_owner[id(arr)] = self if peer is None else self._peers[peer]
-        return arr
+        device = self._device.prepare(peer, descs)
+        if descs.kind is MemoryKind.VRAM and device is None and len(descs):
+            raise UnsupportedError("tinycopy moves VRAM only through the device path, which refused this list")
+        return Listed(descs, self if peer is None else self._peers[peer], device)
 
-    def release_prepared(self, prepared: Any) -> None:
-        self._prepared_owner.pop(id(prepared), None)
+    def post(self, op: Op, local: Listed, local_idx: np.ndarray, remote: Listed, remote_idx: np.ndarray,
+             notification: bytes | None) -> Post:
+        path = choose(self._paths, local, remote)
+        x = Post(path, path.start(op, local, local_idx, remote, remote_idx, remote.owner.agent_name, notification),
+                 remote.owner, notification)
+        if notification is not None and not self.poll(x):
+            self._pump.add(x)  # a device copy still running: its notification leaves when it is done
+        return x
 
-    def post(self, op: Op, local: np.ndarray, local_idx: np.ndarray, remote: np.ndarray, remote_idx: np.ndarray,
-             notification: bytes | None) -> str:
-        la, ra = local[local_idx], remote[remote_idx]
-        dst, src = (la, ra) if op is Op.READ else (ra, la)
-        for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), dst[:, 1].tolist()):
-            ctypes.memmove(d, s, n)
-        if notification is not None:  # after the copy: the receiver may read on arrival
-            self._owner_of(remote)._inbox[self.agent_name].append(notification)
-        return "done"
-
-    def _owner_of(self, remote: np.ndarray) -> "TinyCopy":
-        return self._prepared_owner[id(remote)]
-
-    def poll(self, xfer: Any) -> bool:
+    def poll(self, xfer: Post) -> bool:
+        if not xfer.path.poll(xfer.h):
+            return False
+        with self._lock:
+            note, xfer.notification = xfer.notification, None
+        if note is not None:  # after the copy: the receiver may read on arrival
+            xfer.to._inbox[self.agent_name].append(note)
         return True
 
-    def release(self, xfer: Any) -> None:
-        pass
+    def release(self, xfer: Post) -> None:
+        self._pump.discard(xfer)
+        xfer.path.cancel(xfer.h)
+
+    def data_path(self, xfer: Post) -> str | None:
+        return xfer.path.kind(xfer.h)
 
     def notify(self, peer: str, message: bytes) -> None:
         self._peers[peer]._inbox[self.agent_name].append(message)
@@ -89,9 +153,11 @@ class TinyCopy(Backend):
         return out
 
     def close(self) -> None:
+        self._pump.stop()
+        self._device.close()
         _LIVE.pop(self._token, None)
 
 
-@kvxfer.hookimpl
-def kvxfer_register_backends(register: Callable[..., None]) -> None:
+@hookimpl
+def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("tinycopy", TinyCopy, summary="third-party example: same-process memmove")

@@ -1,0 +1,106 @@
+"""The one protocol of kvxfer's child-peer programs: a JSON command per line, a JSON reply per line.
+
+A test drives a peer in another process by writing ``{"cmd": ...}`` lines to its stdin and
+reading one reply line per command from its stdout (or a private copy of it, where transport
+libraries print on fd 1). The child keeps its agent progressing between commands, answers
+an exception as ``{"error": TYPE, "message": TEXT}`` and keeps serving, and stops on
+``{"cmd": "exit"}`` or end of input. :func:`serve` is the child's loop and :class:`Channel`
+the parent's end, so each program only says what its commands do.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import IO, Any, Callable
+
+__all__ = ["Channel", "say", "serve"]
+
+Reply = dict[str, Any]
+
+
+def say(out: IO[str], doc: Reply) -> None:
+    """Write one reply line and flush it (the parent is waiting for it)."""
+    out.write(json.dumps(doc) + "\n")
+    out.flush()
+
+
+def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[str] | None = None,
+          stdin: IO[str] | None = None, poll_s: float = 0.001, on_exit: Callable[[], Reply] | None = None) -> int:
+    """Answer commands until ``exit`` (or a reply holding ``"exit"``) or end of input; returns 0.
+
+    ``idle`` runs whenever no command waited for ``poll_s`` seconds (progress the agent there);
+    ``on_exit``, if given, answers the ``exit`` command (after closing what it must).
+    """
+    out = sys.stdout if out is None else out
+    fd = (sys.stdin if stdin is None else stdin).fileno()
+    buf = b""  # read from the fd itself, so two commands in one read are both answered
+    while True:
+        if b"\n" not in buf:
+            if not select.select([fd], [], [], poll_s)[0]:
+                idle()
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return 0
+            buf += chunk
+            continue
+        line, buf = buf.split(b"\n", 1)
+        cmd: Reply = json.loads(line)
+        if cmd.get("cmd") == "exit":
+            if on_exit is not None:
+                say(out, on_exit())
+            return 0
+        try:
+            reply = handle(cmd)
+        except Exception as exc:  # report and keep serving: the test decides what it means
+            reply = {"error": type(exc).__name__, "message": str(exc)}
+        if reply.get("exit"):
+            return 0
+        say(out, reply)
+
+
+class Channel:
+    """The parent's end: send a command, read the reply line within a timeout."""
+
+    def __init__(self, proc: "subprocess.Popen[Any]") -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self._in, self._fd = proc.stdin, proc.stdout.fileno()
+        self._text = isinstance(proc.stdin, io.TextIOBase)
+        self._buf = b""  # replies are read from the fd itself: bytes past one line wait here
+
+    def send(self, doc: Reply) -> None:
+        data = json.dumps(doc) + "\n"
+        self._in.write(data if self._text else data.encode())  # type: ignore[arg-type]
+        self._in.flush()
+
+    def read(self, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
+        """The next reply; :class:`TimeoutError` if none came in time, :class:`EOFError` if the child exited.
+
+        ``idle`` runs about every millisecond while waiting (a parent whose transport moves
+        only while it is progressed drives it there)."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply within {timeout:g} s")
+            if not select.select([self._fd], [], [], left if idle is None else min(left, 0.001))[0]:
+                if idle is not None:
+                    idle()
+                continue
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                raise EOFError("the child exited")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def ask(self, doc: Reply, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
+        self.send(doc)
+        return self.read(timeout, idle)

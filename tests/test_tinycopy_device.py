@@ -1,0 +1,102 @@
+"""A third-party backend gets the same-host GPU path by listing the core's device path as a row.
+
+``tests/third_party_plugin`` (tinycopy, CONTRIBUTING's worked example) keeps two data paths:
+:class:`kvxfer.cuda.DevicePath` and memmove. CUDA is :class:`kvxfer.testing.fake_cuda.FakeCuda`
+(host memory posing as VRAM, copies that really move bytes), installed as the process-wide
+capability, so both agents of this process get the device path's same-process route.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer.cuda import SAME_PROCESS, capability
+from kvxfer.errors import UnsupportedError
+from kvxfer.testing.fake_cuda import FakeCuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "third_party_plugin"))
+from kvxfer_tinycopy import TinyCopy  # noqa: E402
+
+SENTINEL = 0xAA
+ROWS, ROW = 12, 64
+
+
+class Side:
+    def __init__(self, name: str, kind: MemoryKind, seed: int | None) -> None:
+        self.mem = (np.random.default_rng(seed).integers(0, 256, (ROWS, ROW), dtype=np.uint8) if seed is not None
+                    else np.full((ROWS, ROW), SENTINEL, np.uint8))
+        self.kind = kind
+        self.b = TinyCopy(name)
+        self.b.register([Allocation(self.mem.ctypes.data, self.mem.nbytes, kind, 0)])
+
+    def rows(self) -> DescriptorList:
+        return DescriptorList([[self.mem.ctypes.data + i * ROW, ROW, 0] for i in range(ROWS)], self.kind)
+
+
+def _pair(kind: MemoryKind) -> tuple[Side, Side]:
+    a, b = Side("a", kind, seed=None), Side("b", kind, seed=7)
+    a.b.add_remote("b", b.b.local_metadata())
+    b.b.add_remote("a", a.b.local_metadata())
+    return a, b
+
+
+def _wait(backend: TinyCopy, x: object) -> None:
+    end = time.monotonic() + 30
+    while not backend.poll(x):
+        assert time.monotonic() < end
+        time.sleep(0)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    cap = FakeCuda()
+    monkeypatch.setitem(capability._cap, "cap", cap)
+    return cap
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_vram_moves_through_the_device_path_row(fake_gpu: FakeCuda, op: Op) -> None:
+    a, b = _pair(MemoryKind.VRAM)
+    if op is Op.WRITE:  # a writes its pattern into b's sentinel
+        a.mem[:] = np.random.default_rng(3).integers(0, 256, a.mem.shape, dtype=np.uint8)
+        b.mem[:] = SENTINEL
+    before_a, before_b = a.mem.copy(), b.mem.copy()
+    li, ri = np.array([0, 5, 6, 11], np.int64), np.array([9, 2, 3, 0], np.int64)
+    lp, rp = a.b.prepare(None, a.rows()), a.b.prepare("b", b.rows())
+    x = a.b.post(op, lp, li, rp, ri, b"done")
+    _wait(a.b, x)
+    assert a.b.data_path(x) == SAME_PROCESS  # the device path's row served it, not memmove
+    want_a, want_b = before_a.copy(), before_b.copy()
+    if op is Op.READ:
+        want_a[li] = before_b[ri]
+    else:
+        want_b[ri] = before_a[li]
+    np.testing.assert_array_equal(a.mem, want_a)
+    np.testing.assert_array_equal(b.mem, want_b)
+    assert b.b.drain_notifications() == {"a": [b"done"]}
+    a.b.release(x)
+
+
+def test_dram_still_takes_memmove(fake_gpu: FakeCuda) -> None:
+    a, b = _pair(MemoryKind.DRAM)
+    before_b = b.mem.copy()
+    x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), np.arange(3), a.b.prepare("b", b.rows()), np.arange(3), None)
+    _wait(a.b, x)
+    assert a.b.data_path(x) == "memmove"
+    np.testing.assert_array_equal(a.mem[:3], before_b[:3])
+    assert (a.mem[3:] == SENTINEL).all()
+
+
+def test_without_cuda_vram_is_refused_not_memmoved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: where the device path cannot take a VRAM list, nothing else may touch it."""
+    monkeypatch.setitem(capability._cap, "cap", FakeCuda(unavailable="no driver"))
+    a, b = _pair(MemoryKind.VRAM)
+    with pytest.raises(UnsupportedError, match="device path"):
+        a.b.prepare("b", b.rows())
+    assert (a.mem == SENTINEL).all()
