@@ -97,8 +97,10 @@ class NixlBackend(Notifications, Files, Backend):
         if prove_metadata not in (True, False, "auto"):
             raise BackendError(f"prove_metadata must be True, False or 'auto', got {prove_metadata!r}")
         self._prove_all = prove_metadata is True
+        # The helper's backend never runs NIXL's progress thread: proving only adds and removes
+        # peers, and that thread would spin a core in an idle helper for its whole life.
         self._prover = _probe.prover(dict(
-            progress_thread=self._progress_thread, backends=list(self._backends), num_threads=int(num_threads),
+            progress_thread=False, backends=list(self._backends), num_threads=int(num_threads),
             device_copy=bool(device_copy), device_engine=device_engine, device_copy_on=device_copy_on,
             notify_thread=bool(notify_thread)),
             prove_timeout) if prove_metadata else None

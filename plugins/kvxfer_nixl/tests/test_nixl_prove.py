@@ -100,3 +100,20 @@ def test_without_the_prover_the_saved_input_really_crashes_nixl() -> None:
 
 if __name__ == "__main__":
     print(json.dumps(scenario(sys.argv[1], sys.argv[2] == "1")), flush=True)
+
+
+def test_the_helper_of_a_progress_thread_backend_runs_no_progress_thread() -> None:
+    """NIXL's progress thread polls without pause: in an idle helper it would take a core for
+    the helper's whole life (one did, for the rest of a test session). Proving only adds and
+    removes peers, so the helper's backend never runs it, and both settings share one helper."""
+    from kvxfer_nixl.backend import NixlBackend
+
+    with_thread = NixlBackend("prove-pt-on", progress_thread=True, prove_metadata="auto")
+    without = NixlBackend("prove-pt-off", progress_thread=False, prove_metadata="auto")
+    try:
+        assert with_thread._prover is not None
+        assert json.loads(with_thread._prover.options)["progress_thread"] is False
+        assert with_thread._prover is without._prover
+    finally:
+        with_thread.close()
+        without.close()
