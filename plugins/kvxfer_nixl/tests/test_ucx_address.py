@@ -116,7 +116,7 @@ def test_every_genuine_child_loads(children: list[dict[str, Any]], local: list[A
     be = local[0]
     for h in children:
         for i, blob in enumerate(h["blobs"]):
-            assert be.add_remote(f"child{i}", blob) == f"child{i}"
+            be.add_remote(f"child{i}", blob)
             be.remove_remote(f"child{i}")
 
 
@@ -171,7 +171,7 @@ def test_this_pid_planted_in_a_genuine_blob_loads(children: list[dict[str, Any]]
     conns = tuple((b, addr if b == "UCX" else info) for b, info in parsed.conns)
     md = dataclasses.replace(parsed, conns=conns)
     blob = _blob.encode(parsed.identity, parsed.instance, parsed.reg_epoch, parsed.device, md.nixl_metadata("child0"))
-    assert local[1].add_remote("child0", blob) == "child0"
+    local[1].add_remote("child0", blob)
     local[1].remove_remote("child0")
 
 
@@ -210,7 +210,7 @@ def test_an_address_naming_a_third_process_is_refused(children: list[dict[str, A
         with pytest.raises(IdentityError, match=f"names process\\(es\\) \\[{third['pid']}\\]"):
             be.add_remote("child0", _third_party_blob(sender, third))
         assert "child0" not in be._remotes
-        assert be.add_remote("child0", sender["blobs"][0]) == "child0"  # the sender itself still loads
+        be.add_remote("child0", sender["blobs"][0])  # the sender itself still loads
     finally:
         be.close()
 
