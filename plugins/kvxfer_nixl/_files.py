@@ -55,8 +55,8 @@ class NixlFiles(FilePath):
         except Exception as exc:
             raise map_error(exc, "creating NIXL's POSIX file plugin") from exc
         self._mirrored: dict[int, tuple[Any, Any]] = {}  # id(Registration) -> (it, file-agent handle)
-        self._files: dict[int, tuple[int, int, Any]] = {}  # id(handle token) -> fd, size, NIXL registration
-        self._own: dict[int, tuple[tuple[Allocation, ...], Any]] = {}  # the core's stage buffers
+        self._files: dict[object, tuple[int, int, Any]] = {}  # handle token -> fd, size, NIXL registration
+        self._own: dict[object, tuple[tuple[Allocation, ...], Any]] = {}  # the core's stage buffers
 
     def _sync(self) -> None:
         """Mirror the backend's DRAM registrations (under the lock)."""
@@ -90,12 +90,12 @@ class NixlFiles(FilePath):
             except Exception as exc:
                 raise map_error(exc, f"registering {len(allocs)} stage buffer(s) for file I/O") from exc
             token = object()
-            self._own[id(token)] = (allocs, h)
+            self._own[token] = (allocs, h)
             return token
 
     def deregister(self, handle: Any) -> None:
         with self._lock:
-            entry = self._own.pop(id(handle), None)
+            entry = self._own.pop(handle, None)
             if entry is not None:
                 with contextlib.suppress(Exception):
                     self._agent.deregister_memory(entry[1])
@@ -107,12 +107,12 @@ class NixlFiles(FilePath):
             except Exception as exc:
                 raise map_error(exc, f"registering a {nbytes}-byte file for NIXL POSIX") from exc
             token = object()
-            self._files[id(token)] = (int(fd), int(nbytes), reg)
+            self._files[token] = (int(fd), int(nbytes), reg)
             return token
 
     def deregister_file(self, handle: Any) -> None:
         with self._lock:
-            entry = self._files.pop(id(handle), None)
+            entry = self._files.pop(handle, None)
             if entry is not None:
                 with contextlib.suppress(Exception):
                     self._agent.deregister_memory(entry[2])
@@ -123,7 +123,7 @@ class NixlFiles(FilePath):
         with self._lock:
             if self._backend._closed:
                 raise BackendError(f"NIXL backend of {self._backend.agent_name!r} is closed")
-            entry = self._files.get(id(file))
+            entry = self._files.get(file)
             if entry is None:
                 raise BackendError("post() needs a file registered with this path")
             fd, size, _ = entry
