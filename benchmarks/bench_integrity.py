@@ -169,13 +169,13 @@ def main() -> None:
                        Column("digest_seq_GBps", "digest GB/s (blocks 0..n-1)", "{:.1f}"),
                        Column("bytes_ok")])
     print(f"plain copy of the same bytes on {args.memory}: {copy:.1f} GB/s")
-    from kvxfer.integrity import _gpu
+    from kvxfer.integrity import gpu_product
 
-    if _gpu.PRODUCT:
-        print(f"mm8 product: {_gpu.PRODUCT[0]}")
+    if gpu_product():
+        print(f"mm8 product: {gpu_product()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "copy_GBps": copy, "args": vars(args), "product": _gpu.PRODUCT}, f, indent=1)
+            json.dump({"rows": rows, "copy_GBps": copy, "args": vars(args), "product": [gpu_product()] if gpu_product() else []}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 from _timing import Column, count, print_table, samples
 
 import kvxfer
-from kvxfer.presets import PRESETS
+from kvxfer.geometry import PRESETS
 
 
 def _best(fn, repeat: int) -> float:

@@ -24,7 +24,7 @@ import numpy as np
 from _timing import Column, count, print_table, samples
 
 from kvxfer import plan
-from kvxfer.presets import PRESETS
+from kvxfer.geometry import PRESETS
 
 
 def _time(fn, repeat: int) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from _timing import samples
 
 import kvxfer
 from kvxfer.planner import plan_gather
-from kvxfer.reshard import gather
+from kvxfer.pairing import gather
 
 LAYERS, HEADS, DIM, TOKENS = 32, 8, 128, 16
 

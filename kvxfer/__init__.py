@@ -22,13 +22,14 @@ from .agent import Agent, Peer
 from .plugin.backend import Backend, Capabilities
 from .errors import *  # noqa: F403
 from .plugin.hookspecs import hookimpl
-from .from_tensors import spec_from_arrays, spec_from_pointers, spec_from_tensors
-from .compat import check_pairing, spec_diff
-from .layout import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
+from .geometry._discover import spec_from_arrays, spec_from_pointers, spec_from_tensors
+from .pairing._rules import check_pairing, spec_diff
+from .geometry._spec import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
 from .memory import Allocation, DescriptorList, MemoryKind, Op
 from .metadata import AgentMetadata
-from .pageformat import PageFormat, Shard
-from .planner import Leg, Pairing, TransferPlan, pair, plan
+from .geometry._pageformat import PageFormat, Shard
+from .pairing._templates import Pairing, pair
+from .planner import Leg, TransferPlan, plan
 from .plugin.registry import BackendStatus, available_backends
 from .transfer import Status, Transfer, TransferStats
 from .owned import OwnedFuture, OwnedTransfer

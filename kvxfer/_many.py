@@ -13,8 +13,9 @@ from . import _checks
 from .errors import InvalidArgumentError, SpecError, UnsupportedError
 from .group import TransferGroup
 from .memory import Op
-from .planner import Pairing, plan_gather
-from .reshard import cached_gather
+from .pairing._templates import Pairing
+from .planner import plan_gather
+from .pairing._reshard import cached_gather
 from .transfer import Transfer
 
 __all__ = ["post_many"]

@@ -27,17 +27,18 @@ from .errors import (
     UnknownPeerError,
     UnsupportedError,
 )
-from .from_tensors import spec_from_tensors
+from .geometry._discover import spec_from_tensors
 from .group import TransferGroup
-from .layout import KVCacheSpec
+from .geometry._spec import KVCacheSpec
 from .memory import Op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
-from .planner import Pairing, TransferPlan, pair, plan
+from .pairing._templates import Pairing, pair
+from .planner import TransferPlan, plan
 from .plugin.backend import Backend, check_options
 from .plugin.registry import get_backend_class, plugin_manager
 from .posts import Chunk, plan_chunks
-from .reshard import Gather, pair_source
+from .pairing._reshard import Gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
 from . import _checks, _many, lifecycle
@@ -254,7 +255,7 @@ class Agent:
         """:meth:`add_peer` for a peer of another TP size, PP stage or block size.
 
         Such a peer may hold only some of our heads or layers: it is accepted when every
-        page both sides hold can be copied correctly (:func:`kvxfer.reshard.pair_source`),
+        page both sides hold can be copied correctly (:func:`kvxfer.pairing._reshard.pair_source`),
         and refused with the typed error otherwise. Read it with :meth:`read_many`, or
         with :meth:`read` when it alone holds everything we need.
         """
@@ -422,7 +423,7 @@ class Agent:
         """Gather ``local_blocks`` from several peers: ``{peer: its block ids}``, one request.
 
         For peers of another TP or PP size: each local member's heads and layers come from
-        the peer that holds them (chosen as :mod:`kvxfer.reshard` says); a remote block
+        the peer that holds them (chosen as :mod:`kvxfer.pairing._reshard` says); a remote block
         smaller than ours fills ``k`` consecutive ids per local block. Peers given that hold
         nothing needed are not read and, with ``notify``, are told at once. ``expect``: each
         peer's digests (of :meth:`cells_for` cells where geometries differ), verified as in :meth:`read`.

@@ -5,7 +5,7 @@ prepared list, or the lists themselves. Three shapes exist, and each is a class 
 that nothing asks a leg what it is before using it:
 
 * :class:`SpecLeg`: indices into the lists every spec prepares once per (granularity, kind);
-* :class:`SlicedLeg`: indices into a gather's sliced page lists (:mod:`kvxfer.slicedlists`),
+* :class:`SlicedLeg`: indices into a gather's sliced page lists (:mod:`kvxfer.pairing._sliced`),
   prepared once per peer;
 * :class:`ExplicitLeg`: explicit descriptor lists (a coalesced plan), prepared per transfer.
 
@@ -20,9 +20,9 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .layout import Granularity, KVCacheSpec
+from .geometry._spec import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind
-from .slicedlists import SlicedLists
+from .pairing._sliced import SlicedLists
 
 __all__ = ["ExplicitLeg", "Leg", "Lists", "SlicedLeg", "SpecLeg"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MetadataError, SpecError
-from .layout import KVCacheSpec
+from .geometry._spec import KVCacheSpec
 from .tokens import TAG_SIZE, mac
 
 __all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES", "MAX_PEER_MEMBERS", "seal", "unseal"]

@@ -19,13 +19,11 @@ import json
 import logging
 import os
 import sys
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from .plugin import registry as _registry
-
-if TYPE_CHECKING:
-    from .agent import Agent
-    from .transfer import Transfer, TransferStats
+from .plugin.hookspecs import ObservedAgent, ObservedTransfer
+from .stats import TransferStats
 
 __all__ = ["add_observer", "remove_observer", "stats_dict", "enable_logging", "JsonFormatter", "LOG_ENV"]
 
@@ -38,7 +36,7 @@ _xfer_log = logging.getLogger("kvxfer.transfer")
 _handler: logging.Handler | None = None
 
 
-def stats_dict(stats: "TransferStats", transfer: "Transfer | None" = None) -> dict[str, Any]:
+def stats_dict(stats: TransferStats, transfer: ObservedTransfer | None = None) -> dict[str, Any]:
     """A transfer's stats as JSON types (plus ``status``/``error`` when the transfer is given)."""
     d = dataclasses.asdict(stats)
     d["gbps"] = stats.gbps
@@ -49,7 +47,7 @@ def stats_dict(stats: "TransferStats", transfer: "Transfer | None" = None) -> di
     return d
 
 
-def transfer_finished(agent: "Agent", transfer: "Transfer") -> None:
+def transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer) -> None:
     """Called by the agent once per transfer leaving flight: log it and tell observers."""
     pm = _registry._pm or _registry.plugin_manager()
     hook = pm.hook.kvxfer_transfer_finished

@@ -1,13 +1,13 @@
 """The transfer planner: as few descriptors as the two sides' layouts allow, or a refusal.
 
-A spec pair is checked and turned into leg templates once (:mod:`kvxfer.pairing`): every
-member pair must mean the same bytes on both sides (:mod:`kvxfer.compat`), else the pair
+A spec pair is checked and turned into leg templates once (:mod:`kvxfer.pairing._templates`): every
+member pair must mean the same bytes on both sides (:mod:`kvxfer.pairing._rules`), else the pair
 is refused before any byte moves. A local region whose remote counterpart lists the same
 members at the same relative offsets moves as **one descriptor per block**; otherwise the
 row is split at the member offsets and each member moves on its own, matched by name; row
 strides may differ and padding is never moved. docs/geometry.md has the table.
 
-Pairs another TP size, PP stage or block size take gather templates (:mod:`kvxfer.reshard`)
+Pairs another TP size, PP stage or block size take gather templates (:mod:`kvxfer.pairing._reshard`)
 instead; :func:`plan_gather` broadcasts those over block ids. Per request, everything is
 vectorized over blocks: a 95k-descriptor split plan is a
 handful of numpy broadcasts, not a Python loop.
@@ -22,14 +22,14 @@ import numpy as np
 
 from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
                      LayoutMismatchError)
-from .layout import Granularity, KVCacheSpec
+from .geometry._spec import Granularity, KVCacheSpec
 from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
 from .memory import DescriptorList, Op
-from .pairing import Group, Pairing, cached_pairing, pair
-from .reshard import Gather
-from .slicedlists import may_merge as _may_merge
+from .pairing._templates import Group, Pairing, cached_pairing, pair
+from .pairing._reshard import Gather
+from .pairing._sliced import may_merge as _may_merge
 
-__all__ = ["plan", "plan_gather", "pair", "Pairing", "TransferPlan", "Leg", "ExplicitLeg", "SlicedLeg", "SpecLeg",
+__all__ = ["plan", "plan_gather", "TransferPlan", "Leg", "ExplicitLeg", "SlicedLeg", "SpecLeg",
            "as_block_ids", "check_unique"]
 
 
@@ -192,8 +192,8 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     explicit descriptor lists. ``pairing``: the result of :func:`pair` for these two specs,
     kept by the caller; without it the pairing is remembered with the remote spec.
     Incompatible specs raise a :class:`~kvxfer.errors.LayoutMismatchError` subclass; a
-    :class:`~kvxfer.reshard.Gather` pairing (another TP size, PP stage or block size) is
-    planned by :mod:`kvxfer.reshard`.
+    :class:`~kvxfer.pairing._reshard.Gather` pairing (another TP size, PP stage or block size) is
+    planned by :mod:`kvxfer.pairing._reshard`.
     """
     op = op if type(op) is Op else Op(op)
     if isinstance(pairing, Gather) and pairing.matches(local_spec, remote_spec):

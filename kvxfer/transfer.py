@@ -10,7 +10,6 @@ finite, positive number of seconds (:func:`kvxfer.deadlines.check_timeout`).
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,55 +18,11 @@ from .deadlines import check_timeout
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
 from .plugin.backend import Backend
+from .stats import Status, TransferStats
 
 _no_telemetry = Backend.telemetry
 
 __all__ = ["Transfer", "TransferStats", "Status"]
-
-
-class Status(str, enum.Enum):
-    PENDING = "PENDING"
-    DONE = "DONE"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-
-@dataclass
-class TransferStats:
-    """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds.
-
-    ``plan_seconds``: planning and list preparation; ``post_seconds``: handing the posts to
-    the backend; ``seconds``: from the first post until DONE was observed. ``mode`` is the
-    plan's shape (``whole-row``, ``split``...). ``path`` names the data path the backend chose
-    (e.g. ``"cuda-ipc"`` or its transport's name), so a silent fallback shows up in stats
-    instead of only as a slower number. ``telemetry`` holds what the backend reports per post
-    (:meth:`kvxfer.Backend.telemetry`), or None when it reports nothing.
-    """
-
-    descriptors: int
-    nbytes: int
-    posts: int
-    plan_seconds: float
-    seconds: float | None = None  # from the first post until DONE was observed
-    path: str | None = None
-    post_seconds: float = 0.0
-    backend: str = ""
-    op: str = ""
-    peer: str = ""
-    mode: str = ""
-    telemetry: list[dict[str, Any]] | None = None
-    wall_seconds: float | None = None  # a group's: from the call until DONE was observed
-
-    @property
-    def gbps(self) -> float | None:
-        if not self.seconds:
-            return None
-        return self.nbytes / self.seconds / 1e9
-
-    @property
-    def completion_seconds(self) -> float | None:
-        """Time from the last post until DONE was observed."""
-        return None if self.seconds is None else max(0.0, self.seconds - self.post_seconds)
 
 
 @dataclass

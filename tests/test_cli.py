@@ -92,7 +92,7 @@ def test_plan_presets_json_counts() -> None:
 
 
 def test_plan_default_table_lists_every_preset() -> None:
-    from kvxfer.presets import PRESETS
+    from kvxfer.geometry import PRESETS
 
     r = kvxfer_cmd("plan", "--tokens", "1000")
     assert r.returncode == 0, r.stderr

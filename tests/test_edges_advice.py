@@ -16,7 +16,7 @@ import pytest
 import kvxfer
 from hetero_caches import gqa_rank, logical, mla_rank, untouched
 from kvxfer.errors import HeadSliceMismatchError, SpecError
-from kvxfer.reshard import heads_of
+from kvxfer.pairing import heads_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 L, B, T, H, D = 2, 8, 4, 8, 4

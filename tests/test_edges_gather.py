@@ -17,7 +17,7 @@ import pytest
 
 import kvxfer
 from hetero_caches import agent, assert_gathered, gqa_rank, logical, untouched
-from kvxfer.reshard import heads_of
+from kvxfer.pairing import heads_of
 
 LB = np.array([5, 0, 3])
 RB = np.array([2, 7, 4])

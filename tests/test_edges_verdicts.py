@@ -19,8 +19,8 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import KvxferError, LayoutMismatchError
-from kvxfer.presets import resolve
-from kvxfer.specfile import Geometry
+from kvxfer.geometry import resolve
+from kvxfer.geometry import Geometry
 from test_cli import SPECS, as_json, kvxfer_cmd
 
 torch = pytest.importorskip("torch")

@@ -14,7 +14,7 @@ import kvxfer
 from hetero_caches import agent, assert_gathered, gqa_rank, logical, mla_rank, untouched
 from kvxfer.errors import (BlockCountMismatchError, BlockTokensMismatchError, HeadSliceMismatchError,
                            LayoutMismatchError, PageFormatMismatchError)
-from kvxfer.reshard import heads_of, may_free, readers, sources
+from kvxfer.pairing import heads_of, may_free, readers, sources
 
 L, B, D = 2, 8, 4
 LB = np.array([5, 0, 3])
@@ -196,7 +196,7 @@ def _page_spec(members: list[tuple[str, kvxfer.MemoryKind, int, int]], tokens: i
 def test_host_mla_and_device_indexer_against_an_all_device_peer_plan_two_legs() -> None:
     """Host DRAM MLA cache + VRAM indexer locally, all VRAM remotely, 16-token remote blocks."""
     from kvxfer.planner import plan_gather
-    from kvxfer.reshard import gather
+    from kvxfer.pairing import gather
 
     dram, vram = kvxfer.MemoryKind.DRAM, kvxfer.MemoryKind.VRAM
     local = _page_spec([("mla.0", dram, 1 << 20, 32), ("idx.0", vram, 1 << 30, 8)], 64, 4)

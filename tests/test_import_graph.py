@@ -3,7 +3,11 @@
 A lazy import that runs back up (module A imports B at the top, B imports A inside a
 function) hides a cycle from ``python -X importtime`` but still ties the two modules
 together; the graph here is read from the source with :mod:`ast`, so it sees those too.
-Imports under ``if TYPE_CHECKING:`` and ``if __name__ == "__main__":`` do not count.
+Imports under ``if TYPE_CHECKING:`` count as well: a type-only cycle still means neither
+module can be read, or moved, without the other (a lower module names the type through a
+``Protocol`` instead). Importing ``a.b.c`` also runs ``a.b``'s ``__init__``, so it counts as an
+edge to every package above the target that does not also hold the importer. Only imports
+under ``if __name__ == "__main__":`` do not count.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ def _modules(package: Path) -> dict[str, tuple[Path, bool]]:
     return out
 
 
+def _parents(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
 def _graph(package: Path) -> dict[str, set[str]]:
     mods = _modules(package)
     edges: dict[str, set[str]] = {m: set() for m in mods}
@@ -30,8 +39,7 @@ def _graph(package: Path) -> dict[str, set[str]]:
         tree = ast.parse(path.read_text())
         skip: set[int] = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.If) and ("TYPE_CHECKING" in ast.unparse(node.test)
-                                             or ast.unparse(node.test) == "__name__ == '__main__'"):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
                 skip.update(id(n) for n in ast.walk(node))
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -53,6 +61,7 @@ def _graph(package: Path) -> dict[str, set[str]]:
                     t = t.rsplit(".", 1)[0]
                 if t in mods and t != name:
                     edges[name].add(t)
+                    edges[name].update(_parents(t) - _parents(name) - {name})
     return edges
 
 
@@ -107,6 +116,27 @@ def test_the_checker_sees_a_lazy_cycle(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("from . import a\nif __name__ == '__main__':\n    from . import d\n")
     (pkg / "d.py").write_text("def g():\n    from .c import x\n")
     assert _cycles(_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_checker_sees_a_type_only_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n")
+    assert _cycles(_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    """``a`` imports ``sub._x``, which runs ``sub/__init__``, which imports ``sub._y``, which imports ``a``."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub._x import f\n")
+    (pkg / "sub" / "__init__.py").write_text("from ._y import g\n")
+    (pkg / "sub" / "_x.py").write_text("def f(): pass\n")
+    (pkg / "sub" / "_y.py").write_text("def g():\n    from ..a import f\n")
+    assert _cycles(_graph(pkg)) == [["pkg.a", "pkg.sub", "pkg.sub._y"]]
 
 
 def test_kvxfer_has_no_import_cycle() -> None:

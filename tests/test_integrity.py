@@ -226,7 +226,7 @@ def test_heterogeneous_read_many_verifies_the_cells_it_copies(kind: str) -> None
     """Decode TP=1 gathers heads from two TP=2 prefills: each source digests the ranges this
     destination copies from it (Agent.cells_for); a corrupted gather fails, a clean one passes."""
     from hetero_caches import gqa_rank, logical
-    from kvxfer.reshard import heads_of
+    from kvxfer.pairing import heads_of
 
     faults.install()
     X = logical(2, 8, 4, 4, 8)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import kvxfer
 from kvxfer.errors import SpecError, SpecFileError
-from kvxfer.presets import PRESETS
-from kvxfer.specfile import DTYPES, Geometry, load, loads
+from kvxfer.geometry import PRESETS
+from kvxfer.geometry import DTYPES, Geometry, load, loads
 from kvxfer.testing.buffers import SENTINEL, allocate
 
 SPECS = Path(__file__).resolve().parent.parent / "docs" / "specs"

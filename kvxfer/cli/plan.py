@@ -83,7 +83,7 @@ def explain(p: Any) -> str:
 
 
 def _sides(args: argparse.Namespace) -> list[tuple[Any, Any]]:
-    from ..presets import PRESETS, resolve
+    from ..geometry._presets import PRESETS, resolve
 
     def variants(g: Any, layout: str | None, tp: Any, pp: Any) -> list[Any]:
         g = g.with_parallel(tp, pp)
@@ -113,7 +113,7 @@ def _sides(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[dict[str, Any]]:
     """One row per (local, remote) geometry pair; a refused pairing is a row that says why."""
     from ..errors import LayoutMismatchError
-    from ..pairing import pair
+    from ..pairing._templates import pair
     from ..planner import plan
 
     rng = np.random.default_rng(seed)
@@ -139,7 +139,7 @@ def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..presets import PRESETS
+    from ..geometry._presets import PRESETS
 
     if args.list:
         rows = [{"preset": g.name, "layers": g.num_layers, "members": len(g.members), "block_tokens": g.block_tokens,

@@ -20,4 +20,11 @@ from .digests import ALGORITHMS, Digests, compute, verify
 from .verified import check_received
 
 __all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "check_received", "compute", "gather_cells",
-           "local_spans", "source_spans", "verify"]
+           "gpu_product", "local_spans", "source_spans", "verify"]
+
+
+def gpu_product() -> str | None:
+    """Which exact int8 product the GPU mm8 digest settled on here (None before one ran), for benchmarks."""
+    from . import _gpu
+
+    return _gpu.PRODUCT[0] if _gpu.PRODUCT else None

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import IntegrityError, MetadataError
-from ..layout import KVCacheSpec
+from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, finalize, fold_weights, sketch_matrix

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import pluggy
 
+from ..stats import Status, TransferStats
+
 if TYPE_CHECKING:
-    from ..agent import Agent
-    from ..transfer import Transfer, TransferStats
     from .backend import Backend
 
-__all__ = ["hookspec", "hookimpl", "RegisterBackend"]
+__all__ = ["hookspec", "hookimpl", "RegisterBackend", "ObservedAgent", "ObservedTransfer"]
 
 hookspec = pluggy.HookspecMarker("kvxfer")
 hookimpl = pluggy.HookimplMarker("kvxfer")
@@ -36,6 +36,28 @@ class RegisterBackend(Protocol):
     def __call__(self, name: str, factory: "type[Backend] | str", *, requires: Iterable[str] = (),
                  install: str | None = None, summary: str = "",
                  check: Callable[[], str | None] | None = None) -> None: ...
+
+
+class ObservedAgent(Protocol):
+    """What the seam promises an observer of the :class:`kvxfer.Agent` it is handed.
+
+    The object is the agent itself; naming only this much keeps the seam below the agent, so a
+    plugin's hooks never import the transfer machinery to be typed.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+
+class ObservedTransfer(Protocol):
+    """What the seam promises an observer of a finished :class:`kvxfer.Transfer` (the transfer itself)."""
+
+    @property
+    def status(self) -> Status: ...
+    @property
+    def error(self) -> BaseException | None: ...
+    @property
+    def stats(self) -> TransferStats: ...
 
 
 @hookspec
@@ -52,12 +74,12 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
 
 
 @hookspec
-def kvxfer_agent_created(agent: "Agent") -> None:
+def kvxfer_agent_created(agent: ObservedAgent) -> None:
     """Called after an :class:`kvxfer.Agent` is constructed (for tracing and metrics)."""
 
 
 @hookspec
-def kvxfer_transfer_finished(agent: "Agent", transfer: "Transfer", stats: "TransferStats") -> None:
+def kvxfer_transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer, stats: TransferStats) -> None:
     """Called once when a transfer leaves flight: done, failed or cancelled.
 
     ``transfer.status`` and ``transfer.error`` say how it ended; ``stats`` holds descriptors,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..integrity import compute
-from ..layout import KVCacheSpec
+from ..geometry._spec import KVCacheSpec
 
 __all__ = ["row_digests", "DIGEST_NAME"]
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError, StoreBusyError, StoreError, StoreFullError
-from ..layout import KVCacheSpec, Member, PackedLayout, Region
+from ..geometry._spec import KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from .digest import DIGEST_NAME
 

@@ -21,9 +21,9 @@ import numpy as np
 from .. import lifecycle
 from ..deadlines import check_timeout
 from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
-from ..layout import KVCacheSpec
+from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
-from ..pairing import Pairing, pair
+from ..pairing._templates import Pairing, pair
 from ..planner import TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal

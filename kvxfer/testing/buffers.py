@@ -141,7 +141,7 @@ class GeometryCache:
     """A cache with a geometry's members, one row per block (``packed``) or one array per member.
 
     ``views`` maps member names to ``(num_blocks, page)`` views, what discovery and
-    :meth:`kvxfer.specfile.Geometry.spec_for` take. A packed row ends in ``pad`` bytes that
+    :meth:`kvxfer.geometry.Geometry.spec_for` take. A packed row ends in ``pad`` bytes that
     belong to no member.
     """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer import Allocation, KVCacheSpec, Member, MemoryKind, PackedLayout, Region, SpecError, spec_from_tensors
-from kvxfer.layout import KNOWN_LAYOUTS
+from kvxfer.geometry import KNOWN_LAYOUTS
 
 __all__ = ["View", "spec_from_vllm", "discovered_spec", "describe_spec"]
 

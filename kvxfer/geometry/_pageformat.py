@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import SpecError
-from .memory import _expect_keys, _int
+from ..errors import SpecError
+from ..memory import _expect_keys, _int
 
 __all__ = ["PageFormat", "Shard", "PAGE_AXES", "OPAQUE_DTYPE"]
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
-from .layout import KNOWN_LAYOUTS, KVCacheSpec, Member, PackedLayout, Region
-from .memory import Allocation, MemoryKind
-from .pageformat import PageFormat, Shard
+from ..errors import SpecError
+from ._spec import KNOWN_LAYOUTS, KVCacheSpec, Member, PackedLayout, Region
+from ..memory import Allocation, MemoryKind
+from ._pageformat import PageFormat, Shard
 
 __all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
+from ..errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
                      PageFormatMismatchError)
-from .layout import KVCacheSpec, Member, _abbrev, natural_key
-from .pageformat import Shard
+from ..geometry._spec import KVCacheSpec, Member, _abbrev, natural_key
+from ..geometry._pageformat import Shard
 
 __all__ = ["Refusal", "refusals", "check_pairing", "spec_diff", "head_slice"]
 

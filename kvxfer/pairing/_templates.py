@@ -1,6 +1,6 @@
 """A checked spec pair: the per-block copy templates every request between two specs reuses.
 
-:func:`pair` first applies the pairing rules of :mod:`kvxfer.compat` (refusing, with a typed
+:func:`pair` first applies the pairing rules of :mod:`kvxfer.pairing._rules` (refusing, with a typed
 error, any pair whose bytes a copy would not move correctly), then decides per local region
 whether rows move whole or split at member offsets, and builds the index arrays the planner
 broadcasts over block ids. The result is a :class:`Pairing` owned by whoever owns the pair:
@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .compat import check_pairing
-from .layout import Granularity, KVCacheSpec
-from .memory import MemoryKind
+from ._rules import check_pairing
+from ..geometry._spec import Granularity, KVCacheSpec
+from ..memory import MemoryKind
 
 __all__ = ["Pairing", "pair", "cached_pairing"]
 

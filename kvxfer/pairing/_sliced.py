@@ -1,6 +1,6 @@
 """Per-request gather planning as index arrays: the sliced lists a gather leg indexes into.
 
-:mod:`kvxfer.reshard` decides once which byte ranges of which peer pages fill each local
+:mod:`kvxfer.pairing._reshard` decides once which byte ranges of which peer pages fill each local
 page; this module turns those templates into lists a backend prepares once, so that a
 request costs a broadcast of block ids instead of an address per descriptor.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .memory import DescriptorList, MemoryKind
+from ..memory import DescriptorList, MemoryKind
 
 __all__ = ["SlicedLists", "may_merge"]
 

@@ -23,9 +23,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import SpecError
-from .memory import Allocation, DescriptorList, MemoryKind, _expect_keys, _int
-from .pageformat import PageFormat, Shard
+from ..errors import SpecError
+from ..memory import Allocation, DescriptorList, MemoryKind, _expect_keys, _int
+from ._pageformat import PageFormat, Shard
 
 __all__ = ["Member", "PackedLayout", "Region", "KVCacheSpec", "Granularity", "KNOWN_LAYOUTS", "PageFormat",
            "Shard"]

@@ -4,29 +4,49 @@
 bf16 with fp16 and could not say which heads a TP rank holds, while two agents that
 registered real tensors of those geometries were refused. Here each member becomes a
 described view (pointer, shape, strides, dtype) at a fake address, handed to
-:func:`kvxfer.from_tensors.spec_from_tensors`: dtype, page axes, role, layer and head slice
-then come from the one discovery path, and pairing from the one :func:`kvxfer.pairing.pair`.
+:func:`kvxfer.geometry._discover.spec_from_tensors`: dtype, page axes, role, layer and head slice
+then come from the one discovery path, and pairing from the one :func:`kvxfer.pairing._templates.pair`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol, Sequence
 
-from .errors import SpecError
-from .from_tensors import _Tensor, spec_from_tensors
-from .layout import KVCacheSpec
-from .memory import MemoryKind
-
-if TYPE_CHECKING:
-    from .specfile import Geometry, MemberKind
+from ..errors import SpecError
+from ..memory import MemoryKind
+from ._discover import _Tensor, spec_from_tensors
+from ._kinds import LayerGroup, MemberKind
+from ._spec import KVCacheSpec
 
 __all__ = ["geometry_spec", "engine_dims", "CANONICAL_DTYPES"]
+
+
+class Geometry(Protocol):
+    """What a view reads of a :class:`kvxfer.geometry.Geometry` (the parser sits above this module)."""
+
+    @property
+    def groups(self) -> Sequence[LayerGroup]: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def layout(self) -> str: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def stage_layers(self) -> range: ...
+    @property
+    def packed(self) -> bool: ...
+    @property
+    def row(self) -> int: ...
+    def replicated(self) -> Callable[[str], bool]: ...
 
 #: Spec-file spellings of the names engines report (torch's), so both sides compare equal.
 CANONICAL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float8_e4m3": "float8_e4m3fn"}
 
 
-def engine_dims(m: "MemberKind", tp_size: int) -> tuple[str, tuple[int, ...]]:
+def engine_dims(m: MemberKind, tp_size: int) -> tuple[str, tuple[int, ...]]:
     """Letters and logical shape (blocks left out) of one member's tensor as an engine holds it.
 
     Tokens first when per token; a heads axis unless the page is a replicated single-head
@@ -49,19 +69,19 @@ def engine_dims(m: "MemberKind", tp_size: int) -> tuple[str, tuple[int, ...]]:
     return letters, tuple(shape) + tuple(rest)
 
 
-def _kv_heads(g: "Geometry") -> int | None:
+def _kv_heads(g: Geometry) -> int | None:
     """The model's KV heads when every head-split page agrees on them (else discovery's default)."""
     heads = {m.heads for grp in g.groups for m in grp.members if not m.replicated and m.per_token}
     heads |= {m.heads for grp in g.groups for m in grp.members if m.replicated and m.heads > 1}
     return heads.pop() if len(heads) == 1 else None
 
 
-def _view(m: "MemberKind", g: "Geometry", ptr: int, storage: tuple[int, int], block_stride: int,
+def _view(m: MemberKind, g: Geometry, ptr: int, storage: tuple[int, int], block_stride: int,
           num_blocks: int) -> tuple[_Tensor, str]:
     letters, shape = engine_dims(m, g.tp_size)
     shape = tuple(g.block_tokens if s == -1 else s for s in shape)
     size = m.page_bytes(g.block_tokens, g.tp_size)
-    item = size // max(1, _prod(shape))  # the dtype's size, without importing kvxfer.specfile
+    item = size // max(1, _prod(shape))  # the dtype's size
     # Memory order inside a page: the layout's inner letters say whether heads or tokens lead.
     order = list(range(len(letters)))
     if "N" in letters and "H" in letters and g.layout[2:].startswith("H"):
@@ -86,7 +106,7 @@ def _prod(xs: tuple[int, ...]) -> int:
     return out
 
 
-def geometry_spec(g: "Geometry", num_blocks: int, base: int) -> KVCacheSpec:
+def geometry_spec(g: Geometry, num_blocks: int, base: int) -> KVCacheSpec:
     """The spec an engine would register for ``g`` (its layout as given) at address ``base``."""
     owner = {layer: grp for grp in g.groups for layer in grp.layers}
     views: dict[str, Any] = {}

@@ -23,12 +23,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
+from ..errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
                      PageFormatMismatchError)
-from .layout import KVCacheSpec, Member
-from .memory import MemoryKind
-from .pageformat import PageFormat
-from .slicedlists import SlicedLists
+from ..geometry._spec import KVCacheSpec, Member
+from ..memory import MemoryKind
+from ..geometry._pageformat import PageFormat
+from ._sliced import SlicedLists
 
 __all__ = ["Gather", "Route", "SlicedLists", "gather", "cached_gather", "pair_source", "sources", "readers", "may_free",
            "heads_of"]
@@ -427,14 +427,14 @@ def cached_gather(local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec]) -> Gat
 def pair_source(local: KVCacheSpec, remote: KVCacheSpec) -> Any:
     """The pairing for a peer that may supply only part of our cache (``Agent.add_source``).
 
-    Same geometry: the ordinary :func:`~kvxfer.pairing.pair` (whole rows where possible).
+    Same geometry: the ordinary :func:`~kvxfer.pairing._templates.pair` (whole rows where possible).
     Otherwise a :class:`Gather` over this one peer: accepted when every member both sides
     hold pairs by the rules here, even if the peer holds only some of our heads or layers;
     reading from it alone is refused by :func:`kvxfer.planner.plan_gather` while anything is missing.
     A peer sharing nothing with us is refused with the ordinary pairing error.
     """
-    from .compat import check_pairing
-    from .pairing import pair
+    from ._rules import check_pairing
+    from ._templates import pair
 
     try:
         check_pairing(local, remote)

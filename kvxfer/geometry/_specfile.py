@@ -3,7 +3,7 @@
 A spec file describes a model's cache as an engine allocates it (layers, the pages each
 layer keeps per block, their dtypes and heads, block size, page order) and where this
 worker sits in tensor and pipeline parallelism. :class:`Geometry` turns that into a
-:class:`~kvxfer.KVCacheSpec` through discovery (:mod:`kvxfer.specfile_views` describes the
+:class:`~kvxfer.KVCacheSpec` through discovery (:mod:`kvxfer.geometry._views` describes the
 tensors an engine would register, at a fake address, for planning;
 :func:`~kvxfer.spec_from_arrays` for real byte buffers), so a file can never describe
 something the library would not accept from tensors, and pairs exactly as they would.
@@ -38,56 +38,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
-from .errors import SpecError, SpecFileError
-from .from_tensors import spec_from_arrays
-from .layout import KNOWN_LAYOUTS, KVCacheSpec
+from ..errors import SpecError, SpecFileError
+from ._discover import spec_from_arrays
+from ._kinds import DTYPES, LayerGroup, MemberKind
+from ._spec import KNOWN_LAYOUTS, KVCacheSpec
+from ._views import geometry_spec
 
 __all__ = ["DTYPES", "FAKE_BASE", "MemberKind", "LayerGroup", "Geometry", "load", "loads"]
 
-#: Bytes per element of the dtypes a spec file may name.
-DTYPES: dict[str, int] = {
-    "float64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-    "float8_e4m3": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1,
-}
 #: Address planning-only specs pretend to live at; they are never registered.
 FAKE_BASE = 0x7F00_0000_0000
 MAX_LAYERS = 4096
-
-
-@dataclass(frozen=True)
-class MemberKind:
-    """One page kind every layer of a group keeps per block (``kv``, ``k``, ``indexer``, ``ssm``)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]  # per head (and per token when per_token)
-    heads: int = 1
-    per_token: bool = True
-    replicated: bool = False
-
-    def heads_on_rank(self, tp_size: int) -> int:
-        if self.replicated or tp_size == 1:
-            return self.heads
-        if self.heads % tp_size == 0:
-            return self.heads // tp_size
-        if tp_size % self.heads == 0:
-            return 1  # more ranks than heads: each rank holds one head, shared with others
-        raise SpecError(f"member {self.name or '(unnamed)'}: {self.heads} heads do not split over tp_size {tp_size}")
-
-    def page_bytes(self, block_tokens: int, tp_size: int) -> int:
-        tokens = block_tokens if self.per_token else 1
-        return tokens * self.heads_on_rank(tp_size) * math.prod(self.shape) * DTYPES[self.dtype]
-
-
-@dataclass(frozen=True)
-class LayerGroup:
-    layers: tuple[int, ...]
-    members: tuple[MemberKind, ...]
 
 
 @dataclass(frozen=True)
@@ -210,11 +175,10 @@ class Geometry:
     def spec(self, num_blocks: int, *, packed: bool | None = None, base: int = FAKE_BASE) -> KVCacheSpec:
         """A planning spec at a fake address (``packed`` overrides the file's layout).
 
-        Built by the discovery that registers an engine's tensors (:mod:`kvxfer.specfile_views`),
+        Built by the discovery that registers an engine's tensors (:mod:`kvxfer.geometry._views`),
         so its pages carry dtype, axes and heads exactly as a registered cache of this
         geometry would: ``kvxfer plan`` and ``Agent.add_peer`` then reach one verdict.
         """
-        from .specfile_views import geometry_spec
 
         return geometry_spec(self.with_layout(packed), num_blocks, base)
 

@@ -1,6 +1,6 @@
 """Built-in model geometries for ``kvxfer plan``, ``kvxfer bench``, the demo and the benchmarks.
 
-Each preset is written in the spec-file format (:mod:`kvxfer.specfile`) and parsed by the same
+Each preset is written in the spec-file format (:mod:`kvxfer.geometry._specfile`) and parsed by the same
 code that reads a user's file, so ``kvxfer plan --local my.toml`` and ``--local mla-61`` mean
 the same kind of thing. Specs built from a preset point at a fake address: they are for
 planning; ``kvxfer.testing.buffers.allocate`` builds real buffers with the same geometry.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .specfile import FAKE_BASE, Geometry
+from ._specfile import FAKE_BASE, Geometry
 
 __all__ = ["Preset", "PRESETS", "FAKE_BASE", "resolve"]
 
-#: A preset is a :class:`~kvxfer.specfile.Geometry`; the name stays for existing callers.
+#: A preset is a :class:`~kvxfer.geometry._specfile.Geometry`; the name stays for existing callers.
 Preset = Geometry
 
 
@@ -62,8 +62,8 @@ def resolve(name_or_path: str) -> Geometry:
     """A preset by name, or a spec file by path (``.toml`` or ``.json``)."""
     import os
 
-    from .errors import SpecFileError
-    from .specfile import load
+    from ..errors import SpecFileError
+    from ._specfile import load
 
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
