@@ -1,4 +1,4 @@
-"""The planner: descriptor counts of the planner table in docs/design.md, real bytes moved, typed errors.
+"""The planner: descriptor counts of the planner table in docs/geometry.md, real bytes moved, typed errors.
 
 Plans are applied as memcpy on numpy arenas by :func:`geometry_strategies.apply_plan`, which
 only sees explicit ``(address, nbytes)`` descriptors. Expected memory comes from
@@ -124,7 +124,7 @@ def test_plans_move_exactly_the_requested_member_bytes(sc, seed: int, shuffle: i
             plan(lspec, rspec, lb, rb, op)
         return
     p = plan(lspec, rspec, lb, rb, op)
-    # Counts of the planner table (docs/design.md), computed from the geometry alone.
+    # Counts of the planner table (docs/geometry.md), computed from the geometry alone.
     assert p.descriptors == len(lb) * expected_per_block(model, lg, rg)
     assert p.nbytes == sum(leg.nbytes for leg in p.legs)
     whole = whole_row_regions(lg, rg)
@@ -193,7 +193,7 @@ def test_coalescing_merges_only_contiguous_runs_and_keeps_bytes(sc, seed: int) -
 
 
 # ---------------------------------------------------------------------------------------
-# The planner table of docs/design.md, concrete
+# The planner table of docs/geometry.md, concrete
 # ---------------------------------------------------------------------------------------
 
 L, NB, PAGE = 5, 8, 32
