@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import queue
-import time
-from typing import Any, Callable
 
 from kvxfer.errors import HandshakeError
 
-__all__ = ["Errors", "has_nixl", "wait_until"]
+__all__ = ["Errors", "has_nixl"]
 
 
 class Errors:
@@ -22,23 +20,6 @@ class Errors:
 
     def get(self) -> HandshakeError:
         return self.q.get(timeout=30)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-               interval: float = 0.05) -> Any:
-    """Poll ``pred`` until it returns something true (returned), or fail after ``timeout``.
-
-    ``interval`` stays coarse because a predicate may ask etcd: the etcd tests always polled
-    at 50 ms, and one failed its 30 s wait once when polled at 20 ms on the loaded VM.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(interval)
 
 
 def has_nixl() -> bool:

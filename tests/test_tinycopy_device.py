@@ -9,7 +9,6 @@ capability, so both agents of this process get the device path's same-process ro
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import SAME_PROCESS, capability
 from kvxfer.errors import UnsupportedError
 from kvxfer.testing.fake_cuda import FakeCuda
+from kvxfer.testing.wait import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "third_party_plugin"))
 from kvxfer_tinycopy import TinyCopy  # noqa: E402
@@ -46,13 +46,6 @@ def _pair(kind: MemoryKind) -> tuple[Side, Side]:
     return a, b
 
 
-def _wait(backend: TinyCopy, x: object) -> None:
-    end = time.monotonic() + 30
-    while not backend.poll(x):
-        assert time.monotonic() < end
-        time.sleep(0)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     cap = FakeCuda()
@@ -70,7 +63,7 @@ def test_vram_moves_through_the_device_path_row(fake_gpu: FakeCuda, op: Op) -> N
     li, ri = np.array([0, 5, 6, 11], np.int64), np.array([9, 2, 3, 0], np.int64)
     lp, rp = a.b.prepare(None, a.rows()), a.b.prepare("b", b.rows())
     x = a.b.post(op, lp, li, rp, ri, b"done")
-    _wait(a.b, x)
+    wait_until(lambda: a.b.poll(x), what="the transfer", interval=0)
     assert a.b.data_path(x) == SAME_PROCESS  # the device path's row served it, not memmove
     want_a, want_b = before_a.copy(), before_b.copy()
     if op is Op.READ:
@@ -87,7 +80,7 @@ def test_dram_still_takes_memmove(fake_gpu: FakeCuda) -> None:
     a, b = _pair(MemoryKind.DRAM)
     before_b = b.mem.copy()
     x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), np.arange(3), a.b.prepare("b", b.rows()), np.arange(3), None)
-    _wait(a.b, x)
+    wait_until(lambda: a.b.poll(x), what="the transfer", interval=0)
     assert a.b.data_path(x) == "memmove"
     np.testing.assert_array_equal(a.mem[:3], before_b[:3])
     assert (a.mem[3:] == SENTINEL).all()

@@ -25,7 +25,6 @@ import random
 import struct
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,6 +33,7 @@ import pytest
 from kvxfer import DescriptorList, Op
 from kvxfer.errors import IdentityError
 from kvxfer.memory import Allocation
+from kvxfer.testing.wait import wait_until
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
 from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
@@ -196,9 +196,7 @@ def _read(be: Any, peer: str, remote: int, n: int) -> np.ndarray:
     rp = be.prepare(peer, DescriptorList([[remote + i * ROW, ROW, 0] for i in range(n)]))
     idx = np.arange(n, dtype=np.int32)
     x = be.post(Op.READ, lp, idx, rp, idx, None)
-    end = time.monotonic() + 60
-    while not be.poll(x):
-        assert time.monotonic() < end, "transfer did not finish"
+    wait_until(lambda: be.poll(x), timeout=60, what="the transfer", interval=0)
     be.release(x)
     return dst
 
