@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import queue
 
+import numpy as np
+
+from kvxfer import Op
 from kvxfer.errors import HandshakeError
 
-__all__ = ["Errors", "has_nixl"]
+__all__ = ["SENTINEL", "Errors", "assert_rows_moved", "has_nixl", "pattern_rows"]
+
+#: What a destination holds before a transfer writes it.
+SENTINEL = 0xAA
 
 
 class Errors:
@@ -29,3 +35,23 @@ def has_nixl() -> bool:
     except ImportError:
         return False
     return True
+
+
+def pattern_rows(count: int, row: int, seed: int | None) -> np.ndarray:
+    """``(count, row)`` bytes: a seeded pattern (a source), or :data:`SENTINEL` where ``seed`` is None."""
+    if seed is None:
+        return np.full((count, row), SENTINEL, np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, (count, row), dtype=np.uint8)
+
+
+def assert_rows_moved(op: Op, local: np.ndarray, remote: np.ndarray, local_before: np.ndarray,
+                      remote_before: np.ndarray, li: np.ndarray, ri: np.ndarray) -> None:
+    """After ``op`` between row-indexed arrays: the paired rows moved, every other byte of both
+    sides stayed. The reference is plain numpy indexing over the arrays as they were."""
+    want_l, want_r = local_before.copy(), remote_before.copy()
+    if op is Op.READ:
+        want_l[li] = remote_before[ri]
+    else:
+        want_r[ri] = local_before[li]
+    np.testing.assert_array_equal(local, want_l)
+    np.testing.assert_array_equal(remote, want_r)
