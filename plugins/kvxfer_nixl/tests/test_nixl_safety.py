@@ -23,6 +23,7 @@ import pytest
 from kvxfer import Agent, AgentMetadata, DescriptorList, MemoryKind, Op
 from kvxfer.errors import MetadataError, OutOfRegistrationError, StalePeerError
 from kvxfer.memory import Allocation
+from kvxfer.testing import lines
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 from kvxfer_nixl import _blob  # noqa: E402
@@ -274,25 +275,25 @@ def test_same_process_peer_that_deregistered_is_stale_until_added_again() -> Non
 
 
 _DEREG_PEER = r"""
-import base64, json, select, sys
+import base64, sys
 import numpy as np
 from kvxfer import Agent
+from kvxfer.testing import lines
 src = np.random.default_rng(5).integers(0, 256, (16, 4096), dtype=np.uint8)
+
+def handle(cmd):
+    if cmd["cmd"] == "add_peer":
+        agent.add_peer(base64.b64decode(cmd["metadata"]))
+    elif cmd["cmd"] == "deregister":
+        agent.deregister()
+    else:
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+    return {"ok": True}
+
 with Agent("remote", backend="nixl") as agent:
     agent.register({"layer.0": src})
-    print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode()}), flush=True)
-    while True:
-        if not select.select([sys.stdin], [], [], 0.001)[0]:
-            agent.progress()
-            continue
-        cmd = json.loads(sys.stdin.readline() or '{"cmd": "exit"}')
-        if cmd["cmd"] == "add_peer":
-            agent.add_peer(base64.b64decode(cmd["metadata"]))
-        elif cmd["cmd"] == "deregister":
-            agent.deregister()
-        else:
-            break
-        print(json.dumps({"ok": True}), flush=True)
+    lines.say(sys.stdout, {"metadata": base64.b64encode(agent.metadata()).decode()})
+    lines.serve(handle, agent.progress)
 """
 
 
@@ -300,15 +301,13 @@ with Agent("remote", backend="nixl") as agent:
 def test_peer_in_another_process_that_deregistered_is_detected() -> None:
     proc = subprocess.Popen([sys.executable, "-c", _DEREG_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "NIXL_LOG_LEVEL": "ERROR"})
-    assert proc.stdin is not None and proc.stdout is not None
+    ch = lines.Channel(proc)
 
     def call(cmd: dict[str, Any]) -> None:
-        proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert json.loads(proc.stdout.readline())["ok"]  # type: ignore[union-attr]
+        assert ch.ask(cmd, 60)["ok"]
 
     try:
-        md = base64.b64decode(json.loads(proc.stdout.readline())["metadata"])
+        md = base64.b64decode(ch.read(60)["metadata"])
         src, dst = _pattern(), np.full((ROWS, ROW), SENTINEL, np.uint8)
         with Agent("local", backend="nixl") as agent:
             agent.register({"layer.0": dst})
@@ -325,8 +324,7 @@ def test_peer_in_another_process_that_deregistered_is_detected() -> None:
                 agent.read(peer, [5], [6]).wait(20)
             assert (dst[5] == SENTINEL).all()
     finally:
-        proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-        proc.stdin.flush()
+        ch.send({"cmd": "exit"})
         proc.wait(timeout=30)
 
 
