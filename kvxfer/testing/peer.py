@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import Agent
 from ..errors import KvxferError
@@ -256,9 +256,9 @@ class PeerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def _readline(self) -> dict[str, Any]:
+    def _readline(self, idle: Callable[[], None] | None = None) -> dict[str, Any]:
         try:
-            reply = self._ch.read(self.timeout)
+            reply = self._ch.read(self.timeout, idle)
         except TimeoutError:
             self.kill()
             raise PeerError(f"peer process did not answer within {self.timeout:g} s") from None
@@ -281,9 +281,11 @@ class PeerProcess:
         lines = [ln.strip() for ln in self.stderr_text().splitlines() if ln.strip()]
         return lines[-1] if lines else ""
 
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def call(self, cmd: dict[str, Any], idle: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Send ``cmd`` and return its reply; ``idle`` runs while waiting (progress a local
+        agent there when the command makes the peer transfer into this process)."""
         self._ch.send(cmd)
-        return self._readline()
+        return self._readline(idle)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
