@@ -281,6 +281,24 @@ class PeerProcess:
         lines = [ln.strip() for ln in self.stderr_text().splitlines() if ln.strip()]
         return lines[-1] if lines else ""
 
+    def send(self, cmd: dict[str, Any]) -> None:
+        """Send ``cmd`` without waiting (read its reply with :meth:`next_reply`)."""
+        self._ch.send(cmd)
+
+    def next_reply(self, idle: Callable[[], None] | None = None,
+                   timeout: float | None = None) -> dict[str, Any] | None:
+        """The next reply as it came (an error reply too), or None once the child has exited:
+        for a test that kills the peer on purpose and must tell a death from an answer.
+        ``timeout`` (default: the peer's) bounds a command that itself runs for a while."""
+        limit = self.timeout if timeout is None else timeout
+        try:
+            return self._ch.read(limit, idle)
+        except EOFError:
+            return None
+        except TimeoutError:
+            self.kill()
+            raise PeerError(f"peer process did not answer within {limit:g} s") from None
+
     def call(self, cmd: dict[str, Any], idle: Callable[[], None] | None = None) -> dict[str, Any]:
         """Send ``cmd`` and return its reply; ``idle`` runs while waiting (progress a local
         agent there when the command makes the peer transfer into this process)."""
