@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import queue
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
+import kvxfer
 from kvxfer import Op
 from kvxfer.errors import HandshakeError
+from kvxfer.testing.buffers import SENTINEL, Cache, make_cache
 
-__all__ = ["SENTINEL", "Errors", "assert_rows_moved", "has_nixl", "pattern_rows"]
+__all__ = ["GEOM", "SENTINEL", "Errors", "agent_pair", "assert_rows_moved", "has_nixl", "pattern_rows"]
 
-#: What a destination holds before a transfer writes it.
-SENTINEL = 0xAA
+#: The small caches of the agent tests: 3 layers of 128-byte pages.
+GEOM = {"num_layers": 3, "page": 128}
 
 
 class Errors:
@@ -55,3 +59,16 @@ def assert_rows_moved(op: Op, local: np.ndarray, remote: np.ndarray, local_befor
         want_r[ri] = local_before[li]
     np.testing.assert_array_equal(local, want_l)
     np.testing.assert_array_equal(remote, want_r)
+
+
+@contextmanager
+def agent_pair(blocks: int, seed: int, **options: object) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, Cache, Cache]]:
+    """Prefill ``p`` holding a ``seed``-filled packed cache and decode ``d`` holding a sentinel
+    one (``blocks`` blocks of :data:`GEOM`), both registered, on ``options``' backend
+    (loopback by default); ``d`` has not added ``p`` yet: ``(p, d, p's cache, d's cache)``."""
+    src = make_cache("packed", num_blocks=blocks, seed=seed, **GEOM)
+    dst = make_cache("packed", num_blocks=blocks, **GEOM)
+    with kvxfer.Agent("p", **options) as a, kvxfer.Agent("d", **options) as b:  # type: ignore[arg-type]
+        a.register(src.views, replicated=True)
+        b.register(dst.views, replicated=True)
+        yield a, b, src, dst
