@@ -68,10 +68,13 @@ def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[st
 class Channel:
     """The parent's end: send a command, read the reply line within a timeout."""
 
-    def __init__(self, proc: "subprocess.Popen[Any]") -> None:
-        assert proc.stdin is not None and proc.stdout is not None
+    def __init__(self, proc: "subprocess.Popen[Any]", replies: IO[Any] | None = None) -> None:
+        """``replies``: where the child answers, if not its stdout (a program whose libraries
+        print on stdout answers on a descriptor of its own, passed to it by number)."""
+        out = proc.stdout if replies is None else replies
+        assert proc.stdin is not None and out is not None
         self.proc = proc
-        self._in, self._fd = proc.stdin, proc.stdout.fileno()
+        self._in, self._fd = proc.stdin, out.fileno()
         self._text = isinstance(proc.stdin, io.TextIOBase)
         self._buf = b""  # replies are read from the fd itself: bytes past one line wait here
 
@@ -80,17 +83,18 @@ class Channel:
         self._in.write(data if self._text else data.encode())  # type: ignore[arg-type]
         self._in.flush()
 
-    def read(self, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
+    def read(self, timeout: float, idle: Callable[[], None] | None = None, idle_s: float = 0.001) -> Reply:
         """The next reply; :class:`TimeoutError` if none came in time, :class:`EOFError` if the child exited.
 
-        ``idle`` runs about every millisecond while waiting (a parent whose transport moves
-        only while it is progressed drives it there)."""
+        ``idle`` runs about every ``idle_s`` seconds while waiting (a parent whose transport
+        moves only while it is progressed drives it there; one that waits minutes for an
+        engine looks at its health there, less often)."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no reply within {timeout:g} s")
-            if not select.select([self._fd], [], [], left if idle is None else min(left, 0.001))[0]:
+            if not select.select([self._fd], [], [], left if idle is None else min(left, idle_s))[0]:
                 if idle is not None:
                     idle()
                 continue
