@@ -24,6 +24,7 @@ from kvxfer import Agent, AgentMetadata, DescriptorList, MemoryKind, Op
 from kvxfer.errors import MetadataError, OutOfRegistrationError, StalePeerError
 from kvxfer.memory import Allocation
 from kvxfer.testing import lines
+from kvxfer.testing.seam import finish, joined
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 from kvxfer_nixl import _blob  # noqa: E402
@@ -49,24 +50,15 @@ def _rows(arr: np.ndarray) -> DescriptorList:
 
 
 def _wait(be: Any, x: Any, limit: float = 30.0) -> None:
-    end = time.monotonic() + limit
-    while not be.poll(x):
-        assert time.monotonic() < end, "transfer did not finish"
-    be.release(x)
+    finish(be, x, limit)
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Any, Any, np.ndarray, np.ndarray]]:
     """``a`` holds a patterned source, ``b`` a sentinel destination; b has not added a yet."""
     src, dst = _pattern(), np.full((ROWS, ROW), SENTINEL, np.uint8)
-    a, b = nb.NixlBackend("safe-a"), nb.NixlBackend("safe-b")
-    try:
-        a.register([Allocation(src.ctypes.data, src.nbytes)])
-        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+    with joined(nb.NixlBackend("safe-a"), nb.NixlBackend("safe-b"), src, dst, add=False) as (a, b):
         yield a, b, src, dst
-    finally:
-        b.close()
-        a.close()
 
 
 def _read_and_check(b: Any, peer: str, src: np.ndarray, dst: np.ndarray, d: list[int], s: list[int]) -> None:
