@@ -166,10 +166,7 @@ class RemoteTarget:
         return self._read()
 
     def close(self) -> None:
-        try:
-            self._ch.send({"cmd": "exit"})
-            self.proc.wait(timeout=30)
-        except Exception:
+        if not self._ch.stop(30):
             self.proc.kill()
 
 

@@ -48,5 +48,16 @@ def test_a_reply_of_tens_of_megabytes_round_trips() -> None:
         assert reply["size"] == len(text) and reply["echo"] == text
         assert ch.ask({"text": "short"}, 60) == {"echo": "short", "size": 5}  # the stream stays aligned
     finally:
-        ch.send({"cmd": "exit"})
+        assert ch.stop(60) and proc.returncode == 0
+
+
+def test_stop_says_when_a_child_did_not_go() -> None:
+    """The control of ``stop``: a child that never reads its commands is still running after it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert not lines.Channel(proc).stop(0.5)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
         proc.wait(timeout=60)

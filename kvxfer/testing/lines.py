@@ -128,6 +128,17 @@ class Channel:
             self._lines.add(chunk)
         return dict(json.loads(line))
 
+    def stop(self, timeout: float) -> bool:
+        """Ask the child to exit and wait up to ``timeout`` seconds; False if it is still
+        running (the caller kills it, its own way: a process or its whole group)."""
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+        return True
+
     def ask(self, doc: Reply, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
         self.send(doc)
         return self.read(timeout, idle)

@@ -311,12 +311,8 @@ class PeerProcess:
         self.proc.wait(timeout=10)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._ch.send({"cmd": "exit"})
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.kill()
+        if not self._ch.stop(30):
+            self.kill()
         for f in (self.proc.stdin, self.proc.stdout, self._stderr):
             if f is not None:
                 f.close()

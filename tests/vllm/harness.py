@@ -142,12 +142,7 @@ class Engine:
         self.proc.wait(timeout=60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._ch.send({"cmd": "exit"})
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        self._ch.stop(60)  # whether or not it went, its group goes next
         self.kill()
         self.answers.close()
 
