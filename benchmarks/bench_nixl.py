@@ -44,6 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _nixl_buffers import SENTINEL, Buffers  # noqa: E402
 
+from kvxfer.testing import lines  # noqa: E402
+
 EXTRA = 8  # destination blocks never written: must keep the sentinel
 SRC_SEED, WRITE_SEED = 1234, 99
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -123,64 +125,48 @@ class Prefill:
 
 
 def target_main(args: argparse.Namespace) -> int:
-    import select
-
     p = Prefill(args, args.remote_gpu)
-    out = sys.stdout
-    out.write(json.dumps({"metadata": p.metadata()}) + "\n")
-    out.flush()
-    idle = args.target_poll_s
-    while True:
-        r, _, _ = select.select([sys.stdin], [], [], 0 if idle == 0 else idle)
-        if not r:
-            p.progress()
-            continue
-        line = sys.stdin.readline()
-        if not line:
-            break
-        cmd = json.loads(line)
+    lines.say(sys.stdout, {"metadata": p.metadata()})
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["cmd"] == "add":
             p.add(cmd)
-            reply: dict[str, Any] = {"ok": True}
-        elif cmd["cmd"] == "check_write":
-            reply = {"ok": p.check_write(cmd["ids"], cmd["src_ids"], cmd["nb"])}
-        elif cmd["cmd"] == "exit":
-            break
-        else:
-            reply = {"error": cmd["cmd"]}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+            return {"ok": True}
+        if cmd["cmd"] == "check_write":
+            return {"ok": p.check_write(cmd["ids"], cmd["src_ids"], cmd["nb"])}
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+
+    lines.serve(handle, p.progress, poll_s=args.target_poll_s)
     p.close()
     return 0
 
 
 class RemoteTarget:
+    #: A hang guard on each reply (a check of a large cache takes seconds), not a speed claim.
+    REPLY_S = 600.0
+
     def __init__(self, args: argparse.Namespace) -> None:
         argv = [sys.executable, os.path.abspath(__file__), "--role", "target"] + _forward(args)
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._ch = lines.Channel(self.proc)
         self.metadata = self._read()["metadata"]
 
     def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"target exited with {self.proc.wait()}")
-        return json.loads(line)  # type: ignore[no-any-return]
+        try:
+            reply = self._ch.read(self.REPLY_S)
+        except EOFError:
+            raise RuntimeError(f"target exited with {self.proc.wait()}") from None
+        if "error" in reply:
+            raise RuntimeError(f"target failed: {reply['error']}: {reply['message']}")
+        return reply
 
     def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self._ch.send(cmd)
         return self._read()
 
     def close(self) -> None:
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
-        except Exception:
+        if not self._ch.stop(30):
             self.proc.kill()
 
 

@@ -33,7 +33,6 @@ import argparse
 import base64
 import json
 import os
-import select
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+from kvxfer.testing import lines
 
 ROW_BYTES = 4_718_592  # 4.5 MiB: one packed MLA row of a 61-layer model
 PAGE = 73_728  # one MLA layer page: 64 tokens x 576 bf16 channels
@@ -88,26 +89,19 @@ def _out() -> Any:
     return out
 
 
-def _say(out: Any, obj: dict[str, Any]) -> None:
-    out.write(json.dumps(obj) + "\n")
-    out.flush()
+#: How long the target waits for a command before it progresses its worker again.
+POLL_S = 0.0002
+#: A hang guard on each reply from the target, not a speed claim.
+REPLY_S = 120.0
 
 
-def _lines(stream: Any, idle: Callable[[], None]) -> Any:
-    """Yield stdin lines while calling ``idle`` (progress) between them."""
-    fd, pending = stream.fileno(), b""
-    while True:
-        idle()
-        r, _, _ = select.select([fd], [], [], 0.0002)
-        if not r:
-            continue
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            yield json.loads(line)
+def _until_exit(out: Any, idle: Callable[[], None], handle: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    """Answer commands (kvxfer.testing.lines) until ``exit``, progressing with ``idle`` between them."""
+
+    def refuse(msg: dict[str, Any]) -> dict[str, Any]:
+        raise ValueError(f"unknown command {msg['cmd']!r}")
+
+    lines.serve(handle or refuse, idle, out=out, poll_s=POLL_S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,10 +117,8 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
         backend, opts = AGENT_MODES[mode]
         agent = kvxfer.Agent("target", backend=backend, **opts)
         agent.register(_agent_cache(buf, rows, row_bytes), replicated=True)
-        _say(out, {"meta": base64.b64encode(agent.metadata()).decode(), "addr": addr})
-        for msg in _lines(sys.stdin, agent.progress):
-            if msg["cmd"] == "exit":
-                break
+        lines.say(out, {"meta": base64.b64encode(agent.metadata()).decode(), "addr": addr})
+        _until_exit(out, agent.progress)
         agent.close()
     elif mode in UCX_OPTIONS:
         from kvxfer import Allocation
@@ -134,38 +126,32 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
 
         be = UcxBackend("target", **UCX_OPTIONS[mode])
         be.register([Allocation(addr, buf.nbytes)])
-        _say(out, {"meta": base64.b64encode(be.local_metadata()).decode(), "addr": addr})
-        for msg in _lines(sys.stdin, be.progress):
-            if msg["cmd"] == "exit":
-                break
+        lines.say(out, {"meta": base64.b64encode(be.local_metadata()).decode(), "addr": addr})
+        _until_exit(out, be.progress)
         be.close()
     elif mode == "nixl-raw":
         agent = _nixl_agent("target")
         agent.register_memory([(addr, buf.nbytes, 0, "")], "DRAM")
-        _say(out, {"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": addr})
-        for msg in _lines(sys.stdin, lambda: agent.get_new_notifs()):
-            if msg["cmd"] == "exit":
-                break
+        lines.say(out, {"meta": base64.b64encode(agent.get_agent_metadata()).decode(), "addr": addr})
+        _until_exit(out, lambda: agent.get_new_notifs())
     elif mode == "ucxx":
         import ucxx._lib.libucxx as u
         from ucxx._lib.arr import Array
 
         ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
         worker = u.UCXWorker(ctx)
-        _say(out, {"meta": base64.b64encode(bytes(worker.address.tobytes())).decode(), "addr": addr})
-        ep = None
+        lines.say(out, {"meta": base64.b64encode(bytes(worker.address.tobytes())).decode(), "addr": addr})
         req_buf = np.zeros(2, dtype=np.int64)
         views = [Array(buf[i * row_bytes:(i + 1) * row_bytes]) for i in range(rows)]
-        pending: list[Any] = []
-        recv = None
-        for msg in _lines(sys.stdin, worker.progress):
-            if msg["cmd"] == "exit":
-                break
+        eps: list[Any] = []
+
+        def handle(msg: dict[str, Any]) -> dict[str, Any]:
             if msg["cmd"] == "connect":
                 peer = u.UCXAddress.create_from_buffer(base64.b64decode(msg["addr"]))
-                ep = u.UCXEndpoint.create_from_worker_address(worker, peer, endpoint_error_handling=False)
-                _say(out, {"ok": True})
-            elif msg["cmd"] == "serve":  # serve one request: wait for it, answer, report
+                eps[:] = [u.UCXEndpoint.create_from_worker_address(worker, peer, endpoint_error_handling=False)]
+                return {"ok": True}
+            if msg["cmd"] == "serve":  # serve one request: wait for it, answer, report
+                (ep,) = eps
                 recv = ep.tag_recv(Array(req_buf), tag=u.UCXXTag(0), tag_mask=u.UCXXTagMaskFull)
                 while not recv.completed:
                     worker.progress()
@@ -176,7 +162,10 @@ def serve(mode: str, rows: int, row_bytes: int) -> None:
                     worker.progress()
                 for r in pending:
                     r.check_error()
-                _say(out, {"ok": True})
+                return {"ok": True}
+            raise ValueError(f"unknown command {msg['cmd']!r}")
+
+        _until_exit(out, worker.progress, handle)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
@@ -195,14 +184,13 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int, sets: list[str]) 
     child = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--rows", str(rows),
                               "--row-bytes", str(row_bytes), *[f"--set={x}" for x in sets]], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
-    assert child.stdin is not None and child.stdout is not None
+    ch = lines.Channel(child)
 
     def cmd(obj: dict[str, Any], reply: bool = True) -> dict[str, Any]:
-        child.stdin.write(json.dumps(obj) + "\n")
-        child.stdin.flush()
-        return json.loads(child.stdout.readline()) if reply else {}
+        ch.send(obj)
+        return ch.read(REPLY_S) if reply else {}
 
-    hello = json.loads(child.stdout.readline())
+    hello = ch.read(REPLY_S)
     blob, raddr = base64.b64decode(hello["meta"]), int(hello["addr"])
     buf = np.full(rows * row_bytes, 0xAA, dtype=np.uint8)
     laddr = buf.ctypes.data
@@ -300,7 +288,7 @@ def initiate(mode: str, rows: int, row_bytes: int, iters: int, sets: list[str]) 
                 post_times.append(t1 - t0)
                 for r in recvs:
                     r.check_error()
-                json.loads(child.stdout.readline())
+                ch.read(REPLY_S)
         ok = bool(np.array_equal(buf, pattern(buf.nbytes)))
     finally:
         try:
@@ -334,18 +322,18 @@ def main() -> None:
         return serve(a.serve, a.rows, a.row_bytes)
     if a.initiate:
         out = _out()
-        _say(out, initiate(a.initiate, a.rows, a.row_bytes, a.iters, a.set))
+        lines.say(out, initiate(a.initiate, a.rows, a.row_bytes, a.iters, a.set))
         return
     results = []
     for mode in a.modes.split(","):
         p = subprocess.run([sys.executable, __file__, "--initiate", mode, "--rows", str(a.rows), "--row-bytes",
                             str(a.row_bytes), "--iters", str(a.iters), *[f"--set={x}" for x in a.set]],
                            capture_output=True, text=True, timeout=600)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if p.returncode or not lines:
+        docs = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode or not docs:
             results.append({"mode": mode, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]})
         else:
-            results.append(json.loads(lines[-1]))
+            results.append(json.loads(docs[-1]))
         print(json.dumps(results[-1]) if a.json else _row(results[-1]), flush=True)
     ref = next((r for r in results if r["mode"] == "agent-nixl" and "gbps" in r), None)
     raw = next((r for r in results if r["mode"] == "nixl-raw" and "gbps" in r), None)

@@ -12,12 +12,10 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import kvxfer
-from common import Errors
+from common import GEOM, Errors
 from kvxfer.testing import faults
 from kvxfer.testing.buffers import make_cache
 
-#: The faulty pair's caches: 3 layers of 128-byte pages.
-FAULTY_GEOMETRY = {"num_layers": 3, "page": 128}
 
 
 @pytest.fixture
@@ -42,8 +40,8 @@ def faulty_pair(faulty: None) -> Iterator[tuple[kvxfer.Agent, kvxfer.Agent, faul
     8-block packed cache (``p``'s seeded), ``d`` with a 0.2 s deadline and the ``Faults`` that
     the test arms: ``(p, d, faults, p's cache, d's cache)``."""
     f = faults.Faults()
-    src = make_cache("packed", num_blocks=8, seed=3, **FAULTY_GEOMETRY)
-    dst = make_cache("packed", num_blocks=8, **FAULTY_GEOMETRY)
+    src = make_cache("packed", num_blocks=8, seed=3, **GEOM)
+    dst = make_cache("packed", num_blocks=8, **GEOM)
     a = kvxfer.Agent("p", backend="faulty", inner="loopback")
     b = kvxfer.Agent("d", backend="faulty", inner="loopback", faults=f, timeout=0.2)
     a.register(src.views, replicated=True)

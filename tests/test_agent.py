@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common import GEOM, agent_pair
 import kvxfer
 from kvxfer.errors import (
     BackendError,
@@ -18,8 +19,6 @@ from kvxfer.errors import (
     UnsupportedError,
 )
 from kvxfer.testing.buffers import SENTINEL, make_cache
-
-GEOM = {"num_layers": 3, "page": 128}
 
 
 def test_wait_times_out_cancels_and_keeps_raising(faulty_pair) -> None:
@@ -112,11 +111,7 @@ def test_max_descriptors_splits_posts_and_notifies_once(faulty: None) -> None:
 
 
 def test_coalescing_follows_capabilities() -> None:
-    src = make_cache("packed", num_blocks=16, seed=9, **GEOM)
-    dst = make_cache("packed", num_blocks=16, **GEOM)
-    with kvxfer.Agent("p") as a, kvxfer.Agent("d") as b:
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+    with agent_pair(16, seed=9) as (a, b, src, dst):
         peer = b.add_peer(a.metadata())
         blocks = [2, 3, 4, 5, 9, 10]
         p = b.plan(peer, blocks, blocks)  # loopback: merges_runs=False -> coalesced

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common import GEOM, agent_pair
 import kvxfer
 from kvxfer.errors import (
     BackendError,
@@ -35,7 +36,6 @@ from kvxfer.metadata import MAGIC, MAX_PEER_MEMBERS, SIGNED_MAGIC
 from kvxfer.testing import faults
 from kvxfer.testing.buffers import SENTINEL, make_cache
 
-GEOM = {"num_layers": 3, "page": 128}
 HAS_PROC = Path("/proc/self/status").exists()
 
 
@@ -83,11 +83,7 @@ def _hostile_variants(raw: bytes) -> dict[str, bytes]:
 
 
 def test_add_peer_lets_out_only_typed_errors_and_keeps_nothing() -> None:
-    src = make_cache("packed", num_blocks=4, seed=1, **GEOM)
-    dst = make_cache("packed", num_blocks=4, **GEOM)
-    with kvxfer.Agent("p") as a, kvxfer.Agent("d") as b:
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+    with agent_pair(4, seed=1) as (a, b, src, dst):
         for what, bad in _hostile_variants(a.metadata()).items():
             with pytest.raises(MetadataError):
                 b.add_peer(bad)
@@ -292,11 +288,7 @@ def test_the_default_deadline_starts_at_the_request(faulty_pair) -> None:
 
 
 def test_reading_deregistered_memory_is_out_of_registration() -> None:
-    src = make_cache("packed", num_blocks=4, seed=8, **GEOM)
-    dst = make_cache("packed", num_blocks=4, **GEOM)
-    with kvxfer.Agent("p") as a, kvxfer.Agent("d") as b:
-        a.register(src.views, replicated=True)
-        b.register(dst.views, replicated=True)
+    with agent_pair(4, seed=8) as (a, b, src, dst):
         b.add_peer(a.metadata())
         a.deregister()
         with pytest.raises(OutOfRegistrationError):

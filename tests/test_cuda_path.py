@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common import SENTINEL, assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import CUDA_IPC, SAME_PROCESS, DevicePath, blob
 from kvxfer.cuda.copy import pieces
 from kvxfer.errors import MetadataError, PeerDisconnectedError, StalePeerError
 from kvxfer.testing.fake_cuda import FakeCuda
 
-SENTINEL = 0xAA
 ROWS, ROW = 24, 96
 
 
@@ -31,8 +31,7 @@ class Side:
     """One process's cache (host memory posing as VRAM on ``device``) and its device path."""
 
     def __init__(self, cap: FakeCuda, device: int = 0, seed: int | None = None, rows: int = ROWS) -> None:
-        self.mem = (np.random.default_rng(seed).integers(0, 256, (rows, ROW), dtype=np.uint8) if seed is not None
-                    else np.full((rows, ROW), SENTINEL, np.uint8))
+        self.mem = pattern_rows(rows, ROW, seed)
         self.alloc = Allocation(self.mem.ctypes.data, self.mem.nbytes, MemoryKind.VRAM, device)
         self.path = DevicePath(capability=cap)
         self.path.register([self.alloc])
@@ -123,13 +122,7 @@ def test_post_moves_exactly_the_paired_rows(data: st.DataObject, op: Op) -> None
     before_l, before_r = local.mem.copy(), remote.mem.copy()
     x = local.path.post(op, lp, li, rp, ri)
     assert local.path.poll(x)
-    want_l, want_r = before_l.copy(), before_r.copy()
-    if op is Op.READ:
-        want_l[li] = before_r[ri]
-    else:
-        want_r[ri] = before_l[li]
-    np.testing.assert_array_equal(local.mem, want_l)
-    np.testing.assert_array_equal(remote.mem, want_r)
+    assert_rows_moved(op, local.mem, remote.mem, before_l, before_r, li, ri)
 
 
 def test_spans_outside_the_export_disable_the_path_for_that_list() -> None:

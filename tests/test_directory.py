@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import wait_until
 from etcd_fixtures import etcd_server, no_thread_left  # noqa: F401  (fixtures)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +26,7 @@ from kvxfer.directory import (Directory, DirectoryError, DirectoryUnavailableErr
 from kvxfer.directory.codec import decode_value, encode_value
 from kvxfer.errors import MetadataError, UnknownPeerError
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
+from kvxfer.testing.wait import wait_until
 
 TOKEN = b"0123456789abcdef-cluster-token"
 

@@ -18,7 +18,6 @@ from collections.abc import Generator, Iterator
 
 import numpy as np
 import pytest
-from common import wait_until
 from etcd_fixtures import cluster_name, etcd_server, no_thread_left, own_etcd  # noqa: F401  (fixtures)
 
 from kvxfer import Agent
@@ -26,6 +25,7 @@ from kvxfer.directory import (DirectoryUnavailableError, EtcdDirectory, Event, N
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.directory_worker import WorkerProcess
 from kvxfer.testing.etcd_server import EtcdServer, free_port
+from kvxfer.testing.wait import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "plugins"),

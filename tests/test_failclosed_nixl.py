@@ -9,11 +9,6 @@ cache is built in the peer process from the same description and read back as lo
 from __future__ import annotations
 
 import base64
-import json
-import os
-import subprocess
-import sys
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +19,7 @@ from engine_pairs import block_ids, engine_pairs, verdict
 from kvxfer import Agent
 from kvxfer.errors import LayoutMismatchError
 from kvxfer.testing.engines import EngineCache, build
+from kvxfer.testing.peer import PeerError, PeerProcess
 
 pytest.importorskip("kvxfer_nixl")
 try:
@@ -35,55 +31,16 @@ pytestmark = pytest.mark.nixl
 TIMEOUT = 60.0
 
 
-class EnginePeer:
+class EnginePeer(PeerProcess):
     """``python -m kvxfer.testing.peer --engine ...``: a prefill worker in its own process."""
 
     def __init__(self, cache: EngineCache, seed: int):
-        cmd = [sys.executable, "-m", "kvxfer.testing.peer", "--backend", "nixl", "--name", "prefill",
-               "--engine", cache.to_json(), "--seed", str(seed)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.metadata = base64.b64decode(self._reply()["metadata"])
-
-    def _reply(self, agent: Agent | None = None) -> dict[str, Any]:
-        """The next reply line; drives ``agent``'s progress meanwhile (the peer may be writing to it)."""
-        import selectors
-        import time
-
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + TIMEOUT
-        while not sel.select(0.001 if agent is not None else TIMEOUT):
-            if agent is not None:
-                agent.progress()
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise TimeoutError("peer process did not answer in time")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def call(self, cmd: dict[str, Any], agent: Agent | None = None) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._reply(agent)
+        super().__init__(["--backend", "nixl", "--name", "prefill", "--engine", cache.to_json(), "--seed", str(seed)],
+                         timeout=TIMEOUT)
 
     def logical(self) -> np.ndarray:
         r = self.call({"cmd": "logical"})
         return np.frombuffer(base64.b64decode(r["logical"]), dtype=r["dtype"]).reshape(r["shape"])
-
-    def close(self) -> None:
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=20)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(timeout=20)
 
 
 def _gqa(style: str, order: str, tp: int, rank: int, dtype: str = "float16", heads: int = 8) -> EngineCache:
@@ -115,8 +72,8 @@ def test_pairing_moves_right_or_is_refused_across_processes(pair: tuple[EngineCa
                 with pytest.raises(expected_error) as info:
                     d.add_peer(peer.metadata)
                 assert isinstance(info.value, LayoutMismatchError)
-                reply = peer.call({"cmd": "add_peer", "metadata": base64.b64encode(d.metadata()).decode()})
-                assert reply.get("error") == expected_error.__name__, reply
+                with pytest.raises(PeerError, match=f"peer failed: {expected_error.__name__}:"):
+                    peer.call({"cmd": "add_peer", "metadata": base64.b64encode(d.metadata()).decode()})
                 assert dst.logical().tobytes() == before.tobytes()
                 return
             name = d.add_peer(peer.metadata)
@@ -125,7 +82,7 @@ def test_pairing_moves_right_or_is_refused_across_processes(pair: tuple[EngineCa
                 reply = peer.call({"cmd": "add_peer", "metadata": base64.b64encode(d.metadata()).decode()})
                 assert reply.get("peer") == "decode", reply
                 reply = peer.call({"cmd": "write", "peer": "decode", "local": src_ids.tolist(),
-                                   "remote": dst_ids.tolist(), "timeout": TIMEOUT}, agent=d)
+                                   "remote": dst_ids.tolist(), "timeout": TIMEOUT}, idle=d.progress)
                 assert reply.get("done"), reply
             else:
                 d.read(name, dst_ids, src_ids).wait(TIMEOUT)

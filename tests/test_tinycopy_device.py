@@ -9,28 +9,27 @@ capability, so both agents of this process get the device path's same-process ro
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common import SENTINEL, assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import SAME_PROCESS, capability
 from kvxfer.errors import UnsupportedError
 from kvxfer.testing.fake_cuda import FakeCuda
+from kvxfer.testing.wait import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "third_party_plugin"))
 from kvxfer_tinycopy import TinyCopy  # noqa: E402
 
-SENTINEL = 0xAA
 ROWS, ROW = 12, 64
 
 
 class Side:
     def __init__(self, name: str, kind: MemoryKind, seed: int | None) -> None:
-        self.mem = (np.random.default_rng(seed).integers(0, 256, (ROWS, ROW), dtype=np.uint8) if seed is not None
-                    else np.full((ROWS, ROW), SENTINEL, np.uint8))
+        self.mem = pattern_rows(ROWS, ROW, seed)
         self.kind = kind
         self.b = TinyCopy(name)
         self.b.register([Allocation(self.mem.ctypes.data, self.mem.nbytes, kind, 0)])
@@ -44,13 +43,6 @@ def _pair(kind: MemoryKind) -> tuple[Side, Side]:
     a.b.add_remote("b", b.b.local_metadata())
     b.b.add_remote("a", a.b.local_metadata())
     return a, b
-
-
-def _wait(backend: TinyCopy, x: object) -> None:
-    end = time.monotonic() + 30
-    while not backend.poll(x):
-        assert time.monotonic() < end
-        time.sleep(0)
 
 
 @pytest.fixture
@@ -70,15 +62,9 @@ def test_vram_moves_through_the_device_path_row(fake_gpu: FakeCuda, op: Op) -> N
     li, ri = np.array([0, 5, 6, 11], np.int64), np.array([9, 2, 3, 0], np.int64)
     lp, rp = a.b.prepare(None, a.rows()), a.b.prepare("b", b.rows())
     x = a.b.post(op, lp, li, rp, ri, b"done")
-    _wait(a.b, x)
+    wait_until(lambda: a.b.poll(x), what="the transfer", interval=0)
     assert a.b.data_path(x) == SAME_PROCESS  # the device path's row served it, not memmove
-    want_a, want_b = before_a.copy(), before_b.copy()
-    if op is Op.READ:
-        want_a[li] = before_b[ri]
-    else:
-        want_b[ri] = before_a[li]
-    np.testing.assert_array_equal(a.mem, want_a)
-    np.testing.assert_array_equal(b.mem, want_b)
+    assert_rows_moved(op, a.mem, b.mem, before_a, before_b, li, ri)
     assert b.b.drain_notifications() == {"a": [b"done"]}
     a.b.release(x)
 
@@ -87,7 +73,7 @@ def test_dram_still_takes_memmove(fake_gpu: FakeCuda) -> None:
     a, b = _pair(MemoryKind.DRAM)
     before_b = b.mem.copy()
     x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), np.arange(3), a.b.prepare("b", b.rows()), np.arange(3), None)
-    _wait(a.b, x)
+    wait_until(lambda: a.b.poll(x), what="the transfer", interval=0)
     assert a.b.data_path(x) == "memmove"
     np.testing.assert_array_equal(a.mem[:3], before_b[:3])
     assert (a.mem[3:] == SENTINEL).all()

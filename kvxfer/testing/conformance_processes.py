@@ -8,9 +8,7 @@ one that does not. Import it from :mod:`kvxfer.testing`.
 from __future__ import annotations
 
 import base64
-import json
 import os
-import select
 import signal
 import tempfile
 import threading
@@ -209,32 +207,31 @@ class TwoProcessConformance(_Base):
             with self.make_agent("local") as agent:
                 agent.register(src.views, replicated=True)
                 name = agent.add_peer(peer.metadata)
-                assert peer.proc.stdin is not None and peer.proc.stdout is not None
                 with tempfile.TemporaryDirectory() as tmp:  # the peer watches before we post
                     ready = os.path.join(tmp, "watching")
-                    peer.proc.stdin.write(json.dumps({"cmd": "die_mid_transfer", "timeout": self.timeout,
-                                                      "ready_file": ready}) + "\n")
-                    peer.proc.stdin.flush()
+                    peer.send({"cmd": "die_mid_transfer", "timeout": self.timeout, "ready_file": ready})
                     deadline = time.monotonic() + self.peer_timeout
                     while not os.path.exists(ready) and peer.proc.poll() is None and time.monotonic() < deadline:
                         time.sleep(0.001)
                 try:
                     t = agent.write(name, ours, theirs)
                 except KvxferError:  # the peer may die inside post(): then a typed error is right
-                    if peer.proc.stdout.readline():
+                    if peer.next_reply(timeout=self.timeout + self.peer_timeout) is not None:
                         raise  # it is alive and answered: the error is a bug of its own
                     return
-                done_first, failed = False, None
-                while True:  # poll the write until the peer answers or dies (EOF)
-                    if not done_first and failed is None:
+                seen: dict[str, Any] = {"done": False, "failed": None}
+
+                def poll() -> None:  # poll the write while waiting for the peer's answer or death
+                    if not seen["done"] and seen["failed"] is None:
                         try:
-                            done_first = t.done()
+                            seen["done"] = t.done()
                         except KvxferError as exc:  # the peer may already be gone
-                            failed = exc
-                    if select.select([peer.proc.stdout], [], [], 0.01 if done_first or failed else 0)[0]:
-                        break
-                line = peer.proc.stdout.readline()
-                if not line:  # the peer killed itself with some pages written
+                            seen["failed"] = exc
+
+                poll()
+                reply = peer.next_reply(idle=poll, timeout=self.timeout + self.peer_timeout)
+                done_first, failed = bool(seen["done"]), seen["failed"]
+                if reply is None:  # the peer killed itself with some pages written
                     peer.proc.wait(10)
                     assert not done_first, "WRITE reported DONE before every page reached its peer"
                     if failed is None:
@@ -244,7 +241,6 @@ class TwoProcessConformance(_Base):
                     return
                 if failed is not None:
                     raise failed
-                reply = json.loads(line)
                 assert reply.get("complete"), f"WRITE never reached every page of a live peer: {reply}"
                 t.wait(self.timeout)
                 pytest.skip("the WRITE finished before its peer could die mid-flight: raise kill_blocks")

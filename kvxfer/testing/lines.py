@@ -30,6 +30,30 @@ def say(out: IO[str], doc: Reply) -> None:
     out.flush()
 
 
+class _Lines:
+    """Bytes read so far, split at newlines. A reply can be tens of megabytes (a peer's pages
+    in base64) arriving in 64 KiB reads: the buffer grows in place and each read is searched
+    once, so a long line costs its length, not its length times the number of reads."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._searched = 0  # no newline before this offset
+
+    def add(self, chunk: bytes) -> None:
+        self._buf += chunk
+
+    def next(self) -> bytes | None:
+        """The next complete line (without its newline), or None until one has arrived."""
+        i = self._buf.find(b"\n", self._searched)
+        if i < 0:
+            self._searched = len(self._buf)
+            return None
+        line = bytes(self._buf[:i])
+        del self._buf[:i + 1]
+        self._searched = 0
+        return line
+
+
 def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[str] | None = None,
           stdin: IO[str] | None = None, poll_s: float = 0.001, on_exit: Callable[[], Reply] | None = None) -> int:
     """Answer commands until ``exit`` (or a reply holding ``"exit"``) or end of input; returns 0.
@@ -39,18 +63,18 @@ def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[st
     """
     out = sys.stdout if out is None else out
     fd = (sys.stdin if stdin is None else stdin).fileno()
-    buf = b""  # read from the fd itself, so two commands in one read are both answered
+    lines = _Lines()  # read from the fd itself, so two commands in one read are both answered
     while True:
-        if b"\n" not in buf:
+        line = lines.next()
+        if line is None:
             if not select.select([fd], [], [], poll_s)[0]:
                 idle()
                 continue
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return 0
-            buf += chunk
+            lines.add(chunk)
             continue
-        line, buf = buf.split(b"\n", 1)
         cmd: Reply = json.loads(line)
         if cmd.get("cmd") == "exit":
             if on_exit is not None:
@@ -68,38 +92,52 @@ def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[st
 class Channel:
     """The parent's end: send a command, read the reply line within a timeout."""
 
-    def __init__(self, proc: "subprocess.Popen[Any]") -> None:
-        assert proc.stdin is not None and proc.stdout is not None
+    def __init__(self, proc: "subprocess.Popen[Any]", replies: IO[Any] | None = None) -> None:
+        """``replies``: where the child answers, if not its stdout (a program whose libraries
+        print on stdout answers on a descriptor of its own, passed to it by number)."""
+        out = proc.stdout if replies is None else replies
+        assert proc.stdin is not None and out is not None
         self.proc = proc
-        self._in, self._fd = proc.stdin, proc.stdout.fileno()
+        self._in, self._fd = proc.stdin, out.fileno()
         self._text = isinstance(proc.stdin, io.TextIOBase)
-        self._buf = b""  # replies are read from the fd itself: bytes past one line wait here
+        self._lines = _Lines()  # replies are read from the fd itself: bytes past one line wait here
 
     def send(self, doc: Reply) -> None:
         data = json.dumps(doc) + "\n"
         self._in.write(data if self._text else data.encode())  # type: ignore[arg-type]
         self._in.flush()
 
-    def read(self, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
+    def read(self, timeout: float, idle: Callable[[], None] | None = None, idle_s: float = 0.001) -> Reply:
         """The next reply; :class:`TimeoutError` if none came in time, :class:`EOFError` if the child exited.
 
-        ``idle`` runs about every millisecond while waiting (a parent whose transport moves
-        only while it is progressed drives it there)."""
+        ``idle`` runs about every ``idle_s`` seconds while waiting (a parent whose transport
+        moves only while it is progressed drives it there; one that waits minutes for an
+        engine looks at its health there, less often)."""
         deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
+        while (line := self._lines.next()) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no reply within {timeout:g} s")
-            if not select.select([self._fd], [], [], left if idle is None else min(left, 0.001))[0]:
+            if not select.select([self._fd], [], [], left if idle is None else min(left, idle_s))[0]:
                 if idle is not None:
                     idle()
                 continue
-            chunk = os.read(self._fd, 1 << 16)
+            chunk = os.read(self._fd, 1 << 20)
             if not chunk:
                 raise EOFError("the child exited")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+            self._lines.add(chunk)
         return dict(json.loads(line))
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the child to exit and wait up to ``timeout`` seconds; False if it is still
+        running (the caller kills it, its own way: a process or its whole group)."""
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+        return True
 
     def ask(self, doc: Reply, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
         self.send(doc)

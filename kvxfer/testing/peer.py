@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import Agent
 from ..errors import KvxferError
@@ -256,9 +256,9 @@ class PeerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def _readline(self) -> dict[str, Any]:
+    def _readline(self, idle: Callable[[], None] | None = None) -> dict[str, Any]:
         try:
-            reply = self._ch.read(self.timeout)
+            reply = self._ch.read(self.timeout, idle)
         except TimeoutError:
             self.kill()
             raise PeerError(f"peer process did not answer within {self.timeout:g} s") from None
@@ -281,9 +281,29 @@ class PeerProcess:
         lines = [ln.strip() for ln in self.stderr_text().splitlines() if ln.strip()]
         return lines[-1] if lines else ""
 
-    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def send(self, cmd: dict[str, Any]) -> None:
+        """Send ``cmd`` without waiting (read its reply with :meth:`next_reply`)."""
         self._ch.send(cmd)
-        return self._readline()
+
+    def next_reply(self, idle: Callable[[], None] | None = None,
+                   timeout: float | None = None) -> dict[str, Any] | None:
+        """The next reply as it came (an error reply too), or None once the child has exited:
+        for a test that kills the peer on purpose and must tell a death from an answer.
+        ``timeout`` (default: the peer's) bounds a command that itself runs for a while."""
+        limit = self.timeout if timeout is None else timeout
+        try:
+            return self._ch.read(limit, idle)
+        except EOFError:
+            return None
+        except TimeoutError:
+            self.kill()
+            raise PeerError(f"peer process did not answer within {limit:g} s") from None
+
+    def call(self, cmd: dict[str, Any], idle: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Send ``cmd`` and return its reply; ``idle`` runs while waiting (progress a local
+        agent there when the command makes the peer transfer into this process)."""
+        self._ch.send(cmd)
+        return self._readline(idle)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -291,12 +311,8 @@ class PeerProcess:
         self.proc.wait(timeout=10)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._ch.send({"cmd": "exit"})
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.kill()
+        if not self._ch.stop(30):
+            self.kill()
         for f in (self.proc.stdin, self.proc.stdout, self._stderr):
             if f is not None:
                 f.close()

@@ -74,6 +74,29 @@ def _reserve(port: int) -> bool:
     return False
 
 
+def _release(port: int) -> None:
+    """Give back a claim this process made (and has not handed out)."""
+    path = _RESERVED / str(port)
+    try:
+        if int(path.read_text() or "0") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _reserve_all(ports: range) -> bool:
+    """Claim every port of ``ports`` or none: a range only partly claimed gives back its part,
+    else those claims would stay with this process, never handed out and never tried again."""
+    claimed: list[int] = []
+    for q in ports:
+        if not _reserve(q):
+            for r in claimed:
+                _release(r)
+            return False
+        claimed.append(q)
+    return True
+
+
 def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
     """A port p such that p..p+count-1 are bindable now, outside the ephemeral range, and
     reserved for this process (never handed out twice by it)."""
@@ -87,7 +110,7 @@ def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
         ports = range(p, p + count)
         if any(q in _mine for q in ports) or not all(_bindable(q, host) for q in ports):
             continue
-        if all(_reserve(q) for q in ports):
+        if _reserve_all(ports):
             _mine.update(ports)
             return p
     raise RuntimeError(f"no {count} free port(s) between {LOW} and {high}")

@@ -148,6 +148,12 @@ class Pairs:
                 e.stop()
             self.current = None
 
+    def __enter__(self) -> "Pairs":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def all_prompts() -> list[list[int]]:
     return PROMPTS + WARMUP + list(FAULT_PROMPTS.values())

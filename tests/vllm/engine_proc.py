@@ -2,9 +2,10 @@
 
 ``python engine_proc.py CONFIG_JSON``: CONFIG_JSON holds the model folder (a local
 checkpoint, nothing is downloaded), the file
-descriptor to answer on, and the ``KVTransferConfig`` fields (or none). Commands arrive as
-JSON lines on stdin; answers go to that descriptor, so vLLM's own output on stdout and
-stderr can go to a log file. vLLM spawns processes, hence the ``__main__`` guard.
+descriptor to answer on, and the ``KVTransferConfig`` fields (or none). It speaks
+:mod:`kvxfer.testing.lines`: commands arrive on stdin, answers go to that descriptor, so
+vLLM's own output on stdout and stderr can go to a log file. vLLM spawns processes,
+hence the ``__main__`` guard.
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ def metrics(llm: Any) -> dict[str, float]:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    answer = os.fdopen(int(cfg["fd"]), "w", buffering=1)
-
-    def send(obj: dict[str, Any]) -> None:
-        answer.write(json.dumps(obj) + "\n")
+    answer = os.fdopen(int(cfg["fd"]), "w")
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from kvxfer.testing import lines
 
     ktc = KVTransferConfig(**cfg["kv_transfer_config"]) if cfg.get("kv_transfer_config") else None
     t0 = time.perf_counter()
@@ -50,14 +50,13 @@ def main() -> None:
               enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
               num_gpu_blocks_override=cfg.get("num_blocks"), disable_log_stats=False, seed=0,
               kv_transfer_config=ktc, **cfg.get("llm_args", {}))
-    send({"ready": True, "start_seconds": time.perf_counter() - t0})
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req["cmd"] == "quit":
-            break
+    lines.say(answer, {"ready": True, "start_seconds": time.perf_counter() - t0})
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
         if req["cmd"] == "metrics":
-            send({"metrics": metrics(llm)})
-            continue
+            return {"metrics": metrics(llm)}
+        if req["cmd"] != "generate":
+            raise ValueError(f"unknown command {req['cmd']!r}")
         params = req.get("params") or [None] * len(req["prompts"])
         sps = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
                               extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
@@ -66,9 +65,12 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sps, use_tqdm=False)
         seconds = time.perf_counter() - t
         after = metrics(llm)
-        send({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-              "params": [o.kv_transfer_params for o in outs], "seconds": seconds,
-              "delta": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "params": [o.kv_transfer_params for o in outs], "seconds": seconds,
+                "delta": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}}
+
+    # Nothing here needs driving between commands (vLLM runs its own loop): wake rarely.
+    lines.serve(handle, lambda: None, out=answer, poll_s=1.0)
 
 
 if __name__ == "__main__":

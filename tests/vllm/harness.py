@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.testing import lines
 from kvxfer.testing.ports import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -71,28 +71,30 @@ class Engine:
     log_path: Path
     start_seconds: float | None = None
     ready: bool = False
-    _buf: bytes = field(default=b"", repr=False)
+    _ch: lines.Channel = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._ch = lines.Channel(self.proc, replies=self.answers)
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        next_look = time.monotonic() + 5.0
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: no answer within {timeout:g} s\n{self.log_tail()}")
-            r, _, _ = select.select([self.answers], [], [], min(left, 1.0))
-            if r:
-                chunk = os.read(self.answers.fileno(), 1 << 20)
-                if not chunk:
-                    raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()})\n{self.log_tail()}")
-                self._buf += chunk
-            elif self.proc.poll() is not None:
+        next_look = [time.monotonic() + 5.0]
+
+        def health() -> None:  # fail at once when the engine died or its log shows it never will answer
+            if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode})\n{self.log_tail()}")
-            elif time.monotonic() >= next_look:
-                next_look = time.monotonic() + 5.0
+            if time.monotonic() >= next_look[0]:
+                next_look[0] = time.monotonic() + 5.0
                 self._raise_if_wedged()
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+
+        try:
+            reply = self._ch.read(timeout, health, idle_s=1.0)
+        except TimeoutError:
+            raise TimeoutError(f"{self.name}: no answer within {timeout:g} s\n{self.log_tail()}") from None
+        except EOFError:
+            raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()})\n{self.log_tail()}") from None
+        if "error" in reply:
+            raise RuntimeError(f"{self.name} failed: {reply['error']}: {reply['message']}\n{self.log_tail()}")
+        return reply
 
     def _raise_if_wedged(self) -> None:
         """Fail now, not at the timeout, once the engine's log shows it can never answer.
@@ -116,9 +118,7 @@ class Engine:
 
     def call(self, cmd: dict[str, Any], timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
         self.wait_ready()
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+        self._ch.send(cmd)
         return self._read(timeout)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None) -> dict[str, Any]:
@@ -142,14 +142,7 @@ class Engine:
         self.proc.wait(timeout=60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(b'{"cmd": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        self._ch.stop(60)  # whether or not it went, its group goes next
         self.kill()
         self.answers.close()
 

@@ -49,11 +49,8 @@ def _start(model: Path, logdir: Path, layout: str) -> Pair:
 
 @pytest.fixture(scope="module")
 def pair(model_dir: Path, workdir: Path, reference):
-    pairs = Pairs(model_dir, workdir, {"LBHNC": _start})
-    try:
+    with Pairs(model_dir, workdir, {"LBHNC": _start}) as pairs:
         yield pairs["LBHNC"]
-    finally:
-        pairs.stop()
 
 
 def _corrupt(kind: str | None) -> None:

@@ -28,11 +28,8 @@ pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.n
 
 @pytest.fixture(scope="module")
 def pairs(model_dir: Path, workdir: Path, reference):
-    pairs = Pairs(model_dir, workdir, {"LBHNC": start_kvxfer_pair, "BLHNC": start_kvxfer_pair})
-    try:
+    with Pairs(model_dir, workdir, {"LBHNC": start_kvxfer_pair, "BLHNC": start_kvxfer_pair}) as pairs:
         yield pairs
-    finally:
-        pairs.stop()
 
 
 # BLHNC first: the LBHNC pair then stays up for the fault cases below.

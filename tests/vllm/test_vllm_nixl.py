@@ -22,11 +22,8 @@ pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.n
 
 @pytest.fixture(scope="module")
 def pairs(model_dir: Path, workdir: Path, reference):
-    pairs = Pairs(model_dir, workdir, {"LBHNC": start_nixl_pair, "BLHNC": start_nixl_pair})
-    try:
+    with Pairs(model_dir, workdir, {"LBHNC": start_nixl_pair, "BLHNC": start_nixl_pair}) as pairs:
         yield pairs
-    finally:
-        pairs.stop()
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])

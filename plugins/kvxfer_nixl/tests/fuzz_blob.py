@@ -28,7 +28,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import struct
@@ -230,20 +229,19 @@ def campaign(count: int, seed: int = 0, start: int = 0, timeout: float = 3600.0,
     """Run mutations ``start .. start+count`` and return the counts (see module docstring)."""
     import tempfile
 
+    from kvxfer.testing.peer import PeerProcess
+
     env = _env()
-    peer = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.peer", "--backend", "nixl", "--name", "genuine",
-                             "--blocks", "4", "--layers", "2", "--page", "256"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    peer = PeerProcess(["--backend", "nixl", "--name", "genuine", "--blocks", "4", "--layers", "2", "--page", "256"],
+                       env=env)
     results: Counter[str] = Counter()
     by_class: dict[str, Counter[str]] = {}
     crashes: list[dict[str, Any]] = []
     findings: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        assert peer.stdout is not None
-        first = json.loads(peer.stdout.readline())
         with tempfile.NamedTemporaryFile(suffix=".md", delete=False) as f:
-            f.write(base64.b64decode(first["metadata"]))
+            f.write(peer.metadata)
             md_path = f.name
         nxt = start
         end = start + count
@@ -278,13 +276,7 @@ def campaign(count: int, seed: int = 0, start: int = 0, timeout: float = 3600.0,
                 log(f"{nxt - start}/{count} mutations, {results['crash']} crashes, {len(findings)} findings")
         os.unlink(md_path)
     finally:
-        try:
-            assert peer.stdin is not None
-            peer.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            peer.stdin.flush()
-            peer.wait(timeout=10)
-        except Exception:
-            peer.kill()
+        peer.close()
     return {"mutations": sum(results.values()), "seed": seed, "start": start, "results": dict(results),
             "classes": {k: dict(v) for k, v in sorted(by_class.items())}, "crashes": crashes,
             "findings": findings, "seconds": round(time.monotonic() - t0, 1)}

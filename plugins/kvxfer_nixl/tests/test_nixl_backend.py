@@ -19,7 +19,7 @@ import pytest
 
 from kvxfer import DescriptorList, MemoryKind, Op
 from kvxfer.errors import BackendUnavailableError, MetadataError, StalePeerError, UnknownPeerError
-from kvxfer.memory import Allocation
+from kvxfer.testing.seam import finish, joined
 from kvxfer.testing import BackendConformance, TwoProcessConformance
 
 pytestmark = pytest.mark.nixl
@@ -158,16 +158,8 @@ def pair() -> Iterator[tuple[nb.NixlBackend, nb.NixlBackend, np.ndarray, np.ndar
     """Backend ``a`` owns the patterned source, ``b`` the sentinel destination; b knows a."""
     src = (np.arange(ROWS * ROW, dtype=np.uint32) * 2654435761 % 251).astype(np.uint8).reshape(ROWS, ROW)
     dst = np.full((ROWS, ROW), SENTINEL, dtype=np.uint8)
-    a, b = nb.NixlBackend("seam-a"), nb.NixlBackend("seam-b")
-    try:
-        a.register([Allocation(src.ctypes.data, src.nbytes)])
-        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
-        b.add_remote("seam-a", a.local_metadata())
-        a.add_remote("seam-b", b.local_metadata())
+    with joined(nb.NixlBackend("seam-a"), nb.NixlBackend("seam-b"), src, dst) as (a, b):
         yield a, b, src, dst
-    finally:
-        b.close()
-        a.close()
 
 
 def _rows(arr: np.ndarray, strided: bool) -> DescriptorList:
@@ -178,10 +170,7 @@ def _rows(arr: np.ndarray, strided: bool) -> DescriptorList:
 
 
 def _wait(b: nb.NixlBackend, x: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not b.poll(x):
-        assert time.monotonic() < deadline, "transfer did not finish"
-    b.release(x)
+    finish(b, x, timeout)
 
 
 def _check(src: np.ndarray, dst: np.ndarray, dst_rows: list[int], src_rows: list[int]) -> None:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import os
 import struct
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -27,6 +25,8 @@ import pytest
 from kvxfer import DescriptorList, Op, peers
 from kvxfer.errors import IdentityError
 from kvxfer.memory import Allocation
+from kvxfer.testing import lines
+from kvxfer.testing.wait import wait_until
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
 from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
@@ -37,16 +37,19 @@ ROW, KV_ROWS, SECRET_ROWS, CANARY_ROWS = 512, 4, 2, 2
 SENTINEL, CANARY = 0xAA, 0x77
 
 _ATTACKER = r"""
-import base64, json, os, select, sys
+import base64, os, sys
 import numpy as np
 from kvxfer import Agent
+from kvxfer.testing import lines
 buf = np.full((8, 512), 0x11, np.uint8)
+
+def handle(cmd):
+    raise ValueError(f"no commands here, only progress until stdin closes: {cmd!r}")
+
 with Agent("attacker", backend="nixl") as agent:
     agent.register({"layer.0": buf})
-    print(json.dumps({"pid": os.getpid(), "metadata": base64.b64encode(agent.backend.local_metadata()).decode()}),
-          flush=True)
-    while not select.select([sys.stdin], [], [], 0.001)[0]:
-        agent.progress()
+    lines.say(sys.stdout, {"pid": os.getpid(), "metadata": base64.b64encode(agent.backend.local_metadata()).decode()})
+    lines.serve(handle, agent.progress)
 """
 
 
@@ -56,7 +59,7 @@ def attacker() -> Iterator[tuple[int, bytes]]:
                             text=True, env={**os.environ, "NIXL_LOG_LEVEL": "ERROR"})
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        hello = json.loads(proc.stdout.readline())
+        hello = lines.Channel(proc).read(60)
         yield int(hello["pid"]), base64.b64decode(hello["metadata"])
     finally:
         proc.stdin.close()
@@ -81,9 +84,7 @@ class Victim:
         lp, rp = self.be.prepare(None, self.rows(local, n)), self.be.prepare(peer, self.rows(remote, n))
         idx = np.arange(n, dtype=np.int32)
         x = self.be.post(op, lp, idx, rp, idx, None)
-        end = time.monotonic() + 60
-        while not self.be.poll(x):
-            assert time.monotonic() < end, "transfer did not finish"
+        wait_until(lambda: self.be.poll(x), timeout=60, what="the transfer", interval=0)
         self.be.release(x)
 
 

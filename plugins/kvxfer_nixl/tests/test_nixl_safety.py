@@ -23,6 +23,8 @@ import pytest
 from kvxfer import Agent, AgentMetadata, DescriptorList, MemoryKind, Op
 from kvxfer.errors import MetadataError, OutOfRegistrationError, StalePeerError
 from kvxfer.memory import Allocation
+from kvxfer.testing import lines
+from kvxfer.testing.seam import finish, joined
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install -e '.[nixl]'")
 from kvxfer_nixl import _blob  # noqa: E402
@@ -48,24 +50,15 @@ def _rows(arr: np.ndarray) -> DescriptorList:
 
 
 def _wait(be: Any, x: Any, limit: float = 30.0) -> None:
-    end = time.monotonic() + limit
-    while not be.poll(x):
-        assert time.monotonic() < end, "transfer did not finish"
-    be.release(x)
+    finish(be, x, limit)
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Any, Any, np.ndarray, np.ndarray]]:
     """``a`` holds a patterned source, ``b`` a sentinel destination; b has not added a yet."""
     src, dst = _pattern(), np.full((ROWS, ROW), SENTINEL, np.uint8)
-    a, b = nb.NixlBackend("safe-a"), nb.NixlBackend("safe-b")
-    try:
-        a.register([Allocation(src.ctypes.data, src.nbytes)])
-        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+    with joined(nb.NixlBackend("safe-a"), nb.NixlBackend("safe-b"), src, dst, add=False) as (a, b):
         yield a, b, src, dst
-    finally:
-        b.close()
-        a.close()
 
 
 def _read_and_check(b: Any, peer: str, src: np.ndarray, dst: np.ndarray, d: list[int], s: list[int]) -> None:
@@ -274,25 +267,25 @@ def test_same_process_peer_that_deregistered_is_stale_until_added_again() -> Non
 
 
 _DEREG_PEER = r"""
-import base64, json, select, sys
+import base64, sys
 import numpy as np
 from kvxfer import Agent
+from kvxfer.testing import lines
 src = np.random.default_rng(5).integers(0, 256, (16, 4096), dtype=np.uint8)
+
+def handle(cmd):
+    if cmd["cmd"] == "add_peer":
+        agent.add_peer(base64.b64decode(cmd["metadata"]))
+    elif cmd["cmd"] == "deregister":
+        agent.deregister()
+    else:
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+    return {"ok": True}
+
 with Agent("remote", backend="nixl") as agent:
     agent.register({"layer.0": src})
-    print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode()}), flush=True)
-    while True:
-        if not select.select([sys.stdin], [], [], 0.001)[0]:
-            agent.progress()
-            continue
-        cmd = json.loads(sys.stdin.readline() or '{"cmd": "exit"}')
-        if cmd["cmd"] == "add_peer":
-            agent.add_peer(base64.b64decode(cmd["metadata"]))
-        elif cmd["cmd"] == "deregister":
-            agent.deregister()
-        else:
-            break
-        print(json.dumps({"ok": True}), flush=True)
+    lines.say(sys.stdout, {"metadata": base64.b64encode(agent.metadata()).decode()})
+    lines.serve(handle, agent.progress)
 """
 
 
@@ -300,15 +293,13 @@ with Agent("remote", backend="nixl") as agent:
 def test_peer_in_another_process_that_deregistered_is_detected() -> None:
     proc = subprocess.Popen([sys.executable, "-c", _DEREG_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "NIXL_LOG_LEVEL": "ERROR"})
-    assert proc.stdin is not None and proc.stdout is not None
+    ch = lines.Channel(proc)
 
     def call(cmd: dict[str, Any]) -> None:
-        proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert json.loads(proc.stdout.readline())["ok"]  # type: ignore[union-attr]
+        assert ch.ask(cmd, 60)["ok"]
 
     try:
-        md = base64.b64decode(json.loads(proc.stdout.readline())["metadata"])
+        md = base64.b64decode(ch.read(60)["metadata"])
         src, dst = _pattern(), np.full((ROWS, ROW), SENTINEL, np.uint8)
         with Agent("local", backend="nixl") as agent:
             agent.register({"layer.0": dst})
@@ -325,8 +316,7 @@ def test_peer_in_another_process_that_deregistered_is_detected() -> None:
                 agent.read(peer, [5], [6]).wait(20)
             assert (dst[5] == SENTINEL).all()
     finally:
-        proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-        proc.stdin.flush()
+        ch.send({"cmd": "exit"})
         proc.wait(timeout=30)
 
 

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import os
 import random
 import struct
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,6 +32,8 @@ import pytest
 from kvxfer import DescriptorList, Op
 from kvxfer.errors import IdentityError
 from kvxfer.memory import Allocation
+from kvxfer.testing import lines
+from kvxfer.testing.wait import wait_until
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
 from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
@@ -42,19 +42,22 @@ pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 
 ROW = 512
 _CHILD = r"""
-import base64, json, os, select, sys
+import base64, os, sys
 import numpy as np
 from kvxfer import Agent
+from kvxfer.testing import lines
 buf = np.full((8, 512), 0x11, np.uint8)
 secret = np.random.default_rng(os.getpid()).integers(0, 256, (2, 512), dtype=np.uint8)  # never registered
 agents = [Agent(f"child{i}", backend="nixl") for i in range(int(sys.argv[1]))]
 for a in agents:
     a.register({"layer.0": buf})
-print(json.dumps({"pid": os.getpid(), "secret": secret.ctypes.data, "secret_bytes": secret.tobytes().hex(),
-                  "blobs": [base64.b64encode(a.backend.local_metadata()).decode() for a in agents]}), flush=True)
-while not select.select([sys.stdin], [], [], 0.001)[0]:
-    for a in agents:
-        a.progress()
+lines.say(sys.stdout, {"pid": os.getpid(), "secret": secret.ctypes.data, "secret_bytes": secret.tobytes().hex(),
+                      "blobs": [base64.b64encode(a.backend.local_metadata()).decode() for a in agents]})
+
+def handle(cmd):
+    raise ValueError(f"no commands here, only progress until stdin closes: {cmd!r}")
+
+lines.serve(handle, lambda: [a.progress() for a in agents])
 """
 
 
@@ -70,8 +73,7 @@ def children() -> Iterator[list[dict[str, Any]]]:
     try:
         hellos = []
         for p in procs:
-            assert p.stdout is not None
-            h = json.loads(p.stdout.readline())
+            h = lines.Channel(p).read(60)
             h["blobs"] = [base64.b64decode(b) for b in h["blobs"]]
             hellos.append(h)
         yield hellos
@@ -196,9 +198,7 @@ def _read(be: Any, peer: str, remote: int, n: int) -> np.ndarray:
     rp = be.prepare(peer, DescriptorList([[remote + i * ROW, ROW, 0] for i in range(n)]))
     idx = np.arange(n, dtype=np.int32)
     x = be.post(Op.READ, lp, idx, rp, idx, None)
-    end = time.monotonic() + 60
-    while not be.poll(x):
-        assert time.monotonic() < end, "transfer did not finish"
+    wait_until(lambda: be.poll(x), timeout=60, what="the transfer", interval=0)
     be.release(x)
     return dst
 

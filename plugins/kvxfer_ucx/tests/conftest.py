@@ -12,25 +12,18 @@ from kvxfer_ucx._libucp import find_libucp
 if find_libucp() is None:
     collect_ignore_glob = ["test_*.py"]
 else:
-    from kvxfer import Allocation
+    from kvxfer.testing.seam import joined
     from ucx_helpers import PATH_NAMES, PATHS, SENT, pattern  # noqa: E402
     from kvxfer_ucx.backend import UcxBackend
 
     Pair = tuple[UcxBackend, UcxBackend, np.ndarray, np.ndarray]
 
     def _pair(opt: bool | None, nbytes: int, seed: int, **decode_options: Any) -> Iterator[Pair]:
-        a, b = UcxBackend("prefill", same_host_copy=opt), UcxBackend("decode", same_host_copy=opt, **decode_options)
         src = pattern(nbytes, seed)
         dst = np.full(nbytes, SENT, dtype=np.uint8)
-        try:
-            a.register([Allocation(src.ctypes.data, src.nbytes)])
-            b.register([Allocation(dst.ctypes.data, dst.nbytes)])
-            b.add_remote("prefill", a.local_metadata())
-            a.add_remote("decode", b.local_metadata())
+        with joined(UcxBackend("prefill", same_host_copy=opt), UcxBackend("decode", same_host_copy=opt, **decode_options),
+                    src, dst) as (a, b):
             yield a, b, src, dst
-        finally:
-            b.close()
-            a.close()
 
     @pytest.fixture(params=["copy", "rma"])
     def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:

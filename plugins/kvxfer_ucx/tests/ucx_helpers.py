@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
 from kvxfer import DescriptorList
+from kvxfer.testing.seam import finish
 
 SENT = 0xAA
 PATHS: dict[str, bool | None] = {"copy": None, "rma": False}  # same_host_copy option per path
@@ -24,10 +24,5 @@ def descs(base: int, offsets: Any, sizes: Any) -> DescriptorList:
 
 
 def drive(*backends: Any, xfer: Any, owner: Any, timeout: float = 20.0) -> None:
-    """Poll ``owner`` until ``xfer`` is done, progressing ``backends`` meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not owner.poll(xfer):
-        for b in backends:
-            b.progress()
-        assert time.monotonic() < deadline, "transfer did not finish"
-    owner.release(xfer)
+    """Poll ``owner`` until ``xfer`` is done, progressing ``backends`` meanwhile; release it."""
+    finish(owner, xfer, timeout, backends)

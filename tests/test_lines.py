@@ -1,0 +1,63 @@
+"""kvxfer.testing.lines: lines split over reads, several lines in one read, and a long reply.
+
+The reader keeps bytes past a line for the next one and searches each read once; these pin
+what it hands back, against the lines as they were written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from kvxfer.testing import lines
+from kvxfer.testing.lines import _Lines
+
+_ECHO = r"""
+import sys
+from kvxfer.testing import lines
+lines.say(sys.stdout, {"hello": True})
+lines.serve(lambda cmd: {"echo": cmd["text"], "size": len(cmd["text"])}, lambda: None)
+"""
+
+
+def test_lines_split_anywhere_come_back_whole_and_in_order() -> None:
+    docs = [json.dumps({"i": i, "pad": "x" * int(n)}).encode()
+            for i, n in enumerate(np.random.default_rng(1).integers(0, 5000, 40))]
+    stream = b"".join(d + b"\n" for d in docs)
+    cuts = np.sort(np.random.default_rng(2).choice(len(stream), 300, replace=False))
+    got: list[bytes] = []
+    lines_ = _Lines()
+    for chunk in np.split(np.frombuffer(stream, np.uint8), cuts):
+        lines_.add(chunk.tobytes())
+        while (line := lines_.next()) is not None:
+            got.append(line)
+    assert got == docs
+    assert lines_.next() is None  # nothing left over, nothing made up
+
+
+def test_a_reply_of_tens_of_megabytes_round_trips() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ch = lines.Channel(proc)
+        assert ch.read(60) == {"hello": True}
+        text = (np.random.default_rng(3).integers(0, 10, 24 << 20).astype(np.uint8) + ord("0")).tobytes().decode()
+        reply = ch.ask({"text": text}, 300)  # a hang guard: 24 MB each way
+        assert reply["size"] == len(text) and reply["echo"] == text
+        assert ch.ask({"text": "short"}, 60) == {"echo": "short", "size": 5}  # the stream stays aligned
+    finally:
+        assert ch.stop(60) and proc.returncode == 0
+
+
+def test_stop_says_when_a_child_did_not_go() -> None:
+    """The control of ``stop``: a child that never reads its commands is still running after it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert not lines.Channel(proc).stop(0.5)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
