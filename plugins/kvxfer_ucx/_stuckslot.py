@@ -16,7 +16,8 @@ is skipped only when no live thread can be inside that write. The writer's claim
 path is straight-line code (a copy of at most one segment) that never sleeps; so a slot that
 stays unready while every thread that maps the queue has either run (its CPU time, from
 ``/proc/PID/task/TID/schedstat``, grew by at least :data:`RAN_NS`) or slept (or is a zombie) in both samples
-can only belong to a thread that no longer exists. A thread stopped, in uninterruptible
+can only belong to a thread that no longer exists (the slot is read again after the second
+sample: a thread that ran would have marked it by then). A thread stopped, in uninterruptible
 sleep, or runnable without getting the CPU keeps the slot as it is until a later round.
 Threads this process cannot inspect (another user's) cannot open the queue (mode 0600).
 Nothing here runs unless the first unready slot stayed the same for :data:`SETTLE` seconds,
@@ -159,7 +160,9 @@ class SlotWatch:
             since, sample = self._suspects.get(key, (now, None))
             if now - since >= SETTLE:
                 current = _threads(q.dev, q.inode, threading.get_native_id())
-                if sample is not None and current is not None and _cannot_be_writing(sample, current):
+                # Read again after the sample: a writer that ran since has marked its slot by now.
+                if (sample is not None and current is not None and _cannot_be_writing(sample, current)
+                        and q.first_unready() == index):
                     q.skip(index)
                     self.skipped += 1
                     _log.warning("kvxfer ucx: skipped receive-queue slot %d, left half-written by a process that "
