@@ -104,9 +104,12 @@ class _Queue:
         self.addr, self.dev, self.inode = addr, dev, inode
         self.flags = np.ctypeslib.as_array((ctypes.c_uint8 * (FIFO_SIZE * ELEM_SIZE)).from_address(addr + _CTL))[::ELEM_SIZE]
 
+    def ends(self) -> tuple[int, int]:
+        """``(head, tail)``: the next slot a writer claims, the last one the owner released."""
+        return ctypes.c_uint64.from_address(self.addr).value & ~_ARMED, ctypes.c_uint64.from_address(self.addr + 128).value
+
     def first_unready(self) -> int | None:
-        head = ctypes.c_uint64.from_address(self.addr).value & ~_ARMED
-        tail = ctypes.c_uint64.from_address(self.addr + 128).value
+        head, tail = self.ends()
         if not 0 < head - tail <= FIFO_SIZE:
             return None
         idx = np.arange(tail, head, dtype=np.uint64)

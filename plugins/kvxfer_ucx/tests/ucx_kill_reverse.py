@@ -120,7 +120,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
     stuck, kills, mid_flight, false_done = "", 0, 0, 0
     live = Initiator(path, rows, 1, "live", md)
     victim: Initiator | None = None
-    duration = 0.0
+    duration, skipped, queues = 0.0, 0, []
 
     def served(peer: Initiator, what: str) -> float:
         """``peer`` READs all of this agent's rows and checks them; seconds it took."""
@@ -179,8 +179,12 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
             except (kvxfer.KvxferError, AssertionError, TimeoutError, EOFError) as exc:
                 stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
                 print(f"{path} reversed: stuck {stuck}", file=sys.stderr, flush=True)
+                # What is stuck: per receive queue of this process, head, tail, first unready slot.
+                queues = [(*q.ends(), q.first_unready()) for q in agent.backend._slots._queues()]  # type: ignore[attr-defined]
+                print(f"{path} reversed: queues (head, tail, first unready slot) {queues}", file=sys.stderr, flush=True)
                 break
     finally:
+        skipped = agent.backend._slots.skipped  # type: ignore[attr-defined]
         if victim is not None:
             victim.stop()
         live.stop()
@@ -188,4 +192,5 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
     return {"path": f"{path} (reversed)", "reaped": True, "trials": kills, "mid_flight": mid_flight,
             "outcomes": dict(counts), "errors": {}, "false_done": false_done, "untyped": 0, "worst_error_s": 0.0,
             "timeout_s": timeout, "clean_read_s": round(duration, 4), "recovered": not stuck, "stuck": stuck,
+            "slots_skipped": skipped, "queues_when_stuck": queues,
             "timings": []}
