@@ -19,7 +19,9 @@ stays unready while every thread that maps the queue has either run (its CPU tim
 can only belong to a thread that no longer exists (the slot is read again after the second
 sample: a thread that ran would have marked it by then). A thread stopped, in uninterruptible
 sleep, or runnable without getting the CPU keeps the slot as it is until a later round.
-Threads this process cannot inspect (another user's) cannot open the queue (mode 0600).
+Another user's processes cannot open the queue (mode 0600); one of this user's whose
+memory map cannot be read (not dumpable) counts as mapping it, and one whose threads cannot
+be read blocks the skip.
 Nothing here runs unless the first unready slot stayed the same for :data:`SETTLE` seconds,
 and it looks at most every :data:`PERIOD` seconds.
 
@@ -68,20 +70,34 @@ def _threads(dev: str, inode: str, me: int) -> dict[int, tuple[str, int]] | None
             with open(f"/proc/{pid}/maps") as f:
                 if needle not in f.read():
                     continue
+        except FileNotFoundError:
+            continue  # gone
         except OSError:
-            continue  # gone, or another user's (which cannot open a 0600 segment)
+            try:
+                if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                    continue  # another user's, which cannot open a 0600 segment
+            except FileNotFoundError:
+                continue
+            # one of ours whose map cannot be read (not dumpable): it might be the writer, so
+            # its threads count as if it mapped the queue
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                if int(tid) == me:
-                    continue
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except FileNotFoundError:
+            continue  # exited meanwhile: it writes nothing any more
+        except (OSError, ValueError):
+            return None
+        for tid in tids:
+            if tid == me:
+                continue
+            try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     state = f.read().rpartition(")")[2].split()[0]
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    out[int(tid)] = (state, int(f.read().split()[0]))
-        except FileNotFoundError:
-            continue  # the process or a thread exited meanwhile: it writes nothing any more
-        except (OSError, ValueError, IndexError):
-            return None
+                    out[tid] = (state, int(f.read().split()[0]))
+            except FileNotFoundError:
+                continue  # this thread exited meanwhile
+            except (OSError, ValueError, IndexError):
+                return None
     return out
 
 
