@@ -39,11 +39,11 @@ import os
 import re
 import threading
 import time
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["CONFIG", "ENABLED", "SlotWatch"]
+__all__ = ["CONFIG", "CREATING", "ENABLED", "SlotWatch", "new_queue", "queues"]
 
 FIFO_SIZE, ELEM_SIZE = 256, 128
 #: UCX settings that fix the layout read here (``_config`` adds them to every agent's).
@@ -56,7 +56,7 @@ _SKIP_AM_ID = 31  # below UCT_AM_ID_MAX (32), above every id UCP 1.21 handles (2
 PERIOD, SETTLE, RAN_NS = 0.25, 0.5, 1_000_000
 #: Off only for the control run that shows the wedge (``ucx_kill_matrix.py --reverse --control-wedge``).
 ENABLED = [True]
-_MAPS = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ 0+ (\S+) (\d+) +(/dev/shm/ucx_shm_posix_\S+)")
+_MAPS = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ 0+ (\S+) (\d+) +/dev/shm/ucx_shm_posix_", re.M)
 _log = logging.getLogger("kvxfer")
 
 
@@ -142,6 +142,37 @@ class _Queue:
         ctypes.c_uint8.from_address(elem).value = _INLINE | (_OWNER if (index // FIFO_SIZE) & 1 else 0)
 
 
+#: Held while one of kvxfer's workers is created, so that its queue is told apart from others'.
+CREATING = threading.Lock()
+
+
+def queues() -> dict[int, tuple[str, str]] | None:
+    """``{address: (device, inode)}`` of every receive queue this process owns (its control
+    block names this pid), whoever created it; None without procfs."""
+    pid, found = os.getpid(), {}
+    try:
+        with open("/proc/self/maps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for m in _MAPS.finditer(text):
+        lo, hi = int(m[1], 16), int(m[2], 16)
+        if hi - lo == _SEG and ctypes.c_int32.from_address(lo + 136).value == pid:
+            found[lo] = (m[3], m[4])
+    return found
+
+
+def new_queue(before: dict[int, tuple[str, str]] | None) -> tuple[int, str, str] | None:
+    """The one queue that appeared since ``before`` (taken under :data:`CREATING`, just before
+    a worker was created): that worker's. None when there is not exactly one (another
+    library made a worker meanwhile): that worker is then not watched."""
+    after = queues()
+    if before is None or after is None:
+        return None
+    new = [(a, *after[a]) for a in after.keys() - before.keys()]
+    return new[0] if len(new) == 1 else None
+
+
 class SlotWatch:
     """Looks at this process's receive queues between progress calls (under the backend's lock)."""
 
@@ -151,27 +182,17 @@ class SlotWatch:
         self._next = 0.0
         self._suspects: dict[tuple[str, int], tuple[float, dict[int, tuple[str, int]] | None]] = {}
 
-    def _queues(self) -> list[_Queue]:
-        pid, found = os.getpid(), []
-        with open("/proc/self/maps") as f:
-            for line in f:
-                m = _MAPS.match(line)
-                if m is None:
-                    continue
-                lo, hi = int(m[1], 16), int(m[2], 16)
-                if hi - lo == _SEG and ctypes.c_int32.from_address(lo + 136).value == pid:
-                    found.append(_Queue(lo, m[3], m[4]))
-        return found
-
-    def check(self) -> None:
-        """A slot unready for :data:`SETTLE` s is sampled; one still unready :data:`SETTLE` s
-        later, with no thread able to be writing it, is skipped."""
+    def check(self, owned: Iterable[tuple[int, str, str] | None]) -> None:
+        """Look at the queues ``owned`` (``(address, device, inode)`` of the backend's own live
+        workers: only those are known to stay mapped while it holds its lock). A slot unready
+        for :data:`SETTLE` s is sampled; one still unready :data:`SETTLE` s later, with no
+        thread able to be writing it, is skipped."""
         now = time.monotonic()
         if not (self.active and ENABLED[0]) or now < self._next:
             return
         self._next = now + PERIOD
         seen: dict[tuple[str, int], tuple[float, dict[int, tuple[str, int]] | None]] = {}
-        for q in self._queues():
+        for q in (_Queue(*o) for o in owned if o is not None):
             index = q.first_unready()
             if index is None:
                 continue

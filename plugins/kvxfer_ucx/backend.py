@@ -347,7 +347,7 @@ class UcxBackend(Backend):
         self._w.progress()
         if peer.connected and peer.w is not None and peer.w is not self._w:
             peer.w.progress()
-        self._slots.check()
+        self._check_slots()
         self._raise_if_failed(peer)
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
@@ -429,6 +429,11 @@ class UcxBackend(Backend):
             if not self._closed:
                 self._progress_locked()
 
+    def _check_slots(self) -> None:
+        """Skip a slot a dead writer left in one of this backend's own receive queues."""
+        self._slots.check([self._w.fifo, *(p.w.fifo for p in self._peers.values() if p.connected and p.w is not None
+                                            and p.w is not self._w), *self._pw.fifos()])
+
     def _progress_locked(self) -> None:
         for _ in range(64):
             if not self._w.progress():
@@ -437,7 +442,7 @@ class UcxBackend(Backend):
             if p.connected and p.w is not None and p.w is not self._w:
                 p.w.progress()
         self._pw.progress()
-        self._slots.check()
+        self._check_slots()
         if self._notes.pending:
             self._notes.reap()
 

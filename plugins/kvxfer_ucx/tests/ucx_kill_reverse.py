@@ -27,6 +27,14 @@ import numpy as np
 
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, pattern  # same directory
 
+from kvxfer_ucx._stuckslot import _Queue
+
+
+def _own_fifos(agent: Any) -> list[tuple[int, str, str]]:
+    """The receive queues of ``agent``'s UCX workers (its own, its peers', the retired ones)."""
+    b = agent.backend
+    return [f for f in [b._w.fifo, *(p.w.fifo for p in b._peers.values() if p.w is not None), *b._pw.fifos()] if f]
+
 
 def initiate(path: str, name: str, rows: int, seed: int) -> None:
     """The peer: add the target whose metadata arrives first on stdin, then run each command."""
@@ -180,7 +188,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
                 stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
                 print(f"{path} reversed: stuck {stuck}", file=sys.stderr, flush=True)
                 # What is stuck: per receive queue of this process, head, tail, first unready slot.
-                queues = [(*q.ends(), q.first_unready()) for q in agent.backend._slots._queues()]  # type: ignore[attr-defined]
+                queues = [(*q.ends(), q.first_unready()) for q in [_Queue(*f) for f in _own_fifos(agent)]]
                 print(f"{path} reversed: queues (head, tail, first unready slot) {queues}", file=sys.stderr, flush=True)
                 break
     finally:
