@@ -146,31 +146,30 @@ class _Queue:
 CREATING = threading.Lock()
 
 
-def queues() -> dict[int, tuple[str, str]] | None:
-    """``{address: (device, inode)}`` of every receive queue this process owns (its control
-    block names this pid), whoever created it; None without procfs."""
-    pid, found = os.getpid(), {}
+def queues() -> set[tuple[int, str, str]] | None:
+    """``(address, device, inode)`` of every mapping of this process that has a receive
+    queue's name and size, whoever mapped it (nothing in them is read: another library may
+    unmap its own at any moment); None without procfs."""
     try:
         with open("/proc/self/maps") as f:
             text = f.read()
     except OSError:
         return None
-    for m in _MAPS.finditer(text):
-        lo, hi = int(m[1], 16), int(m[2], 16)
-        if hi - lo == _SEG and ctypes.c_int32.from_address(lo + 136).value == pid:
-            found[lo] = (m[3], m[4])
-    return found
+    return {(int(m[1], 16), m[3], m[4]) for m in _MAPS.finditer(text) if int(m[2], 16) - int(m[1], 16) == _SEG}
 
 
-def new_queue(before: dict[int, tuple[str, str]] | None) -> tuple[int, str, str] | None:
+def new_queue(before: set[tuple[int, str, str]] | None) -> tuple[int, str, str] | None:
     """The one queue that appeared since ``before`` (taken under :data:`CREATING`, just before
-    a worker was created): that worker's. None when there is not exactly one (another
-    library made a worker meanwhile): that worker is then not watched."""
+    a worker was created), if its control block names this process: that worker's. None when
+    there is not exactly one (another library made a worker meanwhile): that worker is then
+    not watched."""
     after = queues()
     if before is None or after is None:
         return None
-    new = [(a, *after[a]) for a in after.keys() - before.keys()]
-    return new[0] if len(new) == 1 else None
+    new = list(after - before)
+    if len(new) != 1 or ctypes.c_int32.from_address(new[0][0] + 136).value != os.getpid():
+        return None
+    return new[0]
 
 
 class SlotWatch:
