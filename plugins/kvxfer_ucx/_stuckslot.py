@@ -173,7 +173,7 @@ def new_queue(before: set[tuple[int, str, str]] | None) -> tuple[int, str, str] 
 
 
 class SlotWatch:
-    """Looks at this process's receive queues between progress calls (under the backend's lock)."""
+    """Looks at one backend's own receive queues between its progress calls, under its lock."""
 
     def __init__(self, config: Mapping[str, str]) -> None:
         self.active = all(config.get(k) == v for k, v in CONFIG.items())
