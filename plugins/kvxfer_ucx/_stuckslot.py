@@ -26,8 +26,10 @@ Nothing here runs unless the first unready slot stayed the same for :data:`SETTL
 and it looks at most every :data:`PERIOD` seconds.
 
 The queue's layout (its control block and 128-byte slots, 256 of them) is UCX 1.21's, pinned
-by the transport configuration (:data:`CONFIG`); a queue whose control block does not name
-this process, or whose size is not the expected one, is left alone.
+by the transport configuration (:data:`CONFIG`); another UCX release (:data:`LAYOUT_VERSIONS`)
+turns the watch off, since a slot written with the wrong layout would corrupt the queue it
+means to unblock. A queue whose control block does not name this process, or whose size is
+not the expected one, is left alone.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["CONFIG", "CREATING", "ENABLED", "SlotWatch", "new_queue", "queues"]
+__all__ = ["CONFIG", "CREATING", "ENABLED", "LAYOUT_VERSIONS", "SlotWatch", "new_queue", "queues"]
 
+#: UCX releases (major, minor) whose receive-queue layout this module was checked against.
+LAYOUT_VERSIONS = frozenset({(1, 21)})
 FIFO_SIZE, ELEM_SIZE = 256, 128
 #: UCX settings that fix the layout read here (``_config`` adds them to every agent's).
 CONFIG = {"POSIX_FIFO_SIZE": str(FIFO_SIZE), "POSIX_FIFO_ELEM_SIZE": str(ELEM_SIZE)}
@@ -175,8 +179,8 @@ def new_queue(before: set[tuple[int, str, str]] | None) -> tuple[int, str, str] 
 class SlotWatch:
     """Looks at one backend's own receive queues between its progress calls, under its lock."""
 
-    def __init__(self, config: Mapping[str, str]) -> None:
-        self.active = all(config.get(k) == v for k, v in CONFIG.items())
+    def __init__(self, config: Mapping[str, str], version: tuple[int, ...]) -> None:
+        self.active = all(config.get(k) == v for k, v in CONFIG.items()) and tuple(version[:2]) in LAYOUT_VERSIONS
         self.skipped = 0
         self._next = 0.0
         self._suspects: dict[tuple[str, int], tuple[float, dict[int, tuple[str, int]] | None]] = {}

@@ -124,7 +124,7 @@ class UcxBackend(Backend):
         self._w = Worker(agent_name, config, self._on_ep_error, self._notes.on_am)
         self._notes.w = self._w
         self._pw = PeerWorkers(self._w)  # same-host RMA peers' own workers
-        self._slots = SlotWatch(config)  # a slot a dead writer left in our receive queues
+        self._slots = SlotWatch(config, self._w.lib.version)  # a slot a dead writer left in our receive queues
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")

@@ -27,6 +27,7 @@ import numpy as np
 
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, pattern  # same directory
 
+from kvxfer_ucx import _stuckslot
 from kvxfer_ucx._stuckslot import _Queue
 
 
@@ -193,6 +194,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
                 break
     finally:
         skipped = agent.backend._slots.skipped  # type: ignore[attr-defined]
+        watched = agent.backend._slots.active and _stuckslot.ENABLED[0]  # type: ignore[attr-defined]
         if victim is not None:
             victim.stop()
         live.stop()
@@ -200,5 +202,5 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
     return {"path": f"{path} (reversed)", "reaped": True, "trials": kills, "mid_flight": mid_flight,
             "outcomes": dict(counts), "errors": {}, "false_done": false_done, "untyped": 0, "worst_error_s": 0.0,
             "timeout_s": timeout, "clean_read_s": round(duration, 4), "recovered": not stuck, "stuck": stuck,
-            "slots_skipped": skipped, "queues_when_stuck": queues,
+            "slots_skipped": skipped, "slot_watch": watched, "queues_when_stuck": queues,
             "timings": []}
