@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 from kvxfer.errors import BackendError
 
+from ._stuckslot import CONFIG as STUCK_SLOT_CONFIG
+
 __all__ = ["NETWORK_TLS", "SAME_HOST_TLS", "transport_config", "warn_if_ptrace_is_narrower"]
 
 #: Transports that only same-user processes of this host can reach (the default).
@@ -25,7 +27,8 @@ SAME_HOST_TLS = "self,posix"
 NETWORK_TLS = "self,tcp,posix"
 _LOCAL_TLS = frozenset(SAME_HOST_TLS.split(","))
 #: Shared memory reports dead peers only with this on; keepalive rounds bound detection time.
-_BASE_CONFIG = {"POSIX_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "100ms"}
+#: The receive queue's layout is pinned: ``_stuckslot`` reads it.
+_BASE_CONFIG = {"POSIX_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "100ms", **STUCK_SLOT_CONFIG}
 
 
 def transport_config(tls: str | None, trusted_network: bool, extra: Mapping[str, Any] | None) -> dict[str, str]:

@@ -62,6 +62,10 @@ class PeerWorkers:
                 w.close()
         self._retired = kept
 
+    def fifos(self) -> list[tuple[int, str, str] | None]:
+        """The receive queues of the retired workers still kept."""
+        return [w.fifo for _, w in self._retired]
+
     def close(self) -> None:
         for _, w in self._retired:
             w.close()

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
 
 from . import _libucp as L
-from . import _requests
+from . import _requests, _stuckslot
 
 __all__ = ["Worker", "UcxCallError"]
 
@@ -76,6 +76,8 @@ class Worker:
             raise BackendUnavailableError(f"ucx backend: {exc}") from None
         self.ctx = self.worker = 0
         self._owns_ctx = True
+        #: ``(address, device, inode)`` of this worker's shared-memory receive queue, if told apart
+        self.fifo: tuple[int, str, str] | None = None
         self._on_ep_error, self._on_am_user = on_ep_error, on_am
         self._init_context(name, config)
         self._init_worker()
@@ -86,11 +88,14 @@ class Worker:
         """Another worker on this context, with the same callbacks: its own address and
         receive queue, the same memory registrations. Close it before this one."""
         child = Worker.__new__(Worker)
-        child.lib, child.ctx, child.worker, child._owns_ctx = self.lib, self.ctx, 0, False
+        child.lib, child.ctx, child.worker, child._owns_ctx, child.fifo = self.lib, self.ctx, 0, False, None
         child._on_ep_error, child._on_am_user = self._on_ep_error, self._on_am_user
         wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=L.UCS_THREAD_MODE_SERIALIZED)
         worker = ctypes.c_void_p()
-        child._check("ucp_worker_create", self.lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker)))
+        with _stuckslot.CREATING:
+            before = _stuckslot.queues()
+            child._check("ucp_worker_create", self.lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker)))
+            child.fifo = _stuckslot.new_queue(before)
         child.worker = _ptr(worker, "ucp_worker_create")
         try:
             child._init_worker()
@@ -139,7 +144,10 @@ class Worker:
         _requests.learn_size(lib, self.ctx)  # before the first worker: its request pool starts zeroed
         wp = L.UcpWorkerParams(field_mask=L.UCP_WORKER_PARAM_FIELD_THREAD_MODE, thread_mode=L.UCS_THREAD_MODE_SERIALIZED)
         worker = ctypes.c_void_p()
-        st = lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker))
+        with _stuckslot.CREATING:
+            before = _stuckslot.queues()
+            st = lib.ucp_worker_create(self.ctx, ctypes.byref(wp), ctypes.byref(worker))
+            self.fifo = _stuckslot.new_queue(before) if st == L.UCS_OK else None
         if st != L.UCS_OK:
             lib.ucp_cleanup(self.ctx)
             raise BackendError(f"ucx backend: ucp_worker_create failed: {lib.status_string(st)}")
@@ -298,6 +306,7 @@ class Worker:
 
     def close(self) -> None:
         if self.worker:
+            self.fifo = None
             self.lib.ucp_worker_destroy(self.worker)
             self.worker = 0
         if self.ctx and self._owns_ctx:

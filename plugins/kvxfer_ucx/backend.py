@@ -46,6 +46,7 @@ from ._notify import Notifications, check_size
 from ._paths import CopyPath, RmaPath, guarded
 from ._peers import Peer as _Peer, Xfer as _Xfer
 from ._peerworkers import PeerWorkers
+from ._stuckslot import SlotWatch
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]
@@ -123,6 +124,7 @@ class UcxBackend(Backend):
         self._w = Worker(agent_name, config, self._on_ep_error, self._notes.on_am)
         self._notes.w = self._w
         self._pw = PeerWorkers(self._w)  # same-host RMA peers' own workers
+        self._slots = SlotWatch(config, self._w.lib.version)  # a slot a dead writer left in our receive queues
         self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
@@ -345,6 +347,7 @@ class UcxBackend(Backend):
         self._w.progress()
         if peer.connected and peer.w is not None and peer.w is not self._w:
             peer.w.progress()
+        self._check_slots()
         self._raise_if_failed(peer)
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
@@ -426,6 +429,11 @@ class UcxBackend(Backend):
             if not self._closed:
                 self._progress_locked()
 
+    def _check_slots(self) -> None:
+        """Skip a slot a dead writer left in one of this backend's own receive queues."""
+        self._slots.check([self._w.fifo, *(p.w.fifo for p in self._peers.values() if p.connected and p.w is not None
+                                            and p.w is not self._w), *self._pw.fifos()])
+
     def _progress_locked(self) -> None:
         for _ in range(64):
             if not self._w.progress():
@@ -434,6 +442,7 @@ class UcxBackend(Backend):
             if p.connected and p.w is not None and p.w is not self._w:
                 p.w.progress()
         self._pw.progress()
+        self._check_slots()
         if self._notes.pending:
             self._notes.reap()
 

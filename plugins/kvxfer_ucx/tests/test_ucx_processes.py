@@ -232,24 +232,25 @@ def test_kill_matrix_small() -> None:
 
 def test_kill_matrix_reversed_target_never_crashes() -> None:
     """The matrix reversed (``--reverse``): the peer that reads or writes this agent is killed,
-    and this agent, the target, must survive. Before the request zeroing
+    and this agent, the target, must survive and keep serving. Before the request zeroing
     (``kvxfer_ucx._requests``) the target crashed in UCX (SIGSEGV) in 9 of 13 such runs, so
-    it runs in a child: a crash is a failure here, not the end of the test session. The
-    control (``--control``, the zeroing off) is a command in RELIABILITY.md: a crash that
-    happens most of the time is no CI assertion.
-
-    That the target also keeps *serving* is asserted only when it does not crash: about one run
-    in five, one read after a kill timed out (exit 1, ``recovered: false``), an open defect in
-    RELIABILITY.md ("UCX", the reversed matrix). The run must then say so, never report DONE
-    with wrong bytes, and still be alive to say it."""
+    it runs in a child: a crash is a failure here, not the end of the test session. Before
+    the skipping of a dead writer's receive-queue slot (``kvxfer_ucx._stuckslot``) about one
+    run in three stopped serving the live peer after a kill. The controls (``--control``,
+    ``--control-wedge``) are commands in RELIABILITY.md: a failure that happens only some of
+    the time is no CI assertion; ``test_ucx_stuckslot.py`` makes the wedge every time.
+    The subprocess deadline only guards against a hang."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, os.path.join(here, "ucx_kill_matrix.py"), "--reverse", "--paths", "rma",
                           "--rows", "128", "--trials", "6", "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode in (0, 1), (out.returncode, out.stderr[-3000:])  # negative: killed by a signal
     (r,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert r["false_done"] == 0 and r["untyped"] == 0, r
-    assert (out.returncode == 0) == r["recovered"], r
-    print("reversed kills mid-flight:", f"{r['mid_flight']}/{r['trials']}", "recovered:", r["recovered"], r["stuck"])
+    # The slot watch runs only on the UCX release whose queue layout it knows (LAYOUT_VERSIONS);
+    # elsewhere the wedge is the known, recorded one and only the lines above hold.
+    if r["slot_watch"]:
+        assert r["recovered"] and out.returncode == 0, r
+    print("reversed kills mid-flight:", f"{r['mid_flight']}/{r['trials']}", "slots skipped:", r["slots_skipped"])
 
 
 def test_a_killed_rma_peer_takes_only_its_own_receive_queue_with_it() -> None:

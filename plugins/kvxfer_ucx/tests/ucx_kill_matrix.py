@@ -15,7 +15,9 @@ end of each path, with a peer it has never seen.
     python plugins/kvxfer_ucx/tests/ucx_kill_matrix.py --reverse --paths rma --rows 128 --trials 10
 
 ``--reverse`` kills the initiator instead, this agent being its target (``ucx_kill_reverse.py``);
-``--control`` runs it without the request zeroing that keeps the target alive (``kvxfer_ucx._requests``).
+``--control`` runs it without the request zeroing that keeps the target alive (``kvxfer_ucx._requests``),
+``--control-wedge`` without the skipping of a dead writer's receive-queue slot that keeps it serving
+(``kvxfer_ucx._stuckslot``).
 
 ``--set PATH=JSON`` redefines a path's backend options, e.g. to run the matrix against
 another tree (``PYTHONPATH``) whose backend takes other options.
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--reverse", action="store_true", help="kill the initiating peer; this agent is the target")
     ap.add_argument("--control", action="store_true",
                     help="with --reverse: this agent's UCP requests not zeroed (kvxfer_ucx._requests), to show the crash")
+    ap.add_argument("--control-wedge", action="store_true",
+                    help="with --reverse: no skipping of a dead writer's slot (kvxfer_ucx._stuckslot), to show the wedge")
     ap.add_argument("--backing")
     ap.add_argument("--name", default="target")
     ap.add_argument("--zombies", action="store_true", help="do not reap killed peers until the outcome is in")
@@ -279,6 +283,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             from kvxfer_ucx import _requests
 
             _requests.ENABLED[0] = False
+        if a.control_wedge:
+            from kvxfer_ucx import _stuckslot
+
+            _stuckslot.ENABLED[0] = False
         results = [rev.run_reverse(p, a.trials, a.rows, a.timeout, a.seed) for p in a.paths.split(",")]
         for r in results:
             print(json.dumps(r) if a.json else _line(r), flush=True)

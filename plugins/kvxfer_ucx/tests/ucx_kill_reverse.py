@@ -27,6 +27,15 @@ import numpy as np
 
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, pattern  # same directory
 
+from kvxfer_ucx import _stuckslot
+from kvxfer_ucx._stuckslot import _Queue
+
+
+def _own_fifos(agent: Any) -> list[tuple[int, str, str]]:
+    """The receive queues of ``agent``'s UCX workers (its own, its peers', the retired ones)."""
+    b = agent.backend
+    return [f for f in [b._w.fifo, *(p.w.fifo for p in b._peers.values() if p.w is not None), *b._pw.fifos()] if f]
+
 
 def initiate(path: str, name: str, rows: int, seed: int) -> None:
     """The peer: add the target whose metadata arrives first on stdin, then run each command."""
@@ -120,7 +129,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
     stuck, kills, mid_flight, false_done = "", 0, 0, 0
     live = Initiator(path, rows, 1, "live", md)
     victim: Initiator | None = None
-    duration = 0.0
+    duration, skipped, queues = 0.0, 0, []
 
     def served(peer: Initiator, what: str) -> float:
         """``peer`` READs all of this agent's rows and checks them; seconds it took."""
@@ -179,8 +188,13 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
             except (kvxfer.KvxferError, AssertionError, TimeoutError, EOFError) as exc:
                 stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
                 print(f"{path} reversed: stuck {stuck}", file=sys.stderr, flush=True)
+                # What is stuck: per receive queue of this process, head, tail, first unready slot.
+                queues = [(*q.ends(), q.first_unready()) for q in [_Queue(*f) for f in _own_fifos(agent)]]
+                print(f"{path} reversed: queues (head, tail, first unready slot) {queues}", file=sys.stderr, flush=True)
                 break
     finally:
+        skipped = agent.backend._slots.skipped  # type: ignore[attr-defined]
+        watched = agent.backend._slots.active and _stuckslot.ENABLED[0]  # type: ignore[attr-defined]
         if victim is not None:
             victim.stop()
         live.stop()
@@ -188,4 +202,5 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
     return {"path": f"{path} (reversed)", "reaped": True, "trials": kills, "mid_flight": mid_flight,
             "outcomes": dict(counts), "errors": {}, "false_done": false_done, "untyped": 0, "worst_error_s": 0.0,
             "timeout_s": timeout, "clean_read_s": round(duration, 4), "recovered": not stuck, "stuck": stuck,
+            "slots_skipped": skipped, "slot_watch": watched, "queues_when_stuck": queues,
             "timings": []}
