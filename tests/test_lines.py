@@ -61,3 +61,42 @@ def test_stop_says_when_a_child_did_not_go() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+_DEAF = r"""
+import os, sys, time
+os.close(0)  # stops reading: the parent's writes now fail with EPIPE
+print("deaf", flush=True)
+time.sleep(60)
+"""
+
+
+def test_closing_the_pipes_of_a_child_that_stopped_reading_does_not_raise() -> None:
+    """A killed peer leaves the parent's ``exit`` unsent in the pipe's buffer (stop() fails to
+    flush it); closing must still close the pipe without raising, or every caller's cleanup
+    fails after the kill it was testing."""
+    def deaf() -> tuple["subprocess.Popen[str]", lines.Channel]:
+        proc = subprocess.Popen([sys.executable, "-c", _DEAF], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "deaf\n"
+        return proc, lines.Channel(proc)
+
+    proc, ch = deaf()
+    assert ch.stop(1) is False  # the exit could not be sent
+    proc.kill()
+    proc.wait()
+    ch.close()
+    assert proc.stdin is not None and proc.stdin.closed
+
+    proc, ch = deaf()  # the control: the plain close of that stdin raises
+    ch.stop(1)
+    proc.kill()
+    proc.wait()
+    assert proc.stdin is not None
+    try:
+        proc.stdin.close()
+    except BrokenPipeError:
+        raised = True
+    else:
+        raised = False
+    proc.stdout.close()  # type: ignore[union-attr]
+    assert raised

@@ -139,6 +139,17 @@ class Channel:
                 return False
         return True
 
+    def close(self) -> None:
+        """Close the parent's ends of the child's pipes. A child that died (or closed its
+        stdin) leaves an unsent ``exit`` in the buffer, whose flush fails again on close: the
+        pipe is closed all the same, and that failure is not the caller's."""
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except BrokenPipeError:
+                    pass
+
     def ask(self, doc: Reply, timeout: float, idle: Callable[[], None] | None = None) -> Reply:
         self.send(doc)
         return self.read(timeout, idle)

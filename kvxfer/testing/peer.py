@@ -313,9 +313,8 @@ class PeerProcess:
     def close(self) -> None:
         if not self._ch.stop(30):
             self.kill()
-        for f in (self.proc.stdin, self.proc.stdout, self._stderr):
-            if f is not None:
-                f.close()
+        self._ch.close()
+        self._stderr.close()
 
     def __enter__(self) -> "PeerProcess":
         return self
