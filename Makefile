@@ -38,7 +38,7 @@ deps:
 	else echo "deps: etcd or iproute2 missing: apt-get install -y etcd-server iproute2 (their tests skip)"; fi
 
 test: venv deps venv-vllm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 	$(MAKE) test-vllm
 
 venv-vllm: $(VENV_VLLM)/.installed
@@ -55,7 +55,7 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 # Prefill and decode as real vLLM instances on CPU, kvxfer against vLLM's NixlConnector;
 # the per-request comparison is printed and kept in build/vllm-e2e.md.
 test-vllm: venv-vllm
-	$(PY_VLLM) -m pytest tests/vllm -q
+	$(PY_VLLM) -m pytest tests/vllm -q --durations=10
 
 demo: venv
 	$(VENV)/bin/kvxfer demo
