@@ -144,6 +144,7 @@ class Engine:
     def stop(self) -> None:
         self._ch.stop(60)  # whether or not it went, its group goes next
         self.kill()
+        self._ch.close()
         self.answers.close()
 
 
