@@ -29,28 +29,26 @@ def require_etcd() -> None:
     pytest.skip(f"etcd is not installed; {INSTALL_HINT}")
 
 
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """One etcd for a test module; tests keep apart through their own cluster names."""
+def _served(path: "os.PathLike[str]") -> Iterator[EtcdServer]:
     require_etcd()
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server = EtcdServer(path)
     server.start()
     try:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for a test module; tests keep apart through their own cluster names."""
+    yield from _served(tmp_path_factory.mktemp("etcd"))
 
 
 @pytest.fixture
 def own_etcd(tmp_path: "os.PathLike[str]") -> Iterator[EtcdServer]:
     """An etcd of the test's own, which the test may stop, kill, wipe and start again."""
-    require_etcd()
-    server = EtcdServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from _served(tmp_path)
 
 
 @pytest.fixture
