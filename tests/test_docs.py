@@ -9,6 +9,7 @@ name in :data:`SKETCHES`; marking a new one without naming it here fails too.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,15 +55,35 @@ def test_sketches_are_named() -> None:
 
 
 def run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run one block with its own temporary directory (``TMPDIR``), so what it leaves is seen."""
     script = tmp_path / "block.py"
     script.write_text(block.text)
-    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def _left_behind(tmp_path: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in (tmp_path / "tmp").rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+    """Each block runs, and leaves no more than 1 MiB on disk: a user copies it as it is (the
+    README's store example once left a preallocated 1 GiB slab per run, and filled CI's disk)."""
     r = run_block(block, tmp_path)
     assert r.returncode == 0, f"{block.name} does not run:\n{r.stderr[-3000:]}"
+    assert _left_behind(tmp_path) <= 1 << 20, f"{block.name} leaves {_left_behind(tmp_path):,} bytes behind"
+
+
+def test_a_block_that_leaves_a_slab_is_caught(tmp_path: Path) -> None:
+    """The control: the README's store example without its last line leaves its slab."""
+    store = next(b for b in PYTHON if b.file == "README.md" and "kvxfer.Store(" in b.text)
+    assert "shutil.rmtree(path)" in store.text
+    kept = Block(store.file, store.line, store.lang, store.text.replace("shutil.rmtree(path)", "pass", 1), None)
+    assert run_block(kept, tmp_path).returncode == 0
+    assert _left_behind(tmp_path) > 1 << 20
 
 
 def test_a_broken_block_fails(tmp_path: Path) -> None:
