@@ -100,9 +100,10 @@ def _claimant(path: Path) -> int | None:
     finally:
         os.close(fd)
     try:
-        return int(raw or b"0")
+        pid = int(raw or b"0")
     except ValueError:
         return None
+    return pid if 0 <= pid < 1 << 31 else None  # os.kill is never asked about a group or a huge number
 
 
 def _reserve(port: int) -> bool:
@@ -115,7 +116,10 @@ def _reserve(port: int) -> bool:
             owner = _claimant(path) or 0
             if owner and (owner == os.getpid() or _alive(owner)):
                 return False
-            path.unlink(missing_ok=True)  # a dead claimant's, or no claim at all
+            try:
+                path.unlink(missing_ok=True)  # a dead claimant's, or no claim at all
+            except OSError:  # a directory, say: not ours to clear, so not this port
+                return False
             continue
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
