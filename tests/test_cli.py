@@ -78,7 +78,35 @@ def test_blocked_backend_shows_unavailable_reason_and_install_hint() -> None:
         pytest.skip("the ucx plugin is not installed")
     if ucx["status"] == "available":
         pytest.skip("a libucp is found without KVXFER_LIBUCP on this machine")
-    assert ucx["status"] == "unavailable" and ucx["install"] == "pip install 'libucx-cu12>=1.18'"
+    from kvxfer.extras import install_hint
+
+    assert ucx["status"] == "unavailable" and ucx["install"] == install_hint("ucx")
+    assert ucx["install"].startswith("pip install 'libucx-cu12")
+
+
+def _unvalidated(spec: str) -> list[str]:
+    """Releases of libucx-cu12 that ``spec`` admits but the stuck-slot skip was not validated on."""
+    from packaging.specifiers import SpecifierSet
+
+    from kvxfer_ucx._stuckslot import LAYOUT_VERSIONS
+
+    candidates = [f"1.{minor}.{patch}" for minor in range(14, 40) for patch in range(3)]
+    return [v for v in SpecifierSet(spec).filter(candidates)
+            if tuple(int(x) for x in v.split(".")[:2]) not in LAYOUT_VERSIONS]
+
+
+def test_the_ucx_extra_admits_only_validated_releases() -> None:
+    """Issue 30, item 14: ``pip install 'kvxfer[ucx]'`` resolved 1.22, where the stuck-slot
+    skip is off. The extra now admits only releases whose queue layout it knows. Control:
+    the old requirement (>=1.18) admits 1.22 and others."""
+    import tomllib
+
+    pytest.importorskip("kvxfer_ucx")
+    doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (req,) = doc["project"]["optional-dependencies"]["ucx"]
+    assert req.startswith("libucx-cu12")
+    assert _unvalidated(req.removeprefix("libucx-cu12")) == []
+    assert "1.22.0" in _unvalidated(">=1.18")  # control
 
 
 def test_plan_presets_json_counts() -> None:
@@ -333,6 +361,34 @@ def test_doctor_names_a_prover_that_does_not_start() -> None:
     assert c.status == "fail" and "no_such_module" in c.detail and "KVXFER_PROVE_LOG" in (c.fix or "")
     (ok,) = check_prover("kvxfer.testing.probes:make_probe", {"log": os.devnull})
     assert ok.status == "ok", ok
+
+
+def test_doctor_shows_the_loaded_ucx_and_whether_the_stuck_slot_skip_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30, item 14: the UCX version loaded and the stuck-slot skip, through the plugin's
+    public ``diagnostics()`` (doctor imports no private module of it). Control: a release
+    outside the validated ones (the table emptied) reads as off, with a warning and a fix."""
+    import ast
+
+    ucx = pytest.importorskip("kvxfer_ucx")
+    from kvxfer.cli import doctor
+    from kvxfer_ucx import _stuckslot
+
+    d = ucx.diagnostics()
+    if d["version"] is None:
+        pytest.skip(f"libucp does not load here: {d['error']}")
+    checks = {c.check: c for c in doctor.check_ucx(0)}
+    skip = checks["ucx stuck-slot"]
+    assert d["version"] in checks["ucx"].detail
+    assert d["stuck_slot_skip"] == (tuple(int(x) for x in d["version"].split(".")[:2]) in _stuckslot.LAYOUT_VERSIONS)
+    assert skip.status == ("ok" if d["stuck_slot_skip"] else "warn") and d["version"] in skip.detail
+    tree = ast.parse(Path(doctor.__file__).read_text())
+    private = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+               and n.module.startswith("kvxfer_ucx._")]
+    assert private == []
+
+    monkeypatch.setattr(_stuckslot, "LAYOUT_VERSIONS", frozenset())  # control
+    off = {c.check: c for c in doctor.check_ucx(0)}["ucx stuck-slot"]
+    assert off.status == "warn" and off.detail.startswith("off") and off.fix
 
 
 def test_doctor_table() -> None:

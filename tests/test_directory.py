@@ -24,7 +24,7 @@ from kvxfer import Agent
 from kvxfer.directory import (Directory, DirectoryError, DirectoryUnavailableError, Event, InProcessDirectory,
                               MemoryStore, NotPublishedError, PeerTracker, entry_key, parse_key)
 from kvxfer.directory.codec import decode_value, encode_value
-from kvxfer.errors import MetadataError, UnknownPeerError
+from kvxfer.errors import MetadataError, StalePeerError, UnknownPeerError
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.wait import wait_until
 
@@ -417,6 +417,45 @@ def test_a_forged_generation_does_not_lock_a_worker_out(stores: Stores) -> None:
         r = tracker.sync()
         assert r.refreshed == ["p0"] and not r.failed and dec.peers["p0"].generation == p.generation
         check_read(dec, dc, "p0", pc, [0, 3], [6, 1])
+    finally:
+        p.close()
+        dec.close()
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["refused", "control"])
+def test_an_old_signed_record_written_back_is_refused_as_stale(stores: Stores, fixed: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Signed records: after the worker restarted (new generation, new memory), its old
+    record put back by a writer of the store is refused as stale, once, and the decode keeps
+    the newer peer: real bytes come from the new cache. Control (the tracker's check taken
+    out): the old record replaces the newer peer, as it did since the lockout fix."""
+    if not fixed:
+        monkeypatch.setattr(PeerTracker, "_authentic", lambda self: False)
+    (p, pc), (dec, dc) = loopback_agent("p0", seed=51), loopback_agent("d0", seed=None)
+    try:
+        pub = stores.directory(token=TOKEN)
+        entry = pub.publish(p, "prefill")
+        old_value, old_gen = encode_value(entry.key, p.metadata(), TOKEN), p.generation
+        tracker = PeerTracker(dec, stores.directory(token=TOKEN), role="prefill")
+        assert tracker.sync().added == ["p0"]
+        p.deregister()
+        pc2 = make_cache("packed", num_blocks=8, num_layers=2, page=64, seed=52)
+        p.register(pc2.views)
+        pub.publish(p, "prefill")
+        wait_until(lambda: tracker.wait_changed(0.05) and
+                   tracker.directory.snapshot(role="prefill")[0].generation == p.generation, what="restart seen")
+        assert tracker.sync().refreshed == ["p0"]
+        stores.write_leased(entry.key, old_value)  # the old incarnation's signed record, written back
+        wait_until(lambda: tracker.wait_changed(0.05) and
+                   tracker.directory.snapshot(role="prefill")[0].generation == old_gen, what="replay seen")
+        r = tracker.sync()
+        if not fixed:
+            assert r.refreshed == ["p0"] and dec.peers["p0"].generation == old_gen
+            return
+        assert list(r.failed) == ["p0"] and isinstance(r.failed["p0"], StalePeerError) and not r.refreshed
+        assert dec.peers["p0"].generation == p.generation
+        assert not tracker.sync()  # reported once, not in a loop
+        check_read(dec, dc, "p0", pc2, [1, 2], [7, 0])
     finally:
         p.close()
         dec.close()

@@ -155,13 +155,8 @@ def check_prover(target: str = "kvxfer_nixl._helper:make_probe", options: dict[s
                                           "metadata only; signed peers are not proven)")]
 
 
-def _ucx_info() -> tuple[str | None, dict[str, str]]:
-    """The ``ucx_info`` matching the libucp kvxfer would load, and the environment it needs."""
-    try:
-        from kvxfer_ucx._libucp import find_libucp
-    except ImportError:
-        find_libucp = None  # type: ignore[assignment]
-    lib = find_libucp() if find_libucp else None
+def _ucx_info(lib: str | None = None) -> tuple[str | None, dict[str, str]]:
+    """The ``ucx_info`` matching the libucp kvxfer would load (``lib``), and the environment it needs."""
     if lib:
         libdir = os.path.dirname(os.path.realpath(lib))
         cand = os.path.join(os.path.dirname(libdir), "bin", "ucx_info")
@@ -171,9 +166,9 @@ def _ucx_info() -> tuple[str | None, dict[str, str]]:
     return shutil.which("ucx_info"), {}
 
 
-def ucx_transports() -> tuple[list[str] | None, str, str]:
+def ucx_transports(lib: str | None = None) -> tuple[list[str] | None, str, str]:
     """(transports, version, error) as ``ucx_info`` reports them."""
-    exe, env = _ucx_info()
+    exe, env = _ucx_info(lib)
     if exe is None:
         return None, "", "ucx_info not found"
     try:
@@ -192,18 +187,20 @@ def ucx_transports() -> tuple[list[str] | None, str, str]:
 
 def check_ucx(gpus: int) -> list[Check]:
     try:
-        from kvxfer_ucx._libucp import LIBUCP_ENV, find_libucp
+        from kvxfer_ucx import diagnostics
     except ImportError:
         return [Check("ucx", "warn", "the ucx plugin is not installed", "pip install -e . in a kvxfer checkout")]
-    lib = find_libucp()
+    d = diagnostics()
+    lib = d["path"]
     if lib is None:
         return [Check("ucx", "warn", "libucp.so not found: the ucx backend is unavailable",
-                      f"{install_hint('ucx')}, or point {LIBUCP_ENV} at a system libucp.so")]
-    tls, version, err = ucx_transports()
+                      f"{install_hint('ucx')}, or point {d['env']} at a system libucp.so")]
+    out = [stuck_slot_check(d)]
+    tls, version, err = ucx_transports(lib)
     if tls is None:
-        return [Check("ucx", "warn", f"libucp at {lib}; cannot list transports: {err}",
-                      "install UCX's tools (ucx_info) to see transports; transfers may still work")]
-    out = [Check("ucx", "ok", f"UCX {version} at {lib}; transports: {', '.join(tls)}")]
+        return [Check("ucx", "warn", f"UCX {d['version'] or '?'} at {lib}; cannot list transports: {err}",
+                      "install UCX's tools (ucx_info) to see transports; transfers may still work"), *out]
+    out.insert(0, Check("ucx", "ok", f"UCX {d['version'] or version} loaded from {lib}; transports: {', '.join(tls)}"))
     want = os.environ.get("UCX_TLS")
     if want:
         out.append(Check("UCX_TLS", "info", f"UCX_TLS={want} limits the transports UCX may pick",
@@ -222,6 +219,19 @@ def check_ucx(gpus: int) -> list[Check]:
         out.append(Check("cuda_ipc", "info", "no GPU visible: cuda_ipc not needed"
                          + (" (UCX lists it)" if "cuda_ipc" in tls else "")))
     return out
+
+
+def stuck_slot_check(d: dict[str, Any]) -> Check:
+    """Whether the ucx backend skips a receive-queue slot a killed peer left (its UCX version decides)."""
+    if d["version"] is None:
+        return Check("ucx stuck-slot", "warn", f"off: {d['error']}", f"{install_hint('ucx')}")
+    if d["stuck_slot_skip"]:
+        return Check("ucx stuck-slot", "ok", f"on: UCX {d['version']} is a validated release "
+                                                  f"({', '.join(d['validated'])})")
+    return Check("ucx stuck-slot", "warn", f"off: UCX {d['version']} is not a validated release "
+                                                f"({', '.join(d['validated'])}); a peer killed mid-message can wedge "
+                                                "an agent's receive queue for all its peers",
+                 f"{install_hint('ucx')} (it pins a validated libucx-cu12)")
 
 
 _TORCH_PROBE = f"""

@@ -141,6 +141,11 @@ class Directory:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} cluster={self.cluster!r} published={sorted(self._published)}>"
 
+    @property
+    def signed(self) -> bool:
+        """Whether records are signed with a token: what a reader accepts was written by a holder."""
+        return self._token is not None
+
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else _check_timeout(timeout))
 

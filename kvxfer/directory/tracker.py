@@ -6,6 +6,12 @@ directory's current view to the agent in the caller's thread (before a transfer,
 engine's loop). It works on the whole view, not on single events, so an event missed or
 repeated during an outage cannot leave the agent wrong: it converges on what the directory
 lists. While the store is unreachable the last view stays, so transfers with live peers go on.
+
+One exception to "the directory wins": an *older* generation than the agent holds. Where
+records or metadata are signed, the newer one is genuine and the older record an old
+incarnation written back, so it is refused (reported once in :attr:`SyncResult.failed`, the
+newer peer kept). Unsigned, the held generation may itself be the forgery, and the directory's
+view wins, so that one forged write cannot lock a worker out (RELIABILITY.md, defect 13).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import KvxferError
+from ..errors import KvxferError, StalePeerError
 from .base import Directory
 from .entry import Entry, Event
 
@@ -50,6 +56,7 @@ class PeerTracker:
         self.role, self.tp_rank, self.pp_rank = role, tp_rank, pp_rank
         self._managed: dict[str, Entry] = {}
         self._failed: dict[str, int] = {}  # name -> generation whose add_peer failed (not retried)
+        self._stale: dict[str, int] = {}  # name -> older generation already reported as written back
         self._changed = threading.Event()
         self._changed.set()
         self._sub = directory.watch(self._on_event, role=role)
@@ -59,6 +66,11 @@ class PeerTracker:
         e = event.entry
         if e.matches(self.role, self.tp_rank, self.pp_rank):
             self._changed.set()
+
+    def _authentic(self) -> bool:
+        """Whether a generation the agent holds is its worker's own: records signed with the
+        directory's token, or metadata signed with the agent's (no writer without it can forge one)."""
+        return self.directory.signed or bool(getattr(self.agent.backend, "peers_authenticated", False))
 
     def wait_changed(self, timeout: float) -> bool:
         """Block until the directory reported a change since the last :meth:`sync` (or time out)."""
@@ -95,10 +107,19 @@ class PeerTracker:
             if self._failed.get(name) == e.generation:
                 continue  # this generation was refused already; a restart gets a new chance
             if peer is not None and e.generation < peer.generation:
-                # The directory lists an *older* generation than the agent holds: what the agent
-                # holds was overwritten (a forged record with a huge generation, say, before the
-                # genuine worker published again). The directory's current view wins; otherwise
-                # one write would lock the worker out for good (StalePeerError on each record).
+                if self._authentic():
+                    # Signed, the newer generation is the worker's own: the older record is an old
+                    # incarnation's, written back (a replay). Keep the newer peer; report it once.
+                    if self._stale.get(name) != e.generation:
+                        self._stale[name] = e.generation
+                        result.failed[name] = StalePeerError(
+                            f"the directory lists generation {e.generation} of {name!r}, older than the "
+                            f"{peer.generation} this agent holds: an old record written back; kept the newer one")
+                        log.warning("ignoring an older record of peer %s: %s", name, result.failed[name])
+                    continue
+                # Unsigned, the held generation may be a forgery (a huge generation written
+                # before the genuine worker published again). The directory's current view wins;
+                # otherwise one write would lock the worker out for good (StalePeerError on each record).
                 try:
                     self.agent.remove_peer(name)
                 except KvxferError as exc:

@@ -7,21 +7,33 @@ loading its model, minutes later on a busy 2-core machine, and by then some clie
 from *below* the ephemeral range, where the kernel never assigns one by itself, and each is
 reserved with a file under the temporary directory so that two test processes on one machine
 do not pick the same one.
+
+The claims live in a directory of this user's own (``kvxfer-ports-<uid>``, mode 0700), checked
+before use: another user's, or one others may write, is refused, since whoever can write
+there decides which ports this process believes taken. A claim is read without following a
+link or waiting on a FIFO, and at most a few bytes of it: a planted symlink to ``/dev/zero``
+or a FIFO is not a claim, and is replaced.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
+import stat
 import tempfile
 from pathlib import Path
+
+from ..errors import KvxferError
 
 __all__ = ["free_port"]
 
 #: Lowest port handed out: above the registered services most hosts run.
 LOW = 20000
-_RESERVED = Path(tempfile.gettempdir()) / "kvxfer-ports"
+_RESERVED: Path | None = None  # where claims go; None: kvxfer-ports-<uid> under the temporary directory
+#: Most bytes of a claim read: a pid.
+_CLAIM_BYTES = 32
 _mine: set[int] = set()
 
 
@@ -52,21 +64,62 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _where() -> Path:
+    """The claims directory's path, for the uid this process has now."""
+    return _RESERVED if _RESERVED is not None else Path(tempfile.gettempdir()) / f"kvxfer-ports-{os.getuid()}"
+
+
+def _directory() -> Path:
+    """The claims directory, made 0700 if absent; refused unless it is this user's and private."""
+    where = _where()
+    try:
+        os.mkdir(where, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(where)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise KvxferError(f"port claims directory {where} is not a private directory of uid {os.getuid()} "
+                          f"(uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): another user could decide which "
+                          "ports this process believes taken. Remove it, or point TMPDIR elsewhere")
+    return where
+
+
+def _claimant(path: Path) -> int | None:
+    """The pid in a claim file; None when ``path`` is not one (a link, a FIFO, any non-regular
+    file, or bytes that are not a pid). Never follows a link, never waits, reads a few bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return 0
+        return None  # ELOOP: a symlink; anything else we cannot read is no claim either
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, _CLAIM_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        pid = int(raw or b"0")
+    except ValueError:
+        return None
+    return pid if 0 <= pid < 1 << 31 else None  # os.kill is never asked about a group or a huge number
+
+
 def _reserve(port: int) -> bool:
     """Claim ``port`` for this process; a claim whose process has exited is taken over."""
-    _RESERVED.mkdir(exist_ok=True)
-    path = _RESERVED / str(port)
+    path = _directory() / str(port)
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
-            try:
-                owner = int(path.read_text() or "0")
-            except (OSError, ValueError):
-                owner = 0
+            owner = _claimant(path) or 0
             if owner and (owner == os.getpid() or _alive(owner)):
                 return False
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)  # a dead claimant's, or no claim at all
+            except OSError:  # a directory, say: not ours to clear, so not this port
+                return False
             continue
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
@@ -76,12 +129,9 @@ def _reserve(port: int) -> bool:
 
 def _release(port: int) -> None:
     """Give back a claim this process made (and has not handed out)."""
-    path = _RESERVED / str(port)
-    try:
-        if int(path.read_text() or "0") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError):
-        pass
+    path = _where() / str(port)
+    if _claimant(path) == os.getpid():
+        path.unlink(missing_ok=True)
 
 
 def _reserve_all(ports: range) -> bool:

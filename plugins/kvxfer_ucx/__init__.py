@@ -14,14 +14,17 @@ context and worker; ``_blob.py`` is the connection blob; ``_lists.py`` prepared 
 Why it is built this way, and what each option exposes: ``plugins/kvxfer_ucx/README.md``.
 
 This module does not load UCX: listing backends only looks for ``libucp.so`` on disk.
+:func:`diagnostics` (what ``kvxfer doctor`` shows) loads it when called.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvxfer.extras import install_hint
 from kvxfer.plugin import RegisterBackend, hookimpl
 
-__all__ = ["kvxfer_register_backends"]
+__all__ = ["diagnostics", "kvxfer_register_backends"]
 
 
 def _check() -> str | None:
@@ -36,3 +39,30 @@ def _check() -> str | None:
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install=install_hint("ucx"),
              summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check)
+
+
+def diagnostics() -> dict[str, Any]:
+    """What an operator needs to know of this plugin's UCX, for ``kvxfer doctor``.
+
+    ``path`` of the ``libucp.so`` it would load (None: not found, with ``env``, the variable
+    that points at one), the ``version`` loaded (None if it does not load, ``error`` says why),
+    and whether the stuck-slot skip (:mod:`kvxfer_ucx._stuckslot`) is on with that version:
+    it is validated against the receive-queue layout of ``validated`` releases only, and off
+    on any other, where a killed peer can wedge an agent's receive queue again.
+    """
+    from . import _libucp, _stuckslot
+
+    out: dict[str, Any] = {"path": _libucp.find_libucp(), "env": _libucp.LIBUCP_ENV, "version": None, "error": None,
+                           "stuck_slot_skip": False,
+                           "validated": [".".join(map(str, v)) for v in sorted(_stuckslot.LAYOUT_VERSIONS)]}
+    if out["path"] is None:
+        out["error"] = "libucp.so not found"
+        return out
+    try:
+        version = _libucp.load().version
+    except (OSError, RuntimeError, AttributeError) as exc:
+        out["error"] = f"libucp does not load: {exc}"
+        return out
+    out["version"] = ".".join(map(str, version))
+    out["stuck_slot_skip"] = tuple(version[:2]) in _stuckslot.LAYOUT_VERSIONS and bool(_stuckslot.ENABLED[0])
+    return out

@@ -18,28 +18,32 @@ ptrace rules already allowed. The spans in the page were written by the process 
 worst point us at memory some kvxfer agent on this host registered for its peers, never at
 anything else. The header is re-read before and after every copy: a changed ``seq`` means the
 peer deregistered (or re-registered) since we checked, and the transfer fails instead of
-moving bytes from or into memory that is no longer registered.
+moving bytes from or into memory that is no longer registered. The same page bounds a peer
+that claims this host on the RMA path too (:func:`prove`, :mod:`kvxfer_ucx._identity`).
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import socket
 import struct
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from kvxfer import Allocation, MemoryKind, peers
-from kvxfer.errors import KvxferError, MetadataError, OutOfRegistrationError, PeerDisconnectedError, StalePeerError
+from kvxfer.errors import (BackendError, IdentityError, KvxferError, MetadataError, OutOfRegistrationError,
+                           PeerDisconnectedError, StalePeerError)
+from kvxfer.peers.ucxaddr import Here
 from kvxfer.spans import SpanIndex
 
 from ._blob import Blob, Host
+from ._identity import check_reach
 from ._samehost import Libc, libc_error, read_remote
 
-__all__ = ["PAGE_SPANS", "PeerPage", "ProcessWatch", "RegistrationPage", "host_identity", "prove", "read_page",
+__all__ = ["PAGE_SPANS", "PeerPage", "ProcessWatch", "Proof", "RegistrationPage", "host_identity", "prove", "read_page",
            "same_host"]
 
 #: Most spans a page holds: as many allocations as a connection blob may carry.
@@ -112,62 +116,94 @@ class PeerPage:
                                  "metadata was added; add its fresh metadata")
 
 
+def _read(pid: int, address: int, nbytes: int, peer: str) -> bytes:
+    """``nbytes`` of ``pid`` at ``address``; a proof that ptrace rules forbid is
+    :class:`kvxfer.peers.ProofUnavailable`, anything else a typed error."""
+    try:
+        return peers.read_memory(pid, address, nbytes)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise PeerDisconnectedError(f"peer {peer!r}: process {pid} no longer exists") from None
+        if exc.errno == errno.EPERM:
+            raise peers.ProofUnavailable(exc.errno, f"ptrace rules forbid reading process {pid}") from None
+        raise IdentityError(f"peer {peer!r}: process {pid} has no registration page where its metadata says "
+                            f"({exc})") from None
+
+
 def read_page(lib: Libc, pid: int, address: int, digest: bytes, peer: str) -> PeerPage:
-    """Read and verify process ``pid``'s page at ``address``; raise a KvxferError otherwise."""
+    """Read and verify process ``pid``'s page at ``address``; raise a KvxferError otherwise
+    (:class:`kvxfer.peers.ProofUnavailable` where ptrace rules forbid reading it)."""
     for attempt in range(peers.READ_TRIES):  # a descheduled owner is waited for, not refused
         peers.retry_pause(attempt)
-        token, seq, count = _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))
+        token, seq, count = _HEADER.unpack(_read(pid, address, _HEADER.size, peer))
         if not peers.holds(token, digest):
-            raise MetadataError(f"same-host copy: pid {pid} on this host is not the process that sent peer "
+            raise IdentityError(f"ucx metadata: pid {pid} on this host is not the process that sent peer "
                                 f"{peer!r}'s metadata (token mismatch)")
         if count > PAGE_SPANS:
-            raise MetadataError(f"same-host copy: peer {peer!r}'s registration page claims {count} spans")
+            raise IdentityError(f"ucx metadata: peer {peer!r}'s registration page claims {count} spans")
         if seq % 2:
             continue  # the peer is updating it
-        raw = read_remote(lib, pid, address + _HEADER.size, _SPAN * count, peer) if count else b""
-        if _HEADER.unpack(read_remote(lib, pid, address, _HEADER.size, peer))[1] != seq:
+        raw = _read(pid, address + _HEADER.size, _SPAN * count, peer) if count else b""
+        if _HEADER.unpack(_read(pid, address, _HEADER.size, peer))[1] != seq:
             continue
         rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
         try:
             spans = SpanIndex(Allocation(int(s), int(e) - int(s)) for s, e in rows.tolist() if e > s)
         except KvxferError:
-            raise MetadataError(f"same-host copy: peer {peer!r} publishes a malformed registration page") from None
+            raise IdentityError(f"ucx metadata: peer {peer!r} publishes a malformed registration page") from None
         return PeerPage(pid, address, token, seq, spans, peer)
-    raise StalePeerError(f"same-host copy: peer {peer!r}'s registration page kept changing while we read it")
+    raise StalePeerError(f"ucx metadata: peer {peer!r}'s registration page kept changing while we read it")
 
 
-def prove(lib: Libc | None, mine: Host | None, mode: bool | None, peer: str, b: Blob) -> tuple[PeerPage | None, str]:
-    """``(page, why)`` when ``peer`` gets the same-host path, else ``(None, why)``.
+class Proof(NamedTuple):
+    """What :func:`prove` found: the page the copy path uses (None: RMA), the page whose spans
+    bound the peer on either path (None: it is not on this host, or ptrace forbids reading it)
+    and why the peer got its path."""
+
+    page: PeerPage | None
+    bound: PeerPage | None
+    why: str
+
+
+def prove(lib: Libc | None, mine: Host | None, mode: bool | None, peer: str, b: Blob, reach: Here) -> Proof:
+    """Which path ``peer`` gets, and the proof that bounds it (module docstring; the reach check
+    and its reasons: :mod:`kvxfer_ucx._identity`).
 
     ``mode`` is the ``same_host_copy`` option: in auto mode (None) a peer that cannot be
-    proven to run on this host falls back to UCX RMA; with True that is an error. A blob that
-    carries our own identity, or advertises memory its process did not register, is refused
-    whatever the mode.
+    proven to run on this host gets UCX RMA; with True that is an error. A blob that carries
+    our own identity, names another local process than its sender, or advertises memory its
+    process did not register (now), is refused whatever the mode and the path.
     """
     h = b.host
     if h is not None and mine is not None and h.digest is not None and h.digest == mine.digest:
         raise MetadataError(f"ucx metadata for {peer!r} carries this agent's own same-host identity")
-    if mode is False:
-        return None, "same_host_copy=False on this agent"
-    if lib is None or mine is None or mine.digest is None:
-        return None, f"same-host copy unavailable here ({libc_error() or 'no /proc host identity'})"
-    if h is None or h.digest is None or h.page is None:
-        return None, "peer does not offer same-host copy (same_host_copy=False there)"
-    why = same_host(mine, h)
-    if why:
-        return None, why
+    elsewhere = "peer does not say which host it runs on" if h is None else (
+        "no /proc host identity here" if mine is None else same_host(mine, h))
+    check_reach(b, not elsewhere, reach, peer)
+    if elsewhere:  # the address reaches no process of this host: UCX takes it over the network
+        return Proof(None, None, "same_host_copy=False on this agent" if mode is False else elsewhere)
+    assert h is not None
+    if h.page is None or h.digest is None:
+        raise IdentityError(f"ucx metadata of {peer!r} claims this host but offers no registration page to prove it")
+    if lib is None:
+        if mode:
+            raise MetadataError(f"same-host copy unavailable here ({libc_error()})")
+        return Proof(None, None, f"registration pages cannot be read here ({libc_error()}), using UCX RMA")
     try:
         page = read_page(lib, h.pid, h.page, h.digest, peer)
-    except KvxferError as exc:
+    except peers.ProofUnavailable as exc:
         if mode:
-            raise
-        return None, f"probe failed, using UCX RMA: {exc}"
+            raise BackendError(f"same-host copy: {exc}: Yama ptrace_scope, a container's seccomp/capability "
+                               "policy, or a non-dumpable peer. Pass same_host_copy=False to use UCX RMA") from None
+        return Proof(None, None, f"{exc}, so its registrations cannot be proven: using UCX RMA")
     rows = np.array([(a, n, 0) for a, n, _ in b.allocations], dtype=np.uint64).reshape(-1, 3)
     try:
         page.spans.check(rows, MemoryKind.DRAM, f"peer {peer!r}")
     except OutOfRegistrationError as exc:
-        raise MetadataError(f"ucx metadata advertises memory that process {h.pid} did not register: {exc}") from None
-    return page, f"same host, pid {h.pid} proven by its registration page"
+        raise IdentityError(f"ucx metadata advertises memory that process {h.pid} did not register: {exc}") from None
+    if mode is False:
+        return Proof(None, page, "same_host_copy=False on this agent; RMA bounded by its registration page")
+    return Proof(page, page, f"same host, pid {h.pid} proven by its registration page")
 
 
 def same_host(mine: Host, theirs: Host) -> str:

@@ -265,7 +265,7 @@ def load() -> Lib:
     if _LIB is None:
         path = find_libucp()
         if path is None:
-            raise OSError("libucp.so not found: install the libucx wheel (pip install 'libucx-cu12>=1.18') "
+            raise OSError("libucp.so not found: install the libucx wheel (pip install 'kvxfer[ucx]') "
                           f"or point {LIBUCP_ENV} at a system libucp.so")
         _LIB = Lib(path)
     return _LIB

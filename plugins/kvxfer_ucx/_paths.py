@@ -117,8 +117,17 @@ class CopyPath(_Row):
         return COPY
 
 
+def _still_registered(p: Peer) -> None:
+    """A same-host RMA peer's page, read again: still its process, registrations unchanged
+    (:mod:`kvxfer_ucx._identity`). No page (a peer elsewhere): nothing to read."""
+    lib = SH.libc()
+    if p.bound is not None and lib is not None:
+        guarded(p, p.bound.recheck, lib)
+
+
 class RmaPath(_Row):
-    """UCX GET/PUT; cancelling settles what is in flight, or closes the connection."""
+    """UCX GET/PUT; cancelling settles what is in flight, or closes the connection. A peer on
+    this host is held to its registration page before the first byte and before DONE."""
 
     @staticmethod
     def serves(local: Prepared, remote: Prepared) -> bool:
@@ -128,12 +137,16 @@ class RmaPath(_Row):
               notification: bytes | None) -> PathJob:
         p: Peer = remote.owner  # type: ignore[assignment]
         la, ra, ln, slot = _pairs(local, li, remote, ri)
+        _still_registered(p)
         b = self._b
         return PathJob(RmaJob(p.w or b._w, p.ep, op is Op.READ, la, ra, ln, p.rkeys[slot],
                               lambda st, call: b._fail(p, st, call)), p)
 
     def poll(self, h: PathJob) -> bool:
-        return bool(h.job.step(time.monotonic() + self._b._budget))
+        if not h.job.step(time.monotonic() + self._b._budget):
+            return False
+        _still_registered(h.peer)
+        return True
 
     def cancel(self, h: PathJob) -> None:
         """RMA cannot be recalled: drive it until it settles (bounded by ``cancel_timeout``).

@@ -35,6 +35,7 @@ class Peer:
     why: str = ""  # why it counts as failed, when the status alone does not say
     w: Worker | None = None  # the worker its endpoint lives on (RMA peers: a worker of their own)
     xfers: "weakref.WeakSet[Xfer]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
+    bound: PeerPage | None = None  # the page its registrations are proven by, on either path (same host)
 
     @property
     def path(self) -> str:

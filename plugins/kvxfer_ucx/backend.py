@@ -28,9 +28,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
+from kvxfer.errors import (BackendClosedError, BackendError, IdentityError, KvxferError, MetadataError,
+                           OutOfRegistrationError,
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
+from kvxfer.peers import ucxaddr
+from kvxfer.peers.ucxaddr import Here
 from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.prove import named, shared
@@ -40,6 +43,7 @@ from . import _libucp as L, _samehost as SH
 from ._config import transport_config, warn_if_ptrace_is_narrower
 from ._blob import MAX_NAME, Host, encode_blob, parse_blob
 from ._hostpage import ProcessWatch, host_identity, prove, same_host
+from ._identity import here
 from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
@@ -142,9 +146,11 @@ class UcxBackend(Backend):
             SH.allow_same_user_access(lib)  # harmless when it fails (no Yama)
             if posix:
                 warn_if_ptrace_is_narrower()
+        if self._host is not None:  # the page proves this agent to same-host peers on either path
+            self._host = self._host._replace(page=self._mem.page.address, digest=self._mem.page.digest)
         if same_host_copy is not False and lib is not None and self._host is not None:
             self._libc = lib
-            self._host = self._host._replace(page=self._mem.page.address, digest=self._mem.page.digest)
+        self._here: Here | None = None  # this process's UCX, as our own worker address shows it
 
     # -- callbacks (inside progress, under the lock) --------------------------------------------
     def _on_ep_error(self, ep: int, status: int) -> None:
@@ -188,7 +194,8 @@ class UcxBackend(Backend):
         spans = SpanIndex(Allocation(a, n) for a, n, _ in b.allocations)
         with self._lock:
             self._check_open()
-            page, why = prove(self._libc, self._host, self._same_host_copy, peer_name, b)
+            proof = prove(SH.libc(), self._host, self._same_host_copy, peer_name, b, self._reach())
+            page = proof.page
         if self._proving():  # every check of ours passed: now UCX sees the bytes, in a helper first
             route = ROUTE_RMA if page is None else ROUTE_COPY  # the helper hands UCX what we will
             self._prover.prove(named(peer_name, route + bytes(blob)), f"UCX metadata of {peer_name!r}")
@@ -220,12 +227,23 @@ class UcxBackend(Backend):
                 if isinstance(exc, UcxCallError):
                     raise MetadataError(str(exc)) from None
                 raise
-            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, why, watch, w=w)
+            peer = _Peer(peer_name, ep, spans, np.array(rkeys, dtype=np.uint64), page, proof.why, watch, w=w,
+                         bound=proof.bound)
             old = self._peers.get(peer_name)
             self._peers[peer_name] = peer
             self._by_ep[ep] = peer
             if old is not None:
                 self._drop_peer(old)
+
+    def _reach(self) -> Here:
+        """What our own worker address says of this process's UCX (read once; IdentityError if it cannot be)."""
+        if self._here is None:
+            try:
+                self._here = here([self._w.address])
+            except ucxaddr.Unreadable as exc:
+                raise IdentityError(f"ucx backend: this agent's own worker address cannot be read ({exc}), so which "
+                                    "processes a peer's address reaches cannot be told") from None
+        return self._here
 
     def peer_path(self, peer: str) -> tuple[str, str]:
         """``("same-host-copy" | "ucx-rma", reason)`` for a connected peer."""

@@ -289,8 +289,9 @@ def test_failed_add_remote_leaves_the_known_peer_intact(pair: Pair, monkeypatch:
 
     # fails after the endpoint (and, on the RMA path, the peer's own worker) was created
     monkeypatch.setattr(Worker, "unpack_rkey", refuse)
+    monkeypatch.setattr(b, "_same_host_copy", False)  # the RMA path unpacks remote keys, the copy path none
     with pytest.raises(MetadataError, match="remote key"):
-        b.add_remote("prefill", json.dumps({**doc, "host": None}).encode())
+        b.add_remote("prefill", a.local_metadata())
     monkeypatch.undo()
     assert b._peers == peers and b._by_ep == eps
     drive(a, xfer=b.post(Op.READ, lp, np.arange(1), rp, np.arange(1), None), owner=b)

@@ -21,7 +21,7 @@ import pytest
 from ucx_helpers import SENT, descs, drive, pattern
 
 from kvxfer import Allocation, Op
-from kvxfer.errors import (BackendError, MetadataError, OutOfRegistrationError, PeerDisconnectedError,
+from kvxfer.errors import (BackendError, IdentityError, MetadataError, OutOfRegistrationError, PeerDisconnectedError,
                            StalePeerError, TransferCancelledError)
 from kvxfer_ucx import _hostpage as HP
 from kvxfer_ucx import _samehost as SH
@@ -181,31 +181,43 @@ def _tamper(blob: bytes, **host: Any) -> bytes:
 
 
 def test_copy_path_fallbacks_and_forcing() -> None:
-    """Which peers get the copy path, and why not; auto falls back, True refuses."""
+    """Which peers get the copy path, and why not; auto falls back, True refuses. A header
+    edited to claim another host, no host or another process, while its worker address still
+    names this host's process, is refused on every path (IdentityError): only a peer whose
+    address reaches no process of this host (over TCP here) falls back to RMA unproven."""
     a = UcxBackend("prefill")
+    net = UcxBackend("prefill", trusted_network=True, tls="self,tcp,posix")
     others: list[UcxBackend] = []
     try:
         blob = a.local_metadata()
         wrong = base64.b64encode(hashlib.sha256(b"someone else").digest()).decode()
-        cases = {
-            "off here": (UcxBackend("d1", same_host_copy=False), blob, "same_host_copy=False"),
-            "off there": (UcxBackend("d2"), _tamper(blob, none=True), "does not offer"),
-            "other host": (UcxBackend("d3"), _tamper(blob, boot_id="00000000-dead"), "another host"),
-            "other pidns": (UcxBackend("d4"), _tamper(blob, pidns="pid:[1]"), "PID namespace"),
-            "wrong process": (UcxBackend("d5"), _tamper(blob, digest=wrong), "token mismatch"),
+        d1 = UcxBackend("d1", same_host_copy=False)
+        others.append(d1)
+        d1.add_remote("prefill", blob)
+        assert d1.peer_path("prefill") == ("ucx-rma", "same_host_copy=False on this agent; RMA bounded by its "
+                                                       "registration page")
+        refused = {
+            "no host": (_tamper(blob, none=True), "claims another host"),
+            "other host": (_tamper(blob, boot_id="00000000-dead"), "claims another host"),
+            "other pidns": (_tamper(blob, pidns="pid:[1]"), "claims another host"),
+            "wrong process": (_tamper(blob, digest=wrong), "token mismatch"),
         }
-        for what, (b, peer_blob, why) in cases.items():
-            others.append(b)
-            b.add_remote("prefill", peer_blob)
-            path, reason = b.peer_path("prefill")
-            assert path == "ucx-rma" and why in reason, (what, reason)
-        # forced on: a same-host peer that fails the proof is an error, not a silent fallback
+        for what, (peer_blob, why) in refused.items():
+            for mode in (None, False, True):
+                b = UcxBackend("d2", same_host_copy=mode)
+                others.append(b)
+                with pytest.raises(IdentityError, match=why):
+                    b.add_remote("prefill", peer_blob)
+        # a peer over TCP that says it runs elsewhere: its address names no process of this host
+        away = _tamper(net.local_metadata(), boot_id="00000000-dead")
+        for mode in (None, True):
+            d3 = UcxBackend("d3", same_host_copy=mode, trusted_network=True, tls="self,tcp")
+            others.append(d3)
+            d3.add_remote("prefill", away)
+            path, reason = d3.peer_path("prefill")
+            assert path == "ucx-rma" and "another host" in reason, reason
         forced = UcxBackend("d7", same_host_copy=True)
         others.append(forced)
-        with pytest.raises(MetadataError, match="token mismatch"):
-            forced.add_remote("prefill", _tamper(blob, digest=wrong))
-        forced.add_remote("prefill", _tamper(blob, boot_id="elsewhere"))  # other host: RMA is the only way
-        assert forced.peer_path("prefill")[0] == "ucx-rma"
         forced.add_remote("prefill", blob)
         assert forced.peer_path("prefill")[0] == "same-host-copy"
         with pytest.raises(BackendError, match="same_host_copy"):
@@ -213,6 +225,7 @@ def test_copy_path_fallbacks_and_forcing() -> None:
     finally:
         for b in others:
             b.close()
+        net.close()
         a.close()
 
 

@@ -78,7 +78,9 @@ def test_network_transports_need_trusted_network(options: dict) -> None:
 
 def test_network_attacker_cannot_reach_a_default_agent() -> None:
     """An attacker that speaks only network transports gets the victim's genuine metadata,
-    and forges allocations covering the victim's unregistered secret: it cannot even connect."""
+    and forges allocations covering the victim's unregistered secret (and a header that says
+    the victim is elsewhere, so that its own kvxfer does not refuse the forgery): it cannot
+    even connect."""
     secret = pattern(4096, 3)
     kept = secret.copy()
     victim = UcxBackend("victim")
@@ -88,6 +90,7 @@ def test_network_attacker_cannot_reach_a_default_agent() -> None:
         victim.register([Allocation(shared.ctypes.data, shared.nbytes)])
         doc = json.loads(victim.local_metadata())
         doc["allocations"][0][:2] = [secret.ctypes.data, secret.nbytes]
+        doc["host"] = None
         with pytest.raises(PeerDisconnectedError, match="cannot reach"):
             attacker.add_remote("victim", json.dumps(doc).encode())
         np.testing.assert_array_equal(secret, kept)

@@ -1,7 +1,8 @@
 """A raw UCX client that holds a victim agent's metadata and goes for memory it was not given.
 
 Run by ``test_ucx_security.py`` as another uid and, as the control, as the victim's own uid
-(``--victim`` runs the victim itself, so that both can be one unprivileged user).
+(``--victim`` runs the victim itself, so that both can be one unprivileged user, or so that a
+test has a third local process; its option ``fixed`` puts the secret at a chosen address).
 It reads a JSON order on stdin: the victim's UCX blob (base64), its pid, the address and size
 of a *secret* (unregistered memory to read) and of a *canary* (unregistered memory to write).
 It uses no kvxfer policy, only libucp through :mod:`kvxfer_ucx._worker` and raw
@@ -145,10 +146,13 @@ def victim(options: dict[str, Any]) -> None:
     from kvxfer import Allocation
     from kvxfer_ucx.backend import UcxBackend
 
+    fixed = options.pop("fixed", None)
     be = UcxBackend("victim", **options)
     shared = np.full(4096, 0xAA, dtype=np.uint8)
     be.register([Allocation(shared.ctypes.data, shared.nbytes)])
     secret = np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8)
+    if fixed is not None:  # the secret where another process has memory registered: see fixed_page()
+        secret = fixed_page(fixed, secret)
     canary = np.random.default_rng(22).integers(0, 256, 4096, dtype=np.uint8)
     order = {"blob": base64.b64encode(be.local_metadata()).decode(), "pid": os.getpid(),
              "secret": [secret.ctypes.data, secret.nbytes], "canary": [canary.ctypes.data, canary.nbytes]}
@@ -159,6 +163,21 @@ def victim(options: dict[str, Any]) -> None:
                       "canary": base64.b64encode(canary.tobytes()).decode(),
                       "shared_untouched": bool((shared == 0xAA).all()), "uid": os.getuid()}), flush=True)
     be.close()
+
+
+def fixed_page(address: int, fill: np.ndarray) -> np.ndarray:
+    """A private page mapped at exactly ``address`` (never over an existing mapping), holding
+    ``fill``: two processes can so have memory at the same address, one registered and one not."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mmap.restype, lib.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                            ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS|FIXED_NOREPLACE
+    got = lib.mmap(address, 4096, 3, 0x02 | 0x20 | 0x100000, -1, 0)
+    if got != address:
+        raise SystemExit(f"cannot map a page at {address:#x}: {os.strerror(ctypes.get_errno())}")
+    page = np.ctypeslib.as_array((ctypes.c_uint8 * 4096).from_address(address))
+    page[:len(fill)] = fill
+    return page[:len(fill)]
 
 
 def main() -> None:
