@@ -31,6 +31,19 @@ PROMPTS = [_prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)]
 WARMUP = [_prompt(50 + i, 130) for i in range(4)]
 FAULT_PROMPTS = {k: _prompt(100 + i, n) for i, (k, n) in enumerate(FAULT_LENGTHS.items())}
 
+
+def _bound_prompts(seed: int) -> dict[str, list[int]]:
+    """Issue 31: A and B of one length; C shares B's two full blocks (256 tokens), then differs."""
+    a, b = _prompt(seed, 300), _prompt(seed + 1, 300)
+    return {"a": a, "b": b, "c": b[:256] + _prompt(seed + 2, 44)}
+
+
+#: The prompt swap (params of A sent with B), and the same with the binding off (the control).
+BOUND = _bound_prompts(200)
+UNBOUND = _bound_prompts(210)
+#: A prefill request id kvxfer cannot carry, then a non-ASCII tag at the decode.
+HOSTILE = _prompt(220, 200)
+
 #: Greedy tokens of a plain instance (no connector), filled once per session.
 REFERENCE: dict[tuple[int, ...], list[int]] = {}
 
@@ -72,16 +85,29 @@ class Pair:
         return [self.prefill, self.decode]
 
 
+#: The store of the LBHNC pair's decode and the file that switches its prompt binding off (binding_site).
+ROW = LAYERS * PAGE  # one block of every layer: a store row
+DECODE_STORE: dict[str, Path] = {}
+
+
 def start_kvxfer_pair(model: Path, logdir: Path, layout: str) -> Pair:
     env = {TOKEN_ENV: TOKEN}
     port = free_port(2)
     tag, bl = layout.lower(), layout == "BLHNC"
     p_cpus, d_cpus = pair_cpus()
+    dec_env, dec_extra = dict(env), {}
+    if not bl:  # issue 31: the decode offloads prompts to a store; the control can unbind its params
+        DECODE_STORE["store"] = logdir / f"decode-store-{port}"
+        DECODE_STORE["unbound"] = logdir / f"unbound-{port}"
+        dec_extra = {"store_path": str(DECODE_STORE["store"]), "store_capacity": 64 * ROW}
+        site = str(Path(__file__).resolve().parent / "binding_site")
+        dec_env.update({"KVXFER_E2E_UNBOUND": str(DECODE_STORE["unbound"]),
+                        "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))})
     return Pair("kvxfer", layout,
                 start_engine(f"kvxfer-prefill-{tag}", model, logdir, env=env, blhnc=bl, cpus=p_cpus,
                              kv_transfer_config=kvxfer_config("kv_producer", port)),
-                start_engine(f"kvxfer-decode-{tag}", model, logdir, env=env, blhnc=bl, cpus=d_cpus,
-                             kv_transfer_config=kvxfer_config("kv_consumer", port + 1)))
+                start_engine(f"kvxfer-decode-{tag}", model, logdir, env=dec_env, blhnc=bl, cpus=d_cpus,
+                             kv_transfer_config=kvxfer_config("kv_consumer", port + 1, **dec_extra)))
 
 
 def start_nixl_pair(model: Path, logdir: Path, layout: str) -> Pair:
@@ -156,7 +182,7 @@ class Pairs:
 
 
 def all_prompts() -> list[list[int]]:
-    return PROMPTS + WARMUP + list(FAULT_PROMPTS.values())
+    return PROMPTS + WARMUP + list(FAULT_PROMPTS.values()) + list(BOUND.values()) + list(UNBOUND.values()) + [HOSTILE]
 
 
 def fill_reference(ref: Engine) -> None:

@@ -35,6 +35,14 @@ def metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+def finished(llm: Any) -> list[Any]:
+    """What ``LLM._run_engine`` does, without its sort by integer request id."""
+    outs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outs.extend(o for o in llm.llm_engine.step() if o.finished)
+    return outs
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     answer = os.fdopen(int(cfg["fd"]), "w")
@@ -62,7 +70,18 @@ def main() -> None:
                               extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
         before = metrics(llm)
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sps, use_tqdm=False)
+        ids = req.get("request_ids")
+        if ids:  # the client's own request ids (any string, as X-Request-Id carries them)
+            counter, llm.request_counter = llm.request_counter, iter(ids)
+            llm._run_engine = lambda output_type, use_tqdm=False: finished(llm)  # vLLM's sorts ids as ints
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sps, use_tqdm=False)
+        finally:
+            if ids:
+                llm.request_counter = counter
+                del llm._run_engine
+        if ids:
+            outs.sort(key=lambda o: next((i for i, r in enumerate(ids) if o.request_id.startswith(r)), 0))
         seconds = time.perf_counter() - t
         after = metrics(llm)
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -13,6 +13,7 @@ loaded, which shows the checks are what catches it.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from pathlib import Path
@@ -33,7 +34,9 @@ NO_PREFIX = {"enable_prefix_caching": False}
 def _start(model: Path, logdir: Path, layout: str) -> Pair:
     global TRIGGER
     TRIGGER = logdir / f"corrupt-{secrets.token_hex(4)}"
-    env = {TOKEN_ENV: TOKEN, "PYTHONPATH": str(HERE / "faults_site")}
+    # Before the inherited path, not instead of it: the engines must import this checkout's kvxfer.
+    env = {TOKEN_ENV: TOKEN, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "faults_site"),
+                                                                         os.environ.get("PYTHONPATH")]))}
     port = free_port(2)
     p_cpus, d_cpus = pair_cpus()
     opts = {"backend": "corrupting", "backend_options": {"inner": "nixl"}}

@@ -12,6 +12,12 @@ Then the faults, on the LBHNC pair: parameters altered in transit, parameters na
 the prefill does not have, and a prefill killed before decode pulls: decode recomputes and
 still answers correctly. A control loads the wrong request's KV on purpose: the answer must
 change, which shows the token comparison can fail.
+
+Issue 31, on the same pair (its decode offloads finished prompts to a store): one prompt's
+params sent with another prompt are refused, and neither the decode's prefix cache nor its
+store ends up holding one prompt's KV under the other's keys (control: the binding switched
+off in the decode, binding_site); and a hostile client (a request id kvxfer cannot carry, a
+non-ASCII tag) leaves both engines serving.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e import (BLOCK, FAULT_PROMPTS, LAYERS, PAGE, PROMPTS, REFERENCE, TOKEN, Pairs, blocks, decode,
-                 flushed_metric, prefill, record, start_kvxfer_pair)
+from e2e import (BLOCK, BOUND, DECODE_STORE, FAULT_PROMPTS, HOSTILE, LAYERS, MAX_TOKENS, PAGE, PROMPTS, REFERENCE,
+                 TOKEN, UNBOUND, Pairs, blocks, decode, flushed_metric, prefill, record, start_kvxfer_pair)
+from kvxfer.integrations.vllm.store import prefix_keys
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
 
@@ -97,6 +104,83 @@ def test_control_wrong_kv_changes_the_answer(pairs):
     out = decode(pair, prompt, wrong)
     assert out["delta"].get("vllm:kvxfer_loaded_tokens") == len(prompt)
     assert out["tokens"][0] != REFERENCE[tuple(prompt)]
+
+
+def _rows(prompt: list[int]) -> list[bytes | None]:
+    """The decode store's rows under ``prompt``'s two full-block keys (None: not stored)."""
+    from test_vllm_store import _entries, _slab
+
+    store = DECODE_STORE["store"]
+    slab, _, head = _slab(store)
+    live, raw = _entries(store), slab.read_bytes()
+    out: list[bytes | None] = []
+    for k in prefix_keys(prompt, BLOCK)[:2]:
+        at = 4096 + live[k].slot * head["stride"] if k in live else None
+        out.append(None if at is None else raw[at:at + head["row_len"]])
+    return out
+
+
+def _swap(pair, p: dict[str, list[int]]) -> dict:
+    """A's params with prompt B; then C, which shares B's two full blocks; then A with its own params."""
+    saved = flushed_metric(pair.decode, "vllm:kvxfer_store_saved_blocks", 0)
+    params = prefill(pair, p["a"])
+    swapped = decode(pair, p["b"], params)
+    third = pair.decode.generate([p["c"]], MAX_TOKENS)
+    rightful = decode(pair, p["a"], params if "vllm:kvxfer_loaded_tokens" not in swapped["delta"]
+                      else prefill(pair, p["a"]))  # the nonce is spent when the swap loaded
+    # B's two full blocks and A's (C's are B's): every offload published before the store is read
+    assert flushed_metric(pair.decode, "vllm:kvxfer_store_saved_blocks", saved + 4) == saved + 4
+    return {"swapped": swapped, "third": third, "rightful": rightful, "rows_a": _rows(p["a"]), "rows_b": _rows(p["b"])}
+
+
+def test_params_of_another_prompt_recompute_and_poison_neither_cache_nor_store(pairs):
+    pair = pairs["LBHNC"]
+    r = _swap(pair, BOUND)
+    d = r["swapped"]["delta"]
+    assert d.get("vllm:kvxfer_prompt_mismatches") == 1 and d.get("vllm:kvxfer_rejected_params") == 1, d
+    assert "vllm:kvxfer_loaded_tokens" not in d and "vllm:kvxfer_num_descriptors:count" not in d, d
+    assert r["swapped"]["tokens"][0] == REFERENCE[tuple(BOUND["b"])]
+    assert r["third"]["delta"].get("vllm:prefix_cache_hits", 0) >= 2 * BLOCK, r["third"]["delta"]  # B's blocks
+    assert r["third"]["tokens"][0] == REFERENCE[tuple(BOUND["c"])]
+    assert r["rightful"]["delta"].get("vllm:kvxfer_loaded_tokens") == len(BOUND["a"])  # its nonce was not spent
+    assert r["rightful"]["tokens"][0] == REFERENCE[tuple(BOUND["a"])]
+    assert None not in r["rows_a"] + r["rows_b"], "the decode did not offload both prompts"
+    assert all(rb != ra for ra, rb in zip(r["rows_a"], r["rows_b"]))  # B's keys hold B's own KV
+
+
+def test_control_without_the_binding_the_swap_poisons_cache_and_store(pairs):
+    pair = pairs["LBHNC"]
+    DECODE_STORE["unbound"].write_text("off")  # binding_site: the decode's check does nothing meanwhile
+    try:
+        r = _swap(pair, UNBOUND)
+    finally:
+        DECODE_STORE["unbound"].unlink()
+    assert r["swapped"]["delta"].get("vllm:kvxfer_loaded_tokens") == len(UNBOUND["b"]), r["swapped"]["delta"]
+    assert r["third"]["delta"].get("vllm:prefix_cache_hits", 0) >= 2 * BLOCK, r["third"]["delta"]
+    assert r["third"]["tokens"][0] != REFERENCE[tuple(UNBOUND["c"])]  # another user served A's KV
+    assert r["rows_b"] == r["rows_a"] and None not in r["rows_b"]  # A's KV offloaded under B's keys
+
+
+def test_hostile_requests_leave_both_engines_serving(pairs):
+    """The issue's two crashes: an id kvxfer cannot carry at the prefill, a non-ASCII tag at the decode."""
+    pair = pairs["LBHNC"]
+    rid = "x" * 600 + "\tend"
+    out = pair.prefill.call({"cmd": "generate", "prompts": [HOSTILE], "max_tokens": 1,
+                             "params": [{"do_remote_decode": True}], "request_ids": [rid]})
+    params = out["params"][0]
+    assert params and params["remote_request_id"].startswith("kvxfer-sha256:"), params
+    bad = {**params, "kvxfer": {**params["kvxfer"], "tag": "\u00e9" * 64}}
+    out = pair.decode.call({"cmd": "generate", "prompts": [HOSTILE], "max_tokens": MAX_TOKENS, "params": [bad],
+                            "request_ids": ["\u00e9\t" * 300]})
+    assert out["delta"].get("vllm:kvxfer_rejected_params") == 1 and "vllm:kvxfer_loaded_tokens" not in out["delta"]
+    assert out["tokens"][0] == REFERENCE[tuple(HOSTILE)]
+    released = flushed_metric(pair.prefill, "vllm:kvxfer_sends_done", 0)
+    out = decode(pair, HOSTILE, params)  # the next request, with the genuine params: both engines answer
+    # (the recompute above left the first block in the decode's prefix cache: the load is the rest)
+    assert out["delta"].get("vllm:kvxfer_loaded_tokens", 0) > 0, out["delta"]
+    assert out["tokens"][0] == REFERENCE[tuple(HOSTILE)]
+    # The decode's release names the hashed id; the prefill maps it back to vLLM's request and frees it.
+    assert flushed_metric(pair.prefill, "vllm:kvxfer_sends_done", released + 1) == released + 1
 
 
 def test_killed_prefill_recompute(pairs):

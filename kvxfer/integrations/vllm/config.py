@@ -56,7 +56,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     bind_host: str = "127.0.0.1"
     port: int = 5720
-    token: bytes | None = None
+    token: bytes | None = field(default=None, repr=False)  # a secret: never in a repr or a message
     insecure: bool = False
     transfer_timeout: float = 30.0
     handshake_timeout: float = 5.0

@@ -2,7 +2,8 @@
 
 vLLM builds one instance per role: the scheduler's (in the engine core) decides what to
 load and hold, see :mod:`.scheduler`; each worker's registers the cache and moves bytes, see
-:mod:`.worker`. This class only routes vLLM's calls to the side that owns them.
+:mod:`.worker`. This class only routes vLLM's calls to the side that owns them, each through
+the boundary of :mod:`.guard`: no callback raises into vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import ConnectorConfig, ConnectorConfigError
 from .digests import worker_digests
+from .guard import boundary
 from .metadata import KvxferConnectorMetadata
 from .scheduler import SchedulerSide
 from .stats import KvxferConnectorStats, KvxferPromMetrics
@@ -73,7 +75,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg, engine_id, int(self._group_spec.block_size), tp_size)
+            self._sched = SchedulerSide(self.cfg, engine_id, int(self._group_spec.block_size), tp_size,
+                                        getattr(getattr(vllm_config, "model_config", None), "max_model_len", None))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -95,77 +98,102 @@ class KvxferConnector(KVConnectorBase_V1):
             serve=self._kv_transfer_config.kv_role in ("kv_producer", "kv_both"),
             model=_model_id(model))
 
+    @boundary(lambda: None, lambda self, *a, **k: self._abandon())
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
         self._worker.start(meta)
 
+    @boundary(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: vLLM waits for get_transfer_results
 
+    @boundary(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # pull mode: decode reads, prefill never pushes
 
+    @boundary(lambda: None)
     def wait_for_save(self) -> None:
         return
 
+    @boundary(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
+    @boundary(KVConnectorTransferResults)
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
         sending, recving, failed = self._worker.poll()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
+    @boundary(lambda: None)
     def get_handshake_metadata(self) -> Any:
         return self._worker.store_handshake() if self._worker is not None else None
 
+    @boundary(lambda: None)
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._sched is not None and self._sched.store is not None:  # store.py: the scheduler's view
             self._sched.store.attach(metadata)
 
+    @boundary(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
+    @boundary(lambda: None)
     def get_kv_connector_stats(self) -> KvxferConnectorStats | None:
         side = self._worker or self._sched
         return side.take_stats() if side is not None else None
 
+    @boundary(lambda: None)
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
 
+    def _abandon(self) -> None:
+        """start_load_kv's fallback: the step's loads that did not start fail (recompute)."""
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KvxferConnectorMetadata):
+            self._worker.abandon(meta)
+
     # -- scheduler side -------------------------------------------------------------------
+    @boundary(lambda: (0, False))
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @boundary(lambda: None, lambda self, request, blocks, n: self._sched.alloc_failed(request, blocks, n))
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @boundary(KvxferConnectorMetadata, lambda self, *a, **k: self._sched.salvage())
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._sched is not None
-        meta = self._sched.build_connector_meta()
         manager = getattr(self, "_kv_cache_manager", None)
+        digest: dict[str, Any] = {}
         if manager is not None:  # integrity: the blocks each worker digests after this step
-            meta.digest = self._sched.digests.plan(scheduler_output.num_scheduled_tokens,
-                                                   lambda rid: manager.get_block_ids(rid)[0])
+            digest = self._sched.digests.plan(scheduler_output.num_scheduled_tokens,
+                                              lambda rid: manager.get_block_ids(rid)[0])
+        meta = self._sched.build_connector_meta()  # last: once it ran, the step's work is in ``meta``
+        meta.digest = digest
         return meta
 
+    @boundary(lambda: None)
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:  # integrity: this step's digests join the params it handed out
             self._sched.digests.attach(connector_output.kv_connector_worker_meta)
 
+    @boundary(lambda: None)
     def build_connector_worker_meta(self) -> Any:
         if self._worker is None or not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return worker_digests(self._worker.agent, self._worker.rank, getattr(meta, "digest", {}))
 
+    @boundary(lambda: (False, None), lambda self, request, block_ids: self._sched.finish_failed(request))
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)

@@ -37,3 +37,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     #: Prefixes from a store (store.py): restores to start, and offloads of finished requests.
     store_loads: list[StoreLoad] = field(default_factory=list)
     store_saves: list[StoreSave] = field(default_factory=list)
+    #: Decode: request id -> its blocks, for loads that could not start (reported failed: recompute).
+    failed: dict[str, list[int]] = field(default_factory=dict)
+    #: Requests whose held blocks vLLM may free now (an offload that was never started).
+    released: list[str] = field(default_factory=list)

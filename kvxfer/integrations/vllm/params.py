@@ -15,6 +15,15 @@ second use), an expiry ``exp`` that ends before the prefill's lease by more than
 take (a load that could start after its lease is refused before it reads), and, where the
 prefill can compute them, row digests of the blocks (``dig``): a set replayed at another
 decode after the blocks were freed and reused fails verification. Each refusal means recompute.
+
+Prompt (issue 31): the signed set also carries ``p``, a digest of the token ids whose KV the
+blocks hold (:mod:`.binding`); decode refuses a set issued for another prompt before any
+transfer, so one prompt's KV is never loaded, cached or offloaded as another's.
+
+Order of the checks: first the shape, in constant time (types, string lengths, the number of
+block ids against what this decode can hold), then the tag, compared as bytes over the
+fields as they arrived, and only then the fields one by one. An unauthenticated set costs
+at most one HMAC over a bounded text.
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ from typing import Any, Mapping, Sequence
 
 from kvxfer.errors import IntegrityError, KvxferError, MetadataError
 
-__all__ = ["RemoteKV", "ParamsError", "ParamsExpiredError", "ParamsReplayError", "NonceBook", "PARAMS_VERSION",
+__all__ = ["RemoteKV", "ParamsError", "ParamsExpiredError", "ParamsReplayError", "ParamsPromptError", "NonceBook",
+           "PARAMS_VERSION",
            "wants_remote_prefill", "wants_remote_decode", "expiry", "refuse_late", "load_digests", "failure_count"]
 
 log = logging.getLogger("vllm.kvxfer")
 
-PARAMS_VERSION = 2
+PARAMS_VERSION = 3
 MAX_DIGEST_TEXT = 8 << 20  # base64 of row digests: 16 bytes per block plus the member list
 MAX_BLOCKS = 1 << 20  # a 134M-token prompt at 128 tokens per block: far beyond any context
 MAX_ID = 512
@@ -54,6 +64,10 @@ class ParamsExpiredError(ParamsError):
 
 class ParamsReplayError(ParamsError):
     """These parameters (their nonce) were already used at this decode."""
+
+
+class ParamsPromptError(ParamsError):
+    """These parameters were issued for another prompt (their ``p`` is not this request's)."""
 
 
 def _new_nonce() -> str:
@@ -100,6 +114,7 @@ class RemoteKV:
     nonce: str = field(default_factory=_new_nonce)
     expires: float = field(default_factory=_default_expiry)  # wall-clock seconds (time.time())
     digests: str | None = None  # per TP rank, kvxfer.integrity.Digests (rows) of block_ids as text, ","-joined
+    prompt: str | None = None  # binding.prompt_digest of the tokens whose KV the blocks hold (None: unbound)
 
     def __post_init__(self) -> None:
         _text("remote_engine_id", self.engine_id, MAX_ID)
@@ -121,17 +136,20 @@ class RemoteKV:
             raise ParamsError("kvxfer expiry must be a positive wall-clock time in seconds")
         if self.digests is not None and (not isinstance(self.digests, str) or len(self.digests) > MAX_DIGEST_TEXT):
             raise ParamsError(f"kvxfer digests must be a string of at most {MAX_DIGEST_TEXT} characters")
-
-    def _signed_bytes(self) -> bytes:
-        fields = [PARAMS_VERSION, self.engine_id, self.host, self.port, self.request_id, list(self.block_ids),
-                  self.num_tokens, self.tp_size, self.nonce, float(self.expires), self.digests]
-        return _LABEL + json.dumps(fields, separators=(",", ":")).encode()
+        p = self.prompt
+        if p is not None and (not isinstance(p, str) or len(p) != 64 or any(c not in _HEX for c in p)):
+            raise ParamsError("kvxfer prompt digest must be 64 lowercase hex digits")
 
     def tag(self, token: bytes | None) -> str:
-        return hmac.new(token or b"", self._signed_bytes(), hashlib.sha256).hexdigest()
+        return _tag(self._unsigned(), token).decode()
 
     def to_params(self, token: bytes | None) -> dict[str, Any]:
         """The dict returned to the client: JSON types only."""
+        out = self._unsigned()
+        out["kvxfer"]["tag"] = _tag(out, token).decode()
+        return out
+
+    def _unsigned(self) -> dict[str, Any]:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -142,33 +160,32 @@ class RemoteKV:
             "remote_block_ids": list(self.block_ids),
             "remote_num_tokens": self.num_tokens,
             "remote_tp_size": self.tp_size,
-            "kvxfer": {"v": PARAMS_VERSION, "tag": self.tag(token), "nonce": self.nonce,
-                       "exp": float(self.expires), "dig": self.digests},
+            "kvxfer": {"v": PARAMS_VERSION, "nonce": self.nonce, "exp": float(self.expires), "dig": self.digests,
+                       "p": self.prompt},
         }
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], token: bytes | None, block_size: int) -> "RemoteKV":
-        """Validate what a client brought; raises :class:`ParamsError` on any doubt."""
+    def from_params(cls, params: Mapping[str, Any], token: bytes | None, block_size: int,
+                    max_blocks: int = MAX_BLOCKS) -> "RemoteKV":
+        """Validate what a client brought; raises :class:`ParamsError` on any doubt.
+
+        ``max_blocks``: the most blocks this decode could load for one request (its model
+        length); a longer list is refused before the tag is computed.
+        """
         if not wants_remote_prefill(params):
             raise ParamsError("not kvxfer transfer parameters (need do_remote_prefill and a 'kvxfer' entry)")
         ours = params["kvxfer"]
         if not isinstance(ours, Mapping) or ours.get("v") != PARAMS_VERSION:
             raise ParamsError(f"unsupported kvxfer params version (this connector speaks {PARAMS_VERSION})")
         tag = ours.get("tag")
-        if not isinstance(tag, str) or len(tag) != 64:
+        # Only ASCII hex reaches compare_digest, and as bytes: a str of other characters raises there.
+        if not isinstance(tag, str) or len(tag) != 64 or any(c not in _HEX for c in tag):
             raise ParamsError("kvxfer params carry no valid tag")
-        try:
-            ids = params["remote_block_ids"]
-            if not isinstance(ids, (list, tuple)) or len(ids) > MAX_BLOCKS:
-                raise ParamsError(f"remote_block_ids must be a list of at most {MAX_BLOCKS} ids")
-            remote = cls(params["remote_engine_id"], params["remote_host"], params["remote_port"],
-                         params["remote_request_id"], tuple(ids), params["remote_num_tokens"],
-                         params["remote_tp_size"], ours["nonce"], ours["exp"], ours["dig"])
-        except KeyError as exc:
-            raise ParamsError(f"kvxfer params lack {exc.args[0]!r}") from None
-        if not hmac.compare_digest(tag, remote.tag(token)):
+        fields = _shape(params, ours, min(max_blocks, MAX_BLOCKS))
+        if not hmac.compare_digest(tag.encode("ascii"), _signature(fields, token)):
             raise ParamsError("kvxfer params fail authentication: altered in transit, or prefill and decode "
                               "hold different tokens")
+        remote = cls(*fields[1:5], tuple(fields[5]), *fields[6:])
         need = math.ceil(remote.num_tokens / block_size)
         if len(remote.block_ids) != need:
             raise ParamsError(f"{remote.num_tokens} tokens need {need} blocks of {block_size}, "
@@ -200,6 +217,46 @@ class RemoteKV:
             return [Digests.from_text(p) for p in parts if p]
         except MetadataError as exc:
             raise ParamsError(f"kvxfer digests are malformed: {exc}") from None
+
+
+_HEX = frozenset("0123456789abcdef")
+#: The signed fields, in signing order: top-level names, then kvxfer's own under "kvxfer".
+_TOP = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
+        "remote_num_tokens", "remote_tp_size")
+_OURS = ("nonce", "exp", "dig", "p")
+_SCALARS = (str, int, float, type(None))
+
+
+def _shape(params: Mapping[str, Any], ours: Mapping[str, Any], max_blocks: int) -> list[Any]:
+    """The signed fields as they arrived, once each is seen to be small: constant time per field
+    (no look inside the block-id list), so what the tag is computed over is bounded."""
+    try:
+        fields = [PARAMS_VERSION, *(params[k] for k in _TOP), *(ours[k] for k in _OURS)]
+    except KeyError as exc:
+        raise ParamsError(f"kvxfer params lack {exc.args[0]!r}") from None
+    ids = fields[5]
+    if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= max_blocks:
+        raise ParamsError(f"remote_block_ids must be a list of 1..{max_blocks} ids")
+    for i, v in enumerate(fields):
+        if i == 5:
+            continue
+        if not isinstance(v, _SCALARS) or (isinstance(v, str) and len(v) > (MAX_DIGEST_TEXT if i == 10 else MAX_ID)):
+            raise ParamsError("kvxfer params hold a field of the wrong kind or length")
+    return fields
+
+
+def _signature(fields: list[Any], token: bytes | None) -> bytes:
+    """HMAC-SHA256 (hex, as bytes) over the fields' canonical JSON; anything JSON cannot write
+    canonically (NaN, other objects in the id list) cannot be signed, so it is refused."""
+    try:
+        text = json.dumps(fields, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise ParamsError("kvxfer params hold values that cannot be authenticated") from None
+    return hmac.new(token or b"", _LABEL + text.encode(), hashlib.sha256).hexdigest().encode()
+
+
+def _tag(params: Mapping[str, Any], token: bytes | None) -> bytes:
+    return _signature([PARAMS_VERSION, *(params[k] for k in _TOP), *(params["kvxfer"][k] for k in _OURS)], token)
 
 
 def expiry(now: float, lease_seconds: float, transfer_timeout: float, handshake_timeout: float) -> float:

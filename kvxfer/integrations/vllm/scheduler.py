@@ -6,6 +6,10 @@ prefill holds, after checking the parameters (bad ones mean recompute, never a t
 ``update_state_after_alloc`` pairs the blocks vLLM allocated with the prefill's blocks.
 Both hand their work to the workers through :class:`KvxferConnectorMetadata`. With
 ``store_path`` set, prompt prefixes are also served from a store (:mod:`.store`).
+
+The ``*_failed`` and :meth:`SchedulerSide.salvage` methods are what the connector's boundary
+(:mod:`.guard`) falls back on when a callback raised: they leave vLLM a consistent state in
+which every request vLLM waits for ends (failed loads recompute, held blocks are released).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
 from .digests import SchedulerDigests
-from .params import (NonceBook, ParamsError, ParamsExpiredError, ParamsReplayError, RemoteKV, expiry,
-                     wants_remote_decode, wants_remote_prefill)
+from .binding import request_digest, wire_id
+from .params import (MAX_BLOCKS, NonceBook, ParamsError, ParamsExpiredError, ParamsPromptError, ParamsReplayError,
+                     RemoteKV, expiry, wants_remote_decode, wants_remote_prefill)
 from .stats import KvxferConnectorStats
 from .store import SchedulerStore
 
@@ -34,8 +39,11 @@ log = logging.getLogger("vllm.kvxfer")
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, tp_size: int) -> None:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, tp_size: int,
+                 max_model_len: int | None = None) -> None:
         self.cfg = cfg
+        # The most blocks one request can load here: longer id lists are refused before the tag.
+        self.max_blocks = MAX_BLOCKS if max_model_len is None else math.ceil(max_model_len / block_size) + 1
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
@@ -44,6 +52,7 @@ class SchedulerSide:
         self._remote: dict[str, RemoteKV | None] = {}
         self._loads: list[LoadTask] = []
         self._sends: dict[str, float] = {}
+        self._failed: dict[str, list[int]] = {}  # loads that cannot start: the workers report them failed
         self._nonces = NonceBook()  # decode: a params set is used once
         self.digests = SchedulerDigests(cfg.token, tp_size)  # prefill: digests for the params it hands out
         self.store = SchedulerStore(block_size, cfg.min_tokens) if cfg.store_path else None
@@ -53,19 +62,31 @@ class SchedulerSide:
         rid = request.request_id
         if rid not in self._remote:
             try:
-                remote = RemoteKV.from_params(request.kv_transfer_params, self.cfg.token, self.block_size)
+                remote = RemoteKV.from_params(request.kv_transfer_params, self.cfg.token, self.block_size,
+                                              self.max_blocks)
                 if remote.tp_size != self.tp_size:
                     raise ParamsError(f"prefill runs TP={remote.tp_size}, this decode TP={self.tp_size}; "
                                       "kvxfer's vLLM connector pairs equal TP sizes")
+                self.check_prompt(request, remote)
                 self._nonces.claim(remote)
             except ParamsError as exc:
-                log.warning("kvxfer: request %s recomputes its prompt: %s", rid, exc)
+                log.warning("kvxfer: request %r recomputes its prompt: %s", wire_id(rid), exc)
                 self.stats.count("rejected_params")
-                if isinstance(exc, (ParamsExpiredError, ParamsReplayError)):
-                    self.stats.count("expired_params" if isinstance(exc, ParamsExpiredError) else "replayed_params")
+                kind = {ParamsExpiredError: "expired_params", ParamsReplayError: "replayed_params",
+                        ParamsPromptError: "prompt_mismatches"}.get(type(exc))
+                if kind is not None:
+                    self.stats.count(kind)
                 remote = None
             self._remote[rid] = remote
         return self._remote[rid]
+
+    @staticmethod
+    def check_prompt(request: "Request", remote: RemoteKV) -> None:
+        """Refuse params issued for another prompt (binding.py), before any byte moves; the
+        nonce stays unused, so the client the params were issued to can still use them."""
+        want = request_digest(request, remote.num_tokens)
+        if remote.prompt is None or want is None or remote.prompt != want:
+            raise ParamsPromptError("kvxfer params were issued for another prompt (or bind none); refused")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if not wants_remote_prefill(request.kv_transfer_params):
@@ -125,8 +146,9 @@ class SchedulerSide:
             return False, None
         ids = tuple(int(b) for b in block_ids[:needed])
         c = self.cfg
-        remote = RemoteKV(self.engine_id, c.host, c.port, request.request_id, ids, tokens, self.tp_size,
-                          expires=expiry(time.time(), c.lease_seconds, c.transfer_timeout, c.handshake_timeout))
+        remote = RemoteKV(self.engine_id, c.host, c.port, wire_id(request.request_id), ids, tokens, self.tp_size,
+                          expires=expiry(time.time(), c.lease_seconds, c.transfer_timeout, c.handshake_timeout),
+                          prompt=request_digest(request, tokens))
         self._sends[request.request_id] = self.cfg.lease_seconds
         out = remote.to_params(self.cfg.token)
         if c.digests:  # digests.py: this step's worker digests are added to ``out`` before it leaves
@@ -135,11 +157,55 @@ class SchedulerSide:
 
     # -- every step -----------------------------------------------------------------------
     def build_connector_meta(self) -> KvxferConnectorMetadata:
-        meta = KvxferConnectorMetadata(self._loads, self._sends)
-        self._loads, self._sends = [], {}
+        meta = KvxferConnectorMetadata(self._loads, self._sends, failed=self._failed)
+        self._loads, self._sends, self._failed = [], {}, {}
         if self.store is not None:
             meta.store_loads, meta.store_saves = self.store.loads, self.store.saves
             self.store.loads, self.store.saves = [], []
+        return meta
+
+    # -- fallbacks of the boundary (guard.py) ------------------------------------------------
+    def alloc_failed(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """``update_state_after_alloc`` raised: nothing of this request loads; if vLLM now waits
+        for external tokens, the workers report the load failed and vLLM recomputes."""
+        rid = request.request_id
+        self._remote.pop(rid, None)
+        self._loads = [t for t in self._loads if t.request_id != rid]
+        if self.store is not None:
+            self.store.loads = [ld for ld in self.store.loads if ld.request_id != rid]
+            self.store.forget(rid)
+        if num_external_tokens > 0:
+            self._failed[rid] = [int(b) for b in blocks.get_unhashed_block_ids()]
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False
+
+    def finish_failed(self, request: "Request") -> tuple[bool, None]:
+        """``request_finished`` raised: hand out nothing and let vLLM free the blocks now, so no
+        offload or lease may still read them."""
+        rid = request.request_id
+        self._sends.pop(rid, None)
+        self._remote.pop(rid, None)
+        self.digests.forget(rid)
+        if self.store is not None:
+            self.store.saves = [s for s in self.store.saves if s.request_id != rid]
+            self.store.forget(rid)
+        return False, None
+
+    def salvage(self) -> KvxferConnectorMetadata:
+        """``build_connector_meta`` raised: the step's loads fail (vLLM recomputes them), its
+        sends and offloads end at once (vLLM frees their blocks), nothing is left waiting."""
+        failed = dict(self._failed)
+        for t in self._loads:
+            if t.local_block_ids:
+                failed[t.request_id] = list(t.local_block_ids)
+        released: list[str] = []
+        if self.store is not None:
+            failed.update({ld.request_id: list(ld.block_ids) for ld in self.store.loads})
+            released = [s.request_id for s in self.store.saves]
+            self.store.loads, self.store.saves = [], []
+        meta = KvxferConnectorMetadata(sends=self._sends, failed=failed, released=released)
+        self._loads, self._sends, self._failed = [], {}, {}
         return meta
 
     def take_stats(self) -> KvxferConnectorStats | None:

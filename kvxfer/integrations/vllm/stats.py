@@ -26,7 +26,7 @@ PER_STEP = ("start_seconds",)
 #: helpers that would not start, and peers refused for want of one.
 PROVER_COUNTS = ("start_failures", "unavailable")
 COUNTS = ("failed_loads", "rejected_params", "handshake_failures", "sends_done", "expired_sends",
-          "integrity_failures", "expired_params", "replayed_params",
+          "integrity_failures", "expired_params", "replayed_params", "prompt_mismatches", "connector_errors",
           "store_failures", "store_corrupt", "store_saved_blocks", "store_save_failures", "store_busy",
           *(f"prover_{k}" for k in PROVER_COUNTS))
 
@@ -126,6 +126,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                                       "Params refused as expired, at parsing or before the read (recomputed)"),
             "replayed_params": counter("vllm:kvxfer_replayed_params",
                                        "Params refused because their nonce was already used here (recomputed)"),
+            "prompt_mismatches": counter("vllm:kvxfer_prompt_mismatches",
+                                         "Params refused because they were issued for another prompt (recomputed)"),
+            "connector_errors": counter("vllm:kvxfer_connector_errors",
+                                        "Errors the connector caught at vLLM's callbacks (recomputed, never raised)"),
             "store_failures": counter("vllm:kvxfer_store_failures",
                                       "Store restores that failed (evicted, damaged row, missing slab): recomputed"),
             "store_corrupt": counter("vllm:kvxfer_store_corrupt",

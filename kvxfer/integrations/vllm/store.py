@@ -151,6 +151,10 @@ class SchedulerStore:
                                         n * self.block_size))
         return True
 
+    def forget(self, request_id: str) -> None:
+        self._keys.pop(request_id, None)
+        self._hits.pop(request_id, None)
+
     def finished(self, request: "Request", block_ids: list[int], done: bool) -> bool:
         """A request ended: offload its full prompt blocks the store lacks. True: vLLM keeps the
         blocks until the worker reports the offload finished (``finished_sending``)."""

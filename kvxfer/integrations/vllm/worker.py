@@ -40,6 +40,7 @@ from kvxfer.sidechannel import NO_AUTH, MetadataServer, fetch
 from .config import ConnectorConfig
 from .metadata import KvxferConnectorMetadata, LoadTask
 from . import params as _params  # replay and integrity checks (issue 19/23): kept in params.py
+from .binding import wire_id
 from .registration import describe_spec, discovered_spec, spec_from_vllm
 from .stats import PROVER_COUNTS, KvxferConnectorStats
 from .store import StoreHandshake, WorkerStore
@@ -107,6 +108,8 @@ class WorkerSide:
         self.server: MetadataServer | None = None
         self._loads: dict[str, _Load] = {}
         self._sending: dict[str, float] = {}  # prefill request id -> deadline
+        self._wire: dict[str, str] = {}  # the id the params carry (binding.wire_id) -> vLLM's request id
+        self._released: set[str] = set()  # sends and offloads the scheduler gave up (guard.py)
         self._early: dict[str, float] = {}  # notifications that beat their request's metadata
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -171,8 +174,15 @@ class WorkerSide:
     def start(self, meta: KvxferConnectorMetadata) -> None:
         t0 = time.perf_counter()
         now = time.monotonic()
+        self._released.update(meta.released)
+        for rid, blocks in meta.failed.items():  # loads the scheduler could not set up: recompute
+            self._failed_blocks.update(blocks)
+            self._failed_recv.add(rid)
+            self._done_recv.add(rid)
         for rid, lease in meta.sends.items():
-            if self._early.pop(rid, None) is not None:
+            wire = wire_id(rid)
+            self._wire[wire] = rid
+            if self._early.pop(wire, None) is not None:
                 self._sending[rid] = 0.0  # decode already released it
             else:
                 self._sending[rid] = now + lease
@@ -291,24 +301,30 @@ class WorkerSide:
             notes = {}
         for msgs in notes.values():
             for m in msgs:
-                rid = m.decode("utf-8", "replace")
-                if rid in self._sending:
+                wire = m[:4 * _params.MAX_ID].decode("utf-8", "replace")
+                rid = self._wire.pop(wire, None)
+                if rid is not None and rid in self._sending:
                     del self._sending[rid]
                     done.add(rid)
                     released += 1
                 elif len(self._early) < _EARLY_LIMIT:
-                    self._early[rid] = now
+                    self._early[wire] = now
         for rid, deadline in list(self._sending.items()):
             if deadline == 0.0:
                 done.add(rid)
                 del self._sending[rid]
                 released += 1
             elif now > deadline:
-                log.warning("kvxfer: no decode released request %s within %g s; freeing its blocks",
-                            rid, self.cfg.lease_seconds)
+                log.warning("kvxfer: no decode released request %r within %g s; freeing its blocks",
+                            wire_id(rid), self.cfg.lease_seconds)
                 self.stats.count("expired_sends")
                 done.add(rid)
                 del self._sending[rid]
+            else:
+                continue
+            self._wire.pop(wire_id(rid), None)
+        done |= self._released
+        self._released = set()
         if released:
             self.stats.count("sends_done", released)
         if not self._sending and self._pump is not None:
@@ -317,6 +333,31 @@ class WorkerSide:
             if now - seen > self.cfg.lease_seconds:
                 del self._early[rid]
         return done
+
+    def abandon(self, meta: KvxferConnectorMetadata) -> None:
+        """``start_load_kv`` raised: every load of ``meta`` not started fails (vLLM recomputes it),
+        every offload not started is released, so vLLM waits for nothing that will not come."""
+        for task in meta.loads:
+            if task.request_id not in self._loads and task.request_id not in self._done_recv:
+                self._failed_blocks.update(task.local_block_ids)
+                self._failed_recv.add(task.request_id)
+                self._done_recv.add(task.request_id)
+        for rid, blocks in meta.failed.items():
+            self._failed_blocks.update(blocks)
+            self._failed_recv.add(rid)
+            self._done_recv.add(rid)
+        store = self.store
+        for ld in meta.store_loads:
+            if store is None or ld.request_id not in store._loads:
+                self._store_fail(ld.request_id, ld.block_ids, KvxferError("not started"))
+        for sv in meta.store_saves:
+            if store is None or sv.request_id not in store._saves:
+                self._released.add(sv.request_id)
+        for rid, lease in meta.sends.items():
+            if rid not in self._sending:
+                self._wire[wire_id(rid)] = rid
+                self._sending[rid] = time.monotonic() + lease
+        self._released.update(meta.released)
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
