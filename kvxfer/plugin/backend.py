@@ -128,6 +128,12 @@ class Backend(abc.ABC):
     def progress(self) -> None:
         """Drive the transport once, for backends that need someone to (``needs_progress``)."""
 
+    def stall_hint(self, peer: str | None) -> str | None:
+        """Optional: what to check when a transfer with ``peer`` did not finish in time, for
+        causes only the transport knows (a peer that must drive progress); the core appends
+        it to :class:`~kvxfer.errors.TransferTimeoutError`. None: the core's generic advice."""
+        return None
+
     def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
         """Optional: what the transport measured for a finished post, before it is released.
 
