@@ -21,6 +21,8 @@ from __future__ import annotations
 from kvxfer.extras import install_hint
 from kvxfer.plugin import RegisterBackend, hookimpl
 
+from ._options import OPTIONS
+
 __all__ = ["kvxfer_register_backends"]
 
 
@@ -35,4 +37,5 @@ def _check() -> str | None:
 @hookimpl
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install=install_hint("ucx"),
-             summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check)
+             summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check,
+             options=OPTIONS)
