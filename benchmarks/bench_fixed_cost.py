@@ -80,7 +80,7 @@ def one_size(label: str, layers: int, page: int, args: argparse.Namespace) -> li
     buf = Buffers(args.memory, args.local_gpu)
     dst = buf.full(B, R, SENTINEL)
     views = {f"layer.{i}": dst[:, i * page:(i + 1) * page] for i in range(layers)}
-    opts = {"device_copy": args.device_copy == "on"}
+    opts = {"device_copy": args.device_copy == "on", "background_progress": args.background_progress == "on"}
     kx = kvxfer.Agent("decode-caller", backend="nixl", **opts)
     ko = kvxfer.Agent("decode-owned", backend="nixl", **opts)
     rows: list[dict[str, Any]] = []
@@ -228,6 +228,8 @@ def main() -> None:
     ap.add_argument("--local-gpu", type=int, default=0)
     ap.add_argument("--remote-gpu", type=int, default=0)
     ap.add_argument("--device-copy", choices=("on", "off"), default="on")
+    ap.add_argument("--background-progress", choices=("on", "off"), default="on",
+                    help="the decode agents' background progress thread (the NIXL backend's option)")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

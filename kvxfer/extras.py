@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["install_hint", "extra_requirements"]
+__all__ = ["CPU_TORCH", "install_hint", "extra_requirements"]
+
+#: The command that installs torch on a machine without a GPU (README, "Install", says the same).
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
 #: Said after a requirement that has to come in a particular order.
 _NOTES = {
-    "nixl": " (nixl needs torch: on a CPU-only machine install a CPU build of torch first, "
-            "as the Makefile does)",
+    "nixl": f" (nixl needs torch: on a CPU-only machine first {CPU_TORCH}, or pip fetches the multi-GB CUDA build)",
 }
 
 

@@ -198,8 +198,10 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         self.cancel()  # as Transfer.wait: a wait that gives up cancels, so nothing writes later
         if self.status is Status.DONE:
             return
+        from .transfer import stall_advice
+
         raise TransferTimeoutError(f"{self.op.value} from {self.route!r} did not finish within {timeout:g} s; "
-                                   "it was cancelled. Check that the peer is alive and progressing.")
+                                   f"it was cancelled. {stall_advice(self._owner.agent.backend, None)}")
 
     @property
     def plan(self) -> Any:

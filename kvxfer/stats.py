@@ -46,6 +46,17 @@ class TransferStats:
     telemetry: list[dict[str, Any]] | None = None
     wall_seconds: float | None = None  # a group's: from the call until DONE was observed
 
+    def __str__(self) -> str:
+        """One line for people (``print(t.stats)``); ``repr`` keeps every field."""
+        who = " ".join(w for w in (self.op, f"with {self.peer!r}" if self.peer else "") if w) or "transfer"
+        took = "pending" if self.seconds is None else f"{self.seconds * 1e3:.3f} ms"
+        rate = f" ({self.gbps:.2f} GB/s)" if self.gbps else ""
+        how = ", ".join(w for w in (self.mode, f"path {self.path}" if self.path else "",
+                                    f"backend {self.backend}" if self.backend else "") if w)
+        return (f"{who}: {self.descriptors:,} descriptors, {self.nbytes:,} bytes in {self.posts} "
+                f"post{'s' if self.posts != 1 else ''}, {took}{rate}; plan {self.plan_seconds * 1e3:.3f} ms"
+                + (f"; {how}" if how else ""))
+
     @property
     def gbps(self) -> float | None:
         if not self.seconds:

@@ -22,7 +22,16 @@ from .stats import Status, TransferStats
 
 _no_telemetry = Backend.telemetry
 
-__all__ = ["Transfer", "TransferStats", "Status"]
+__all__ = ["Transfer", "TransferStats", "Status", "stall_advice"]
+
+
+def stall_advice(backend: Backend, peer: str | None) -> str:
+    """What a timeout error tells the user to check: the backend's own hint when it has one."""
+    try:
+        hint = backend.stall_hint(peer)
+    except Exception:  # advice must never replace the timeout itself
+        hint = None
+    return hint or "Check that the peer is alive and progressing."
 
 
 @dataclass
@@ -133,7 +142,7 @@ class Transfer:
         self._error = TransferTimeoutError(
             f"transfer of {self.stats.descriptors} descriptors did not finish within "
             f"{self._default_timeout if limit is None else limit:g} s; "
-            "it was cancelled. Check that the peer is alive and progressing.")
+            f"it was cancelled. {stall_advice(self._backend, self.stats.peer)}")
         self.status = Status.FAILED
         return True
 

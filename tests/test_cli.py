@@ -418,3 +418,18 @@ def test_json_stdout_stays_clean_when_a_library_prints(tmp_path: Path) -> None:
     json.loads(r.stdout)
     assert "banner from a C library" in r.stderr and "and from Python" in r.stderr
 
+
+
+def test_doctor_puts_the_token_first_when_the_peer_answered() -> None:
+    """A peer that proved it is there but holds another token is not a network problem; the
+    control, a closed port, still gets the network advice."""
+    from kvxfer.cli.doctor import check_sidechannel
+    from kvxfer.sidechannel import MetadataServer
+
+    with MetadataServer(b"md", "127.0.0.1", 0, token="a" * 32) as server:
+        checks = {c.check: c for c in check_sidechannel(("127.0.0.1", 0), server.address, "b" * 32)}
+    fix = checks["peer"].fix or ""
+    assert checks["peer"].status == "fail" and fix.startswith("the peer answered but holds another token")
+    assert "firewall" not in fix
+    closed = {c.check: c for c in check_sidechannel(("127.0.0.1", 0), ("127.0.0.1", _closed_port()), "b" * 32)}
+    assert "firewall" in (closed["peer"].fix or "")

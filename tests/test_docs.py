@@ -1,7 +1,7 @@
 """The docs run: every Python block of README.md, CONTRIBUTING.md and docs/, and every
 ``$ kvxfer ...`` example, is executed here, and each example's output has the doc's shape.
 
-A Python block runs on its own in a fresh interpreter from the repository root, exactly as a
+A Python block runs on its own in a fresh interpreter, in an empty directory, exactly as a
 reader would paste it (no hidden set-up), so a block that needs a name it does not define
 fails. A block that is only a sketch carries ``<!-- sketch: NAME -->`` and is excluded by that
 name in :data:`SKETCHES`; marking a new one without naming it here fails too.
@@ -60,7 +60,7 @@ def run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     script.write_text(block.text)
     (tmp_path / "tmp").mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env=env)
 
 

@@ -134,3 +134,21 @@ def test_install_hints_name_the_requirements_pyproject_declares() -> None:
         hint = install_hint(extra)
         assert hint.startswith("pip install " + " ".join(f"'{r}'" for r in extras[extra])), (extra, hint)
     assert install_hint("no-such-extra") == "pip install -e '.[no-such-extra]' in a kvxfer checkout"
+
+
+def test_install_hints_speak_to_wheel_users_and_match_the_readme() -> None:
+    """No hint sends a wheel user to the Makefile; the CPU torch command is the README's, verbatim."""
+    from kvxfer.extras import CPU_TORCH, _NOTES
+
+    assert "--index-url https://download.pytorch.org/whl/cpu" in CPU_TORCH
+    assert all("Makefile" not in note for note in _NOTES.values())
+    assert CPU_TORCH in _NOTES["nixl"]
+    install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert CPU_TORCH in install and "'.[kit]'" in install
+
+
+def test_kit_extra_brings_pytest_and_its_timeout() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {r.split(">")[0] for r in extras["kit"]} == {"pytest", "pytest-timeout"}
+    assert "'.[kit]'" in (REPO / "CONTRIBUTING.md").read_text()

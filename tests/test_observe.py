@@ -221,3 +221,13 @@ def test_metrics_without_prometheus_client_give_the_install_command() -> None:
             print(type(e).__name__, e)
     """)
     assert "MissingDependencyError" in r.stdout and "pip install 'prometheus-client>=0.17'" in r.stdout
+
+
+def test_stats_print_as_one_readable_line() -> None:
+    from kvxfer.stats import TransferStats
+
+    s = TransferStats(descriptors=1563, nbytes=7_030_000_000, posts=2, plan_seconds=0.000352, seconds=0.5,
+                      path="nixl", backend="nixl", op="READ", peer="prefill", mode="whole-row")
+    assert str(s) == ("READ with 'prefill': 1,563 descriptors, 7,030,000,000 bytes in 2 posts, 500.000 ms "
+                      "(14.06 GB/s); plan 0.352 ms; whole-row, path nixl, backend nixl")
+    assert "\n" not in str(TransferStats(1, 2, 1, 0.0)) and repr(s).startswith("TransferStats(descriptors=1563,")

@@ -1,22 +1,27 @@
-"""``kvxfer backends``: every installed backend, whether it runs here, and what to install."""
+"""``kvxfer backends``: every installed backend, whether it runs here, and what to install;
+``--options NAME``: one backend's option table (default, effect, when to change it)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .args import add_json
 from .output import emit_json
 from ..table import Column, print_table
 
-__all__ = ["add_parser", "backend_rows"]
+__all__ = ["add_parser", "backend_rows", "option_rows"]
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("backends", help="list installed backends, their capabilities and whether they run here",
                        description="List every backend the installed plugins offer, with its plugin, version "
                                    "and capabilities; say why one cannot run here and how to fix it. Plugins "
-                                   "that fail to load are listed as broken, with their error.")
+                                   "that fail to load are listed as broken, with their error. With --options "
+                                   "NAME: every option of that backend (Agent(name, backend=NAME, **options)), "
+                                   "its default, its effect and when to change it (docs/backends.md).")
+    p.add_argument("--options", metavar="NAME", default=None, help="show the option table of backend NAME")
     add_json(p)
     p.set_defaults(fn=run)
 
@@ -73,7 +78,50 @@ def backend_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def option_rows(name: str) -> list[dict[str, Any]]:
+    """The option table backend ``name`` registered; options its class takes without a row are
+    listed too (loaded only if its requirements are installed), marked undocumented."""
+    from ..errors import UnknownBackendError
+    from ..plugin.backend import backend_options
+    from ..plugin.registry import registry
+
+    info = registry().get(name)
+    if info is None:
+        raise UnknownBackendError(f"no backend {name!r}; `kvxfer backends` lists them")
+    rows = [{"option": o.name, "default": o.default, "effect": o.effect, "when": o.when} for o in info.options]
+    if info.unavailable_reason() is None:
+        try:
+            named, _ = backend_options(info.load())
+        except Exception:  # its module fails to import: the registered table is all there is
+            named = ()
+        listed = {o.name for o in info.options}
+        rows += [{"option": n, "default": None, "effect": "undocumented: its plugin lists no row for it",
+                  "when": None} for n in named if n not in listed]
+    return rows
+
+
+def _show_options(args: argparse.Namespace) -> int:
+    from ..errors import KvxferError
+
+    try:
+        rows = option_rows(args.options)
+    except KvxferError as exc:
+        print(f"kvxfer backends: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        emit_json(rows)
+        return 0
+    if not rows:
+        print(f"backend {args.options!r} takes no options")
+        return 0
+    print_table(rows, [Column("option"), Column("default"), Column("effect"), Column("when", "when to change it")],
+                title=f"options of backend {args.options!r}: Agent(name, backend={args.options!r}, **options)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.options is not None:
+        return _show_options(args)
     import logging
     import warnings
 

@@ -277,11 +277,12 @@ def check_cpus() -> list[Check]:
         # Off by default, so nothing is wrong: say why it should stay off here.
         out.append(Check("progress thread", "info",
                          f"off (the default), as it should be: NIXL's progress thread busy-spins a whole core, and "
-                         f"with {usable} usable core(s) it would starve the threads that move bytes "
-                         "(measurements: BENCHMARKS.md, NIXL section)"))
+                         f"with {usable} usable core(s) it would starve the threads that move bytes; an agent "
+                         "others read from is served by its napping background_progress thread instead "
+                         "(measurements: BENCHMARKS.md, NIXL section and \"A passive peer\")"))
     else:
         out.append(Check("progress thread", "ok", f"{usable} cores: one spinning progress thread per agent fits; "
-                                                  "still off by default"))
+                                                  "still off by default (background_progress serves readers)"))
     if load > usable:
         out.append(Check("load", "info", f"load {load:.1f} on {usable} cores: benchmarks run now will be noisy"))
     return out
@@ -305,6 +306,17 @@ def _hostport(text: str, flag: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise CliError(f"{flag}: expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _peer_advice(exc: BaseException) -> str:
+    """The likeliest fix first: a server that answered rules out the network."""
+    from ..sidechannel.frames import HandshakeAuthError
+
+    if isinstance(exc, HandshakeAuthError):
+        return ("the peer answered but holds another token: pass the secret its server was started with "
+                f"(--token, or {TOKEN_ENV})")
+    return ("check that the peer's MetadataServer listens on that address (not only 127.0.0.1), that no "
+            "firewall blocks the port, and that both sides use the same --token")
 
 
 def check_sidechannel(listen: tuple[str, int], peer: tuple[str, int] | None, token: str | None) -> list[Check]:
@@ -350,9 +362,7 @@ def check_sidechannel(listen: tuple[str, int], peer: tuple[str, int] | None, tok
             out.append(Check("peer", "ok", f"fetched {len(md)} bytes of metadata from {peer[0]}:{peer[1]} in "
                                            f"{(time.perf_counter() - t0) * 1e3:.1f} ms"))
         except HandshakeError as exc:
-            out.append(Check("peer", "fail", f"{peer[0]}:{peer[1]}: {type(exc).__name__}: {exc}",
-                             "check that the peer's MetadataServer listens on that address (not only 127.0.0.1), "
-                             "that no firewall blocks the port, and that both sides use the same --token"))
+            out.append(Check("peer", "fail", f"{peer[0]}:{peer[1]}: {type(exc).__name__}: {exc}", _peer_advice(exc)))
     return out
 
 

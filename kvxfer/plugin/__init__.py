@@ -38,9 +38,10 @@ A backend that can also serve the store's file I/O returns a :class:`FilePath`
 
 from __future__ import annotations
 
-from .backend import Backend, Capabilities
+from .backend import Backend, Capabilities, Option
 from .datapath import DataPath, choose
 from .files import FilePath
 from .hookspecs import RegisterBackend, hookimpl, hookspec
 
-__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "RegisterBackend", "choose", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "Option", "RegisterBackend", "choose", "hookimpl",
+           "hookspec"]

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import UnknownOptionError
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 
-__all__ = ["Backend", "Capabilities", "backend_options", "check_options"]
+__all__ = ["Backend", "Capabilities", "Option", "backend_options", "check_options", "undocumented_options"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,12 @@ class Backend(abc.ABC):
     def progress(self) -> None:
         """Drive the transport once, for backends that need someone to (``needs_progress``)."""
 
+    def stall_hint(self, peer: str | None) -> str | None:
+        """Optional: what to check when a transfer with ``peer`` did not finish in time, for
+        causes only the transport knows (a peer that must drive progress); the core appends
+        it to :class:`~kvxfer.errors.TransferTimeoutError`. None: the core's generic advice."""
+        return None
+
     def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
         """Optional: what the transport measured for a finished post, before it is released.
 
@@ -149,6 +155,25 @@ def backend_options(cls: type[Backend]) -> tuple[tuple[str, ...], bool]:
         return (), True
     named = tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
     return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One row of a backend's option table: what ``kvxfer backends --options NAME`` prints and
+    docs/backends.md shows. A plugin passes its rows to ``register(..., options=...)``; they are
+    plain data, so the table is shown where the transport library is not installed."""
+
+    name: str
+    default: str  # as a user writes it: ``True``, ``"auto"``, ``("UCX",)``
+    effect: str
+    when: str  # when to change it
+
+
+def undocumented_options(cls: type[Backend], documented: Sequence[Option]) -> list[str]:
+    """Options ``cls`` accepts that ``documented`` does not list, and rows naming none it accepts."""
+    named, _ = backend_options(cls)
+    rows = {o.name for o in documented}
+    return sorted(set(named) - rows) + [f"{r} (listed, not accepted)" for r in sorted(rows - set(named))]
 
 
 def check_options(cls: type[Backend], options: Mapping[str, Any], *, strict: bool = False) -> None:

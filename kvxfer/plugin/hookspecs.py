@@ -15,14 +15,14 @@ is registered. An implementation may take any subset of a hook's arguments.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 import pluggy
 
 from ..stats import Status, TransferStats
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .backend import Backend, Option
 
 __all__ = ["hookspec", "hookimpl", "RegisterBackend", "ObservedAgent", "ObservedTransfer"]
 
@@ -35,7 +35,7 @@ class RegisterBackend(Protocol):
 
     def __call__(self, name: str, factory: "type[Backend] | str", *, requires: Iterable[str] = (),
                  install: str | None = None, summary: str = "",
-                 check: Callable[[], str | None] | None = None) -> None: ...
+                 check: Callable[[], str | None] | None = None, options: "Sequence[Option]" = ()) -> None: ...
 
 
 class ObservedAgent(Protocol):
@@ -63,13 +63,15 @@ class ObservedTransfer(Protocol):
 @hookspec
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     """Register backends by calling ``register(name, factory, *, requires=(), install=None,
-    summary="", check=None)``.
+    summary="", check=None, options=())``.
 
     ``factory`` is a :class:`kvxfer.Backend` subclass or a ``"module:attribute"`` string
     imported only when the backend is first used, so that listing backends never imports a
     transport library. ``requires`` names modules that must be importable; ``install`` is the
     exact command that makes them so; ``check`` is an optional callable returning ``None``
-    when the backend can run here, or a reason why not.
+    when the backend can run here, or a reason why not. ``options`` is the backend's option
+    table (:class:`kvxfer.plugin.Option` rows, one per keyword its class takes), shown by
+    ``kvxfer backends --options NAME``.
     """
 
 

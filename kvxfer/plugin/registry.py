@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import pluggy
 
 from . import hookspecs
+from .backend import Option
 from .hookspecs import RegisterBackend
 from ..errors import BackendNameConflictError, BackendUnavailableError, KvxferError, UnknownBackendError
 
@@ -118,6 +119,7 @@ class BackendInfo:
     install: str | None = None
     summary: str = ""
     check: Callable[[], str | None] | None = None
+    options: tuple[Option, ...] = ()  # the option table: docs/backends.md, `kvxfer backends --options`
 
     def unavailable_reason(self) -> str | None:
         missing = [m for m in self.requires if not _importable(m)]
@@ -251,12 +253,17 @@ def _registrar(plugin: str, mine: dict[str, BackendInfo]) -> RegisterBackend:
     """
 
     def register(name: str, factory: Any, *, requires: Iterable[str] = (), install: str | None = None,
-                 summary: str = "", check: Callable[[], str | None] | None = None) -> None:
+                 summary: str = "", check: Callable[[], str | None] | None = None,
+                 options: Iterable[Option] = ()) -> None:
         if not isinstance(name, str) or not name:
             raise KvxferError("registered a backend without a name")
         if name in mine:
             raise KvxferError(f"plugin {plugin!r} registers backend {name!r} twice")
-        mine[name] = BackendInfo(name, factory, plugin, tuple(requires), install, summary, check)
+        rows = tuple(options)
+        if not all(isinstance(o, Option) for o in rows):
+            raise KvxferError(f"plugin {plugin!r} registers backend {name!r} with options that are not "
+                              "kvxfer.plugin.Option rows")
+        mine[name] = BackendInfo(name, factory, plugin, tuple(requires), install, summary, check, rows)
 
     return register
 

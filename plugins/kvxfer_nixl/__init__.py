@@ -14,6 +14,8 @@ from __future__ import annotations
 from kvxfer.extras import install_hint
 from kvxfer.plugin import RegisterBackend, hookimpl
 
+from ._options import OPTIONS
+
 __all__ = ["kvxfer_register_backends"]
 
 
@@ -26,4 +28,5 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
         requires=("nixl",),
         install=install_hint("nixl"),
         summary="NVIDIA NIXL (UCX: NVLink, RDMA, TCP, shared memory); DRAM and VRAM",
+        options=OPTIONS,
     )

@@ -7,12 +7,15 @@ here besides moving messages:
 * NIXL sends a notification only while someone progresses its worker, so after sending one
   the notify thread (:class:`kvxfer.progress.Pump`) keeps progressing for a while;
 * agents of one process progress each other while they wait, because nobody else would;
+* an agent with registered memory progresses its own worker from a sleeping thread
+  (``background_progress``), so a peer that only serves reads needs no calls from its owner;
 * a backend that deregisters memory tells its peers (a control notice, never delivered to
   the user), and a backend that receives one marks the sender stale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -28,6 +31,15 @@ __all__ = ["Notifications"]
 #: How long the notify thread keeps progressing NIXL after a notification was sent: it
 #: leaves the worker only when someone progresses it, and the caller may have gone back to work.
 NOTIF_FLUSH_S = 2.0
+#: Longest nap of the background progress thread: an idle agent wakes this often (BENCHMARKS.md,
+#: "A passive peer"), and a reader's connection or software RMA waits at most this long per step.
+BACKGROUND_SLEEP_S = 1e-3
+#: Why a transfer that timed out may not have moved, appended to the core's timeout error.
+STALL_HINT = ("A NIXL peer serves reads and writes only while its worker progresses: its agent does that "
+              "by itself while it has memory registered (option background_progress, on by default), but "
+              "one created with background_progress=False must call Agent.progress() or notifications() "
+              "every few milliseconds. If the peer does, check that it is alive and reachable "
+              "(kvxfer doctor; options: docs/backends.md).")
 
 
 class Notifications:
@@ -44,6 +56,7 @@ class Notifications:
     _progress_thread: bool
     _flush: Flush
     _pump: Pump[Any]
+    _keeper: Pump[Any] | None
     _id: bytes
     _reg_epoch: int
 
@@ -116,6 +129,22 @@ class Notifications:
         if rem is not None and rem.blob.instance == parsed[0] and parsed[1] > rem.blob.reg_epoch:
             rem.stale = self._stale_reason(sender)
         return True
+
+    def _keep_progressing(self) -> None:
+        """Start the background progress thread (idempotent): registered memory may be read."""
+        if self._keeper is not None:
+            self._keeper.add(self._keeper)
+
+    def _kept(self, _: Any) -> bool:
+        """One background progress step; never blocks the owner (a held lock means it progresses)."""
+        if self._closed:
+            return True
+        with contextlib.suppress(KvxferError):
+            self._collect(blocking=False)
+        return False
+
+    def stall_hint(self, peer: str | None) -> str | None:
+        return STALL_HINT
 
     def _progress_local_peers(self) -> None:
         """Progress peers of this process: nobody else drives them when the thread is off.

@@ -32,15 +32,17 @@ from kvxfer.spans import SpanIndex
 from . import _blob, _identity, _probe
 from ._files import Files
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
-from ._notify import Notifications
+from ._notify import BACKGROUND_SLEEP_S, Notifications
 from ._parking import Parking
 from ._records import Flush, Prepared, Registration, Remote, Xfer, extents, instances
 from ._xfer import NixlPath, as_int32
 
-__all__ = ["DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
+__all__ = ["DEFAULT_BACKGROUND_PROGRESS", "DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
 
 #: Default for the ``progress_thread`` option (BENCHMARKS.md shows why it is off).
 DEFAULT_PROGRESS_THREAD = False
+#: Default for ``background_progress``: a peer others read from must progress without its owner.
+DEFAULT_BACKGROUND_PROGRESS = True
 #: Default for ``request_descriptors``: the most descriptors one NIXL request carries.
 DEFAULT_REQUEST_DESCRIPTORS = 1 << 14
 
@@ -54,10 +56,14 @@ class NixlBackend(Notifications, Files, Backend):
 
     Options (``kvxfer.Agent(name, backend="nixl", **options)``):
 
+    ``background_progress`` (default :data:`DEFAULT_BACKGROUND_PROGRESS`)
+        once memory is registered, progress the NIXL worker from a thread that naps up to
+        ``BACKGROUND_SLEEP_S`` between steps, so peers can read from (and write to) this agent
+        while its owner calls nothing. ``False`` is for engines that drive progress themselves
+        (``Agent.progress()``/``notifications()`` every few milliseconds).
     ``progress_thread`` (default :data:`DEFAULT_PROGRESS_THREAD`)
-        run NIXL's progress thread. Off, both sides must drive progress: the initiator does
-        it by polling, the target through ``Agent.progress()``/``notifications()``
-        (``capabilities.needs_progress`` says so).
+        run NIXL's own progress thread instead, which spins a core. Off, the initiator drives
+        progress by polling (``capabilities.needs_progress`` says so).
     ``backends`` (default ``("UCX",)``)
         NIXL transport plugins to instantiate.
     ``num_threads`` (default 0)
@@ -85,6 +91,7 @@ class NixlBackend(Notifications, Files, Backend):
     name = "nixl"
 
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
+                 background_progress: bool = DEFAULT_BACKGROUND_PROGRESS,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
                  device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
@@ -147,6 +154,8 @@ class NixlBackend(Notifications, Files, Backend):
         self._paths: tuple[DataPath, ...] = (self._path, self._nixl_path)
         self._flush = Flush()
         self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
+        self._keeper: Pump[Any] | None = (Pump(self._kept, name="kvxfer-nixl-progress", max_sleep=BACKGROUND_SLEEP_S)
+                                          if background_progress and not self._progress_thread else None)
         self._closed = False
         instances[self._id] = self
 
@@ -175,6 +184,7 @@ class NixlBackend(Notifications, Files, Backend):
         handle = Registration(lists, allocs, token)
         self._registrations.append(handle)
         self._registered_changed()
+        self._keep_progressing()
         if self._proving():
             self._prover.start_soon()  # peers come after registration: have a helper ready for them
         return handle
@@ -470,6 +480,8 @@ class NixlBackend(Notifications, Files, Backend):
         if self._closed:
             return
         self._pump.stop()
+        if self._keeper is not None:
+            self._keeper.stop()
         for peer in list(self._remotes):
             with contextlib.suppress(KvxferError):
                 self.remove_remote(peer)

@@ -24,6 +24,8 @@ from typing import Any
 from kvxfer.extras import install_hint
 from kvxfer.plugin import RegisterBackend, hookimpl
 
+from ._options import OPTIONS
+
 __all__ = ["diagnostics", "kvxfer_register_backends"]
 
 
@@ -38,7 +40,8 @@ def _check() -> str | None:
 @hookimpl
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("ucx", "kvxfer_ucx.backend:UcxBackend", requires=(), install=install_hint("ucx"),
-             summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check)
+             summary="raw UCX (libucp via ctypes) and same-host process_vm_readv, DRAM, cross-process", check=_check,
+             options=OPTIONS)
 
 
 def diagnostics() -> dict[str, Any]:
