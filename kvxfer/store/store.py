@@ -103,9 +103,9 @@ class Store:
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
                               f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
                               created=self._slab.created, entries=len(self._index), slots=slots)
-        #: Test hook: called with a stage name on the worker thread: "call" after each system
-        #: call, "written" after an offload's writes (before publishing), "verified" after a
-        #: restore's digest check (before copying).
+        #: Test hook: called with a stage name on the worker thread: "issue" right before and
+        #: "call" right after each system call or post, "written" after an offload's writes
+        #: (before publishing), "verified" after a restore's digest check (before copying).
         self._fault: Callable[[str], None] | None = None
 
     # -- facts ------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class Store:
             unit = max(1, MAX_CALL // stride) * stride
             if fp is None:
                 fd = self._slab.fd
-                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled: run_calls(fd, w, c, cancelled),
+                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled, hook: run_calls(fd, w, c, cancelled, hook),
                            f"staged-{copies.name}")
             else:
                 try:
@@ -343,7 +343,7 @@ class Store:
         dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
         bad: list[np.ndarray] = []
         cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
-        hook = (lambda k: self._stage("call")) if self._fault is not None else None
+        hook = self._stage if self._fault is not None else None
 
         def one(a: int, b: int, lo: int, hi: int) -> None:
             i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
@@ -354,7 +354,8 @@ class Store:
                     bad.append(wrong)
                     return
                 self._stage("verified")
-            mover(write, part, cancelled, hook)
+            with job.io():  # the fence: a cancel returns only once this call has ended
+                mover(write, part, cancelled, hook)
             if write:
                 dig[i:j] = self._digest_slots(uniq[i:j])
 
