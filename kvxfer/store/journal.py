@@ -153,7 +153,7 @@ def replay(data: bytes, fingerprint: str, slots: int) -> tuple[list[Record], int
     return out, r.at
 
 
-def records(d: StoreDir, name: str, fingerprint: str, slots: int, chunk: int = CHUNK) -> Iterator[Record]:
+def records(d: StoreDir, name: str, fingerprint: str, slots: int) -> Iterator[Record]:
     """Stream the journal ``name`` of ``d``'s records in order; an absent file has none."""
     try:
         fd = d.open(name, os.O_RDONLY)
@@ -162,7 +162,7 @@ def records(d: StoreDir, name: str, fingerprint: str, slots: int, chunk: int = C
     try:
         r = Reader(fingerprint, slots)
         while not r.ended:
-            data = os.read(fd, chunk)
+            data = os.read(fd, CHUNK)
             if not data:
                 break
             yield from r.feed(data)

@@ -18,7 +18,8 @@ from typing import AbstractSet as Set, Any, Sequence
 import numpy as np
 
 from ..errors import StoreError
-from .journal import CHUNK, Reader, Record
+from . import journal
+from .journal import Reader, Record
 
 __all__ = ["IndexView", "ViewHandle"]
 
@@ -70,7 +71,7 @@ class IndexView:
             r.tail = self._tail
             at = self._at
             while not r.ended:
-                data = os.pread(fd, CHUNK, at)
+                data = os.pread(fd, journal.CHUNK, at)
                 if not data:
                     break
                 at += len(data)
