@@ -13,6 +13,11 @@ Replay reads records in order and stops at the first one that is short, over-lon
 its checksum: a crash while appending leaves at most a torn tail, which is ignored (and cut
 off by the compaction that follows every open). A put is appended only after its row's write
 completed, so a crash mid-write leaves no record; see docs/storage.md for the fsync policy.
+
+The journal is the one file that grows, so it is where a full disk shows: the store appends
+before it changes its index, and a batch the file system takes only in part is cut off
+again (:class:`Journal`), so a failed offload, eviction or discard leaves both as they were.
+Files are replayed a chunk at a time (:class:`Reader`), never read whole.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from ..errors import StoreError, StoreFullError
 from .digest import DIGEST_NAME
 from .dirs import StoreDir
 
-__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite", "Journal"]
+__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite",
+           "Journal"]
 
 MAX_KEY = 1024  # keys are opaque bytes (a prefix hash), bounded so a record stays small
 _HEAD = struct.Struct("<II")

@@ -8,9 +8,10 @@ the row rounded up to 4 KiB. :func:`slab_spec` describes the file as a block-out
 pairs a local cache with it: one descriptor per row for a row-shaped cache, one per page for
 a layer-outermost one (gathered into the row). docs/storage.md has the file formats.
 
-Files are created 0600 in a directory of this uid (:mod:`.dirs`). The slab is preallocated with ``posix_fallocate`` before it is
-published (renamed into place), so "disk full" is a :class:`~kvxfer.errors.StoreFullError`
-at creation and never a torn row later. One store object at a time holds the slab: an
+Files are created 0600 in a directory of this uid (:mod:`.dirs`). The slab is preallocated
+with ``posix_fallocate`` before it is published (renamed into place), so "disk full" is a
+:class:`~kvxfer.errors.StoreFullError` at creation and never a torn row later (the journal
+can still meet a full disk: :mod:`.journal`). One store object at a time holds the slab: an
 exclusive ``flock`` on a lock file next to it refuses a second opener. A header is read
 bounded: its nesting is checked before parsing, and its numbers are checked before any use.
 """

@@ -321,7 +321,8 @@ class Store:
             unit = max(1, MAX_CALL // stride) * stride
             if fp is None:
                 fd = self._slab.fd
-                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled, hook: run_calls(fd, w, c, cancelled, hook),
+                st = Stage(copies, unit, HEADER, stride,
+                           lambda w, c, cancelled, hook: run_calls(fd, w, c, cancelled, hook),
                            f"staged-{copies.name}")
             else:
                 try:

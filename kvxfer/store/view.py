@@ -4,8 +4,8 @@ One :class:`~kvxfer.Store` holds a slab at a time (its ``flock``), but another p
 need to know what it holds: vLLM's scheduler decides which prompt prefixes to load while a
 worker process owns the store. The view replays the index journal (the same crash-consistent
 records an opening store replays) without locking or writing anything, reading only what was
-appended since its last look, a chunk at a time. It is a hint: an entry it shows may be evicted or found damaged before a
-restore, which the restore reports as a miss. docs/storage.md has the journal format.
+appended since its last look, a chunk at a time. It is a hint: an entry it shows may be
+evicted or found damaged before a restore, which the restore reports as a miss. docs/storage.md has the journal format.
 """
 
 from __future__ import annotations
