@@ -43,7 +43,7 @@ def _late_writes(tmp_path, end: str, via: Via, trials: int) -> list[bool]:
             def hook(stage: str) -> None:
                 if stage == "issue":
                     issuing.set()
-                    time.sleep(0.05)  # a slow device: this call is past its cancellation check
+                    time.sleep(0.1)  # a slow device: this call is past its cancellation check
 
             st._fault = hook
             t = st.restore(keys(N), via(dst), np.arange(N))

@@ -203,7 +203,11 @@ class Store:
         def body(job: Job) -> None:
             digests = self._run(job, calls, slots, None, mover)
             if self.durable:
-                os.fdatasync(self._slab.fd)
+                try:
+                    os.fdatasync(self._slab.fd)
+                except OSError as exc:
+                    raise StoreError(f"cannot sync the slab {self.path}: {exc.strerror}; nothing was published") \
+                        from None
             self._stage("written")
             with self._lock, job.lock:
                 if job.cancelled:
