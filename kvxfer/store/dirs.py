@@ -21,9 +21,9 @@ import os
 import secrets
 import stat
 
-from ..errors import StoreBusyError, StoreError, StorePermissionError
+from ..errors import StoreBusyError, StoreError, StoreFullError, StorePermissionError
 
-__all__ = ["StoreDir"]
+__all__ = ["StoreDir", "typed"]
 
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -41,6 +41,13 @@ def _check(st: os.stat_result, what: str, where: str) -> None:
         raise StorePermissionError(
             f"{what} {where} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): they could "
             f"replace the slab or its journal. Run chmod go-w on it, or give the store a directory of your own")
+
+
+def typed(exc: OSError, what: str) -> StoreError:
+    """A file system error as the store's: :class:`StoreFullError` when it is about space."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return StoreFullError(exc.errno, f"{what}: {os.strerror(exc.errno)}; free space (nothing was changed)")
+    return StoreError(f"{what}: {exc.strerror or exc}")
 
 
 class StoreDir:
@@ -79,7 +86,9 @@ class StoreDir:
             if exc.errno == errno.ELOOP:
                 raise StorePermissionError(f"{self.join(name)} is a symlink; the store follows none: remove it") \
                     from None
-            raise
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise typed(exc, f"cannot open {self.join(name)}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -99,12 +108,17 @@ class StoreDir:
                 return os.open(tmp, _NEW, 0o600, dir_fd=self.fd), tmp
             except FileExistsError:
                 continue
+            except OSError as exc:  # a full directory or inode table, a read-only file system
+                raise typed(exc, f"cannot create {self.join(name)}") from None
         raise StoreError(f"cannot create a temporary file for {self.join(name)}")  # 8 collisions of 48 random bits
 
     def publish(self, tmp: str, name: str) -> None:
         """Rename ``tmp`` over ``name`` and make the rename durable."""
-        os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        os.fsync(self.fd)
+        try:
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise typed(exc, f"cannot publish {self.join(name)}") from None
 
     def exists(self, name: str) -> bool:
         try:

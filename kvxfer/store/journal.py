@@ -22,16 +22,15 @@ Files are replayed a chunk at a time (:class:`Reader`), never read whole.
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from ..errors import StoreError, StoreFullError
+from ..errors import StoreError
 from .digest import DIGEST_NAME
-from .dirs import StoreDir
+from .dirs import StoreDir, typed
 
 __all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite",
            "Journal"]
@@ -176,13 +175,6 @@ def records(d: StoreDir, name: str, fingerprint: str, slots: int) -> Iterator[Re
         os.close(fd)
 
 
-def _typed(exc: OSError, what: str) -> StoreError:
-    """A file system error as the store's: :class:`StoreFullError` when it is about space."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return StoreFullError(exc.errno, f"{what}: {os.strerror(exc.errno)}; free space (nothing was published)")
-    return StoreError(f"{what}: {exc.strerror or exc}")
-
-
 def _write_all(fd: int, data: bytes, at: int) -> None:
     view = memoryview(data)
     while view:
@@ -207,7 +199,7 @@ def rewrite(d: StoreDir, name: str, fingerprint: str, slots: int, live: Iterable
         os.close(fd)
         d.unlink(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, StoreError):
-            raise _typed(exc, f"cannot write the index journal {d.join(name)}") from None
+            raise typed(exc, f"cannot write the index journal {d.join(name)}") from None
         raise
     return Journal(fd, d.join(name), durable)
 
@@ -242,7 +234,7 @@ class Journal:
                 self._torn = False
             except OSError:
                 pass  # cut before the next append
-            raise _typed(exc, f"cannot append to the index journal {self.path}") from None
+            raise typed(exc, f"cannot append to the index journal {self.path}") from None
         self.size += len(records)
 
     def close(self) -> None:

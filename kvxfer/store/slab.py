@@ -34,7 +34,7 @@ from ..errors import SpecError, StoreError, StoreFullError
 from ..geometry._spec import KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from .digest import DIGEST_NAME
-from .dirs import StoreDir
+from .dirs import StoreDir, typed
 
 __all__ = ["HEADER", "ALIGN", "Geometry", "geometry", "slab_spec", "Slab"]
 
@@ -185,9 +185,11 @@ class Slab:
             os.fsync(fd)
             self.dir.publish(tmp, self.name)
             return fd
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             self.dir.unlink(tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, StoreError):
+                raise typed(exc, f"cannot create {self.path}") from None
             raise
 
     def _open(self) -> int:
