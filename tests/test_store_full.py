@@ -170,9 +170,13 @@ def test_close_on_a_full_disk_releases_the_lock(mnt) -> None:
     assert locked()  # control: an open store holds it
     st.close()  # its compaction cannot be written: skipped, the journal as appended is complete
     assert not locked()
-    filler.unlink()
-    with _open(mnt / "s") as st:  # the same process opens it again, with every entry
+    with _open(mnt / "s") as st:  # the same process opens it again, on the full disk, with every entry
         assert st.lookup(ks).all() and _restores(st, ks[:3], [0, 1, 2])
+        with pytest.raises(StoreFullError):
+            st.discard(ks[:1])
+    filler.unlink()
+    with _open(mnt / "s") as st:  # and with room, compacted, still every entry
+        assert st.lookup(ks).all() and st.discard(ks[:1]) == 1
 
 
 def test_a_journal_that_does_not_fit_at_creation_leaves_nothing(mnt) -> None:

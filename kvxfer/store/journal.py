@@ -33,7 +33,7 @@ from .digest import DIGEST_NAME
 from .dirs import StoreDir, typed
 
 __all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite",
-           "Journal"]
+           "reopen", "Journal"]
 
 MAX_KEY = 1024  # keys are opaque bytes (a prefix hash), bounded so a record stays small
 _HEAD = struct.Struct("<II")
@@ -158,14 +158,14 @@ def replay(data: bytes, fingerprint: str, slots: int) -> tuple[list[Record], int
     return out, r.at
 
 
-def records(d: StoreDir, name: str, fingerprint: str, slots: int) -> Iterator[Record]:
-    """Stream the journal ``name`` of ``d``'s records in order; an absent file has none."""
+def records(d: StoreDir, name: str, r: Reader) -> Iterator[Record]:
+    """Stream the journal ``name`` of ``d``'s records in order through ``r`` (which then says
+    how long the valid prefix is); an absent file has none."""
     try:
         fd = d.open(name, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
-        r = Reader(fingerprint, slots)
         while not r.ended:
             data = os.read(fd, CHUNK)
             if not data:
@@ -201,6 +201,18 @@ def rewrite(d: StoreDir, name: str, fingerprint: str, slots: int, live: Iterable
         if isinstance(exc, OSError) and not isinstance(exc, StoreError):
             raise typed(exc, f"cannot write the index journal {d.join(name)}") from None
         raise
+    return Journal(fd, d.join(name), durable)
+
+
+def reopen(d: StoreDir, name: str, valid: int, durable: bool) -> "Journal":
+    """The journal as it is, for appending, its torn tail (past ``valid`` bytes) cut off: what
+    an opening store uses when a full disk leaves no room to compact (cutting needs none)."""
+    fd = d.open(name, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, valid)
+    except OSError as exc:
+        os.close(fd)
+        raise typed(exc, f"cannot cut the index journal {d.join(name)}") from None
     return Journal(fd, d.join(name), durable)
 
 

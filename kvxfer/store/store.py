@@ -21,7 +21,7 @@ import numpy as np
 from .. import lifecycle
 from ..deadlines import check_timeout
 from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError,
-                      StoreMissError, UnsupportedError)
+                      StoreFullError, StoreMissError, UnsupportedError)
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
@@ -90,9 +90,14 @@ class Store:
             d.close()
             raise
         try:
-            name = self._slab.index_name
-            self._index = Index(slots, () if self._slab.created else journal.records(d, name, g.fingerprint, slots))
-            self._journal = journal.rewrite(d, name, g.fingerprint, slots, self._index.live(), durable)  # compaction
+            name, r = self._slab.index_name, journal.Reader(g.fingerprint, slots)
+            self._index = Index(slots, () if self._slab.created else journal.records(d, name, r))
+            try:
+                self._journal = journal.rewrite(d, name, g.fingerprint, slots, self._index.live(), durable)  # compact
+            except StoreFullError:
+                if self._slab.created or not r.headed:
+                    raise
+                self._journal = journal.reopen(d, name, r.at, durable)  # no room to compact: cut the torn tail only
         except BaseException:
             self._slab.close(remove=self._slab.created)  # a store that did not come up leaves no file
             d.close()
