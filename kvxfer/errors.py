@@ -45,6 +45,7 @@ __all__ = [
     "StoreCorruptError",
     "StoreFullError",
     "StoreBusyError",
+    "StorePermissionError",
     "BackPressureError",
     "IntegrityError",
     "InvalidArgumentError",
@@ -261,6 +262,11 @@ class StoreFullError(StoreError, OSError):
 
 class StoreBusyError(StoreError):
     """Another store object (in this or another process) holds the slab's lock."""
+
+
+class StorePermissionError(StoreError, PermissionError):
+    """The store's directory, or a file in it, is not this user's own or others may write it:
+    its rows cannot be trusted. The message says which and what to do."""
 
 
 class BackPressureError(KvxferError):

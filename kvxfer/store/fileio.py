@@ -16,8 +16,9 @@ import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -122,19 +123,24 @@ def groups(c: Calls, base: int, stride: int, unit: int | None = None) -> list[tu
 
 
 def run_calls(fd: int, write: bool, c: Calls, cancelled: Callable[[], bool],
-              after_call: Callable[[int], None] | None = None) -> None:
-    """Issue every call; a short transfer resumes where it stopped, an error is typed."""
+              hook: Callable[[str], None] | None = None) -> None:
+    """Issue every call; a short transfer resumes where it stopped, an error is typed.
+
+    ``hook`` (tests) is called with ``"issue"`` right before each call, after the
+    cancellation check (the window :meth:`Job.io` closes), and ``"call"`` after it."""
     fn = _pwritev if write else _preadv
     base = c.iov.ctypes.data
     for k in range(len(c)):
         if cancelled():
             raise TransferCancelledError("store transfer was cancelled")
         first, count, off, want = int(c.first[k]), int(c.count[k]), int(c.offset[k]), int(c.nbytes[k])
+        if hook is not None:
+            hook("issue")
         got = fn(fd, base + 16 * first, count, off)
         if got != want:
             _finish_short(fn, fd, write, c.iov[first:first + count], off, got)
-        if after_call is not None:
-            after_call(k)
+        if hook is not None:
+            hook("call")
 
 
 def _finish_short(fn: Any, fd: int, write: bool, iov: np.ndarray, off: int, got: int) -> None:
@@ -172,6 +178,13 @@ class Job:
     ``body`` does the work and may raise; ``cleanup`` runs exactly once, on the worker, after
     ``body`` returned or raised (after cancellation too), so reservations and pins are
     released only when no call can still touch the slab.
+
+    The fence: a call that may write the caller's memory runs inside :meth:`io`, and
+    :meth:`cancel` returns only once no such call is in flight. A ``preadv`` cannot be
+    interrupted, and one already past the cancellation check would otherwise land after the
+    transfer reported its end (docs/design.md, section 7); waiting costs at most one call
+    (about 8 MiB) per worker thread, where reading into a bounce buffer would cost a copy of
+    every restored byte.
     """
 
     def __init__(self, pool: ThreadPoolExecutor, body: Callable[["Job"], None],
@@ -180,6 +193,8 @@ class Job:
         self.keep = keep  # what owns the memory the calls touch: alive until the job is dropped
         self.path = path
         self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)
+        self._busy = 0  # calls inside io()
         self._cleanup = cleanup
         self._body = body
         self.future: Future[None] = pool.submit(self._run)
@@ -202,9 +217,27 @@ class Job:
             raise exc
         return True
 
+    @contextmanager
+    def io(self) -> Iterator[None]:
+        """Hold while moving bytes: refused once cancelled, and waited for by :meth:`cancel`."""
+        with self.lock:
+            if self.cancelled:
+                raise TransferCancelledError("store transfer was cancelled")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.notify_all()
+
     def cancel(self) -> None:
+        """Stop the job; return only when no call of it can still write (the fence)."""
         with self.lock:
             self.cancelled = True
+            while self._busy:
+                self._idle.wait()
 
 
 class FileEngine:

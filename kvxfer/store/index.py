@@ -38,16 +38,19 @@ class Index:
         self.state = np.zeros(slots, dtype=np.uint8)
         self.entries: "collections.OrderedDict[bytes, Entry]" = collections.OrderedDict()
         self.generation = 0
+        owner: dict[int, bytes] = {}  # slot -> key while replaying (a crafted journal stays linear)
         for r in records:  # replay: later records win; a slot claimed twice keeps the later key
+            old = self._drop(r.key)
+            if old is not None and owner.get(old.slot) == r.key:
+                del owner[old.slot]
             if r.kind == "P":
-                self._drop(r.key)
-                for k in [k for k, e in self.entries.items() if e.slot == r.slot] if self.state[r.slot] else []:
+                k = owner.pop(r.slot, None)
+                if k is not None:
                     self._drop(k)
                 self.entries[r.key] = Entry(r.key, r.slot, r.generation, r.digest)
+                owner[r.slot] = r.key
                 self.state[r.slot] = LIVE
                 self.generation = max(self.generation, r.generation)
-            else:
-                self._drop(r.key)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -87,8 +90,10 @@ class Index:
                 self.state[e.slot] = FREE
 
     def reserve(self, n: int) -> tuple[np.ndarray, list[bytes]]:
-        """``n`` free slots (lowest first, so a fresh store writes one contiguous run),
-        evicting least recently used unpinned entries as needed; returns (slots, evicted)."""
+        """``n`` free slots (lowest first, so a fresh store writes one contiguous run) and the
+        least recently used unpinned entries to evict for them; changes nothing: the caller
+        journals the evictions, then :meth:`commit` s (a journal that cannot take them evicts
+        nothing)."""
         free = np.flatnonzero(self.state == FREE)
         evicted: list[bytes] = []
         if free.shape[0] < n:
@@ -102,24 +107,29 @@ class Index:
                 raise StoreFullError(f"no room for {n} rows: {free.shape[0]} slots free and only "
                                      f"{len(evicted)} entries evictable (the rest are pinned by restores or "
                                      "reserved by writes in flight); raise capacity or restore fewer at once")
-            for k in evicted:
-                self._drop(k)
-            free = np.flatnonzero(self.state == FREE)
-        slots = free[:n].astype(np.int64)
+            free = np.sort(np.concatenate([free, np.array([self.entries[k].slot for k in evicted], dtype=np.int64)]))
+        return free[:n].astype(np.int64), evicted
+
+    def commit(self, slots: np.ndarray, evicted: Sequence[bytes]) -> None:
+        """Evict and reserve what :meth:`reserve` chose (under the same hold of the lock)."""
+        for k in evicted:
+            self._drop(k)
         self.state[slots] = RESERVED
-        return slots, evicted
 
     def unreserve(self, slots: np.ndarray) -> None:
         self.state[slots] = FREE
 
-    def publish(self, keys: Sequence[bytes], slots: np.ndarray, digests: np.ndarray) -> list[Record]:
+    def records(self, keys: Sequence[bytes], slots: np.ndarray, digests: np.ndarray) -> list[Record]:
+        """The put records that would publish ``keys`` (journaled before :meth:`publish`)."""
+        g = self.generation
+        return [Record("P", k, g + 1 + i, s, d) for i, (k, s, d) in enumerate(zip(keys, slots.tolist(),
+                                                                                   digests.tolist()))]
+
+    def publish(self, records: Sequence[Record]) -> None:
         """Turn reserved slots into entries; a key already present is replaced (its old slot
-        freed once unpinned). Returns the put records to journal."""
-        out = []
-        for k, s, d in zip(keys, slots.tolist(), digests.tolist()):
-            self._drop(k)
-            self.generation += 1
-            self.entries[k] = Entry(k, s, self.generation, d)
-            self.state[s] = LIVE
-            out.append(Record("P", k, self.generation, s, d))
-        return out
+        freed once unpinned)."""
+        for r in records:
+            self._drop(r.key)
+            self.generation = r.generation
+            self.entries[r.key] = Entry(r.key, r.slot, r.generation, r.digest)
+            self.state[r.slot] = LIVE

@@ -13,6 +13,11 @@ Replay reads records in order and stops at the first one that is short, over-lon
 its checksum: a crash while appending leaves at most a torn tail, which is ignored (and cut
 off by the compaction that follows every open). A put is appended only after its row's write
 completed, so a crash mid-write leaves no record; see docs/storage.md for the fsync policy.
+
+The journal is the one file that grows, so it is where a full disk shows: the store appends
+before it changes its index, and a batch the file system takes only in part is cut off
+again (:class:`Journal`), so a failed offload, eviction or discard leaves both as they were.
+Files are replayed a chunk at a time (:class:`Reader`), never read whole.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from ..errors import StoreError
 from .digest import DIGEST_NAME
+from .dirs import StoreDir, typed
 
-__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "replay", "rewrite", "Journal"]
+__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite",
+           "reopen", "Journal"]
 
 MAX_KEY = 1024  # keys are opaque bytes (a prefix hash), bounded so a record stays small
 _HEAD = struct.Struct("<II")
@@ -35,6 +42,7 @@ _DROP = struct.Struct("<cH")
 _MAX_PAYLOAD = _PUT.size + MAX_KEY
 VERSION = 2
 _H1, _H2 = 29, 29 + 2 + 24  # header payload lengths of versions 1 and 2
+CHUNK = 1 << 20  # bytes read at a time when replaying a file
 
 
 @dataclass(frozen=True)
@@ -63,96 +71,201 @@ def encode_drop(key: bytes) -> bytes:
     return _frame(_DROP.pack(b"D", len(key)) + key)
 
 
+class Reader:
+    """Replays a journal from chunks as they are read, so memory holds one chunk and one
+    record, never the file (a journal can be large; the scheduler's view re-reads it).
+
+    ``at`` counts the bytes of valid records consumed; ``ended`` is set by the first record
+    that is over-long, fails its checksum or points outside the slab (a torn tail), and by a
+    header of another version or digest (replayed as empty). ``headed``: the header was read
+    before (a view reading on from where it stopped)."""
+
+    def __init__(self, fingerprint: str, slots: int, headed: bool = False) -> None:
+        self.fingerprint, self.slots, self.headed = fingerprint, slots, headed
+        self.at = 0
+        self.ended = False
+        self.tail = b""  # the last bytes of the valid prefix (how a view tells an append from a new file)
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[Record]:
+        data = self._buf + chunk if self._buf else chunk
+        out: list[Record] = []
+        pos = 0
+        while not self.ended and pos + _HEAD.size <= len(data):
+            n, crc = _HEAD.unpack_from(data, pos)
+            if n == 0 or n > _MAX_PAYLOAD:
+                self.ended = True
+                break
+            if pos + _HEAD.size + n > len(data):
+                break  # the rest of this record is in the next chunk (or torn)
+            payload = data[pos + _HEAD.size: pos + _HEAD.size + n]
+            if zlib.crc32(payload) != crc:
+                self.ended = True
+                break
+            if not self._record(payload, out):
+                break
+            pos += _HEAD.size + n
+        if self.ended and not self.headed:
+            return []  # another version or digest: every entry a miss
+        self.at += pos
+        self.tail = (self.tail + data[max(0, pos - 32):pos])[-32:]
+        self._buf = b"" if self.ended else data[pos:]
+        return out
+
+    def _record(self, payload: bytes, out: list[Record]) -> bool:
+        """Parse one checked payload into ``out``; False (and ``ended``) where replay stops."""
+        kind = payload[:1]
+        if not self.headed:
+            if kind != b"H" or len(payload) < _H1:
+                raise StoreError("the index journal has no header; move it away")
+            fp = payload[1:21].rstrip(b"\0").decode("ascii", "replace")
+            (nslots,) = struct.unpack_from("<Q", payload, 21)
+            if fp != self.fingerprint or nslots != self.slots:
+                raise StoreError(f"the index journal belongs to another slab ({fp!r:.40}); move it away")
+            if len(payload) != _H2 or struct.unpack_from("<H", payload, _H1)[0] != VERSION \
+                    or payload[_H1 + 2:].rstrip(b"\0") != DIGEST_NAME.encode("ascii"):
+                self.ended = True  # written by another version or digest
+                return False
+            self.headed = True
+        elif kind == b"P" and len(payload) >= _PUT.size:
+            _, gen, slot, digest, klen = _PUT.unpack_from(payload)
+            if len(payload) != _PUT.size + klen or slot >= self.slots:
+                self.ended = True
+                return False
+            out.append(Record("P", payload[_PUT.size:], gen, slot, digest))
+        elif kind == b"D" and len(payload) >= _DROP.size:
+            _, klen = _DROP.unpack_from(payload)
+            if len(payload) != _DROP.size + klen:
+                self.ended = True
+                return False
+            out.append(Record("D", payload[_DROP.size:]))
+        else:
+            self.ended = True
+            return False
+        return True
+
+
 def replay(data: bytes, fingerprint: str, slots: int) -> tuple[list[Record], int]:
-    """Valid records in order, and the byte length of the valid prefix.
+    """Valid records in order, and the byte length of the valid prefix (one buffer; files
+    are read with :func:`records`).
 
     A journal whose header names another slab is refused; anything after the first bad
     record is a torn tail and ignored. Slots and key lengths are bounded here: a record
     that parses but points outside the slab ends the replay like a torn one.
     """
-    at, out = 0, []
-    first = True
-    while at + _HEAD.size <= len(data):
-        n, crc = _HEAD.unpack_from(data, at)
-        if n == 0 or n > _MAX_PAYLOAD or at + _HEAD.size + n > len(data):
-            break
-        payload = data[at + _HEAD.size: at + _HEAD.size + n]
-        if zlib.crc32(payload) != crc:
-            break
-        kind = payload[:1]
-        if first:
-            if kind != b"H" or len(payload) < _H1:
-                raise StoreError("the index journal has no header; move it away")
-            fp = payload[1:21].rstrip(b"\0").decode("ascii", "replace")
-            (nslots,) = struct.unpack_from("<Q", payload, 21)
-            if fp != fingerprint or nslots != slots:
-                raise StoreError(f"the index journal belongs to slab {fp} with {nslots} slots; move it away")
-            if len(payload) != _H2 or struct.unpack_from("<H", payload, _H1)[0] != VERSION \
-                    or payload[_H1 + 2:].rstrip(b"\0") != DIGEST_NAME.encode("ascii"):
-                return [], 0  # written by another version or digest: every entry a miss
-            first = False
-        elif kind == b"P" and len(payload) >= _PUT.size:
-            _, gen, slot, digest, klen = _PUT.unpack_from(payload)
-            if len(payload) != _PUT.size + klen or slot >= slots:
-                break
-            out.append(Record("P", payload[_PUT.size:], gen, slot, digest))
-        elif kind == b"D" and len(payload) >= _DROP.size:
-            _, klen = _DROP.unpack_from(payload)
-            if len(payload) != _DROP.size + klen:
-                break
-            out.append(Record("D", payload[_DROP.size:]))
-        else:
-            break
-        at += _HEAD.size + n
-    return out, at
+    r = Reader(fingerprint, slots)
+    out = r.feed(data)
+    return out, r.at
 
 
-def rewrite(path: str, fingerprint: str, slots: int, live: Iterable[Record]) -> None:
-    """Compact: write the live entries (oldest first) to a new file, fsync, rename over."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def records(d: StoreDir, name: str, r: Reader) -> Iterator[Record]:
+    """Stream the journal ``name`` of ``d``'s records in order through ``r`` (which then says
+    how long the valid prefix is); an absent file has none."""
     try:
-        buf = bytearray(_header(fingerprint, slots))
-        for r in live:
-            buf += encode_put(r.key, r.generation, r.slot, r.digest)
-        os.write(fd, bytes(buf))
-        os.fsync(fd)
+        fd = d.open(name, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        while not r.ended:
+            data = os.read(fd, CHUNK)
+            if not data:
+                break
+            yield from r.feed(data)
     finally:
         os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _write_all(fd: int, data: bytes, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+
+
+def rewrite(d: StoreDir, name: str, fingerprint: str, slots: int, live: Iterable[Record], durable: bool = False
+            ) -> "Journal":
+    """Compact: write the live entries (oldest first) to a new file, fsync, rename over, and
+    return it open for appending. On failure (a full disk) the old journal stays as it was,
+    and complete."""
+    buf = bytearray(_header(fingerprint, slots))
+    for r in live:
+        buf += encode_put(r.key, r.generation, r.slot, r.digest)
+    fd, tmp = d.create(name)
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        _write_all(fd, bytes(buf), 0)
+        os.fsync(fd)
+        d.publish(tmp, name)
+    except BaseException as exc:
+        os.close(fd)
+        d.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, StoreError):
+            raise typed(exc, f"cannot write the index journal {d.join(name)}") from None
+        raise
+    return Journal(fd, d.join(name), durable)
+
+
+def reopen(d: StoreDir, name: str, valid: int, durable: bool) -> "Journal":
+    """The journal as it is, for appending, its torn tail (past ``valid`` bytes) cut off: what
+    an opening store uses when a full disk leaves no room to compact (cutting needs none)."""
+    fd = d.open(name, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, valid)
+    except OSError as exc:
+        os.close(fd)
+        raise typed(exc, f"cannot cut the index journal {d.join(name)}") from None
+    return Journal(fd, d.join(name), durable)
 
 
 class Journal:
-    """The open journal: appends whole batches of records in one ``write``."""
+    """The open journal (the file :func:`rewrite` made): appends whole batches of records in
+    one ``write``, or none of them.
 
-    def __init__(self, path: str, durable: bool) -> None:
-        self.path, self.durable = path, durable
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    A batch the file system refuses part way (a full disk) is cut off again, so the journal
+    never keeps a torn record in its middle (replay would stop there and lose every later
+    record) nor a batch its caller was told failed."""
+
+    def __init__(self, fd: int, path: str, durable: bool) -> None:
+        self.fd, self.path, self.durable = fd, path, durable
+        self.size = os.fstat(fd).st_size
+        self._torn = False  # a failed batch could not be cut off yet
 
     def append(self, records: bytes) -> None:
         if not records:
             return
-        view = memoryview(records)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-        if self.durable:
-            os.fdatasync(self.fd)
+        try:
+            if self._torn:
+                os.ftruncate(self.fd, self.size)
+                self._torn = False
+            _write_all(self.fd, records, self.size)
+            if self.durable:
+                os.fdatasync(self.fd)
+        except OSError as exc:
+            self._torn = True
+            try:
+                os.ftruncate(self.fd, self.size)  # shrinking needs no space
+                self._torn = False
+            except OSError:
+                pass  # cut before the next append
+            raise typed(exc, f"cannot append to the index journal {self.path}") from None
+        self.size += len(records)
 
     def close(self) -> None:
         os.close(self.fd)
 
 
 def load(path: str, fingerprint: str, slots: int) -> list[Record]:
-    """Read and replay the journal at ``path``; an absent file is an empty index."""
+    """The records of the journal file at ``path``, read a chunk at a time (for readers
+    outside a store; an open store streams through :func:`records`). Absent: none."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        f = open(path, "rb")
     except FileNotFoundError:
         return []
-    return replay(data, fingerprint, slots)[0]
+    out: list[Record] = []
+    with f:
+        r = Reader(fingerprint, slots)
+        while not r.ended:
+            data = f.read(CHUNK)
+            if not data:
+                break
+            out += r.feed(data)
+    return out

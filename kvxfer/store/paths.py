@@ -8,7 +8,8 @@ whole rows. Two kinds exist:
 * a backend's :class:`kvxfer.plugin.files.FilePath` (NIXL ``POSIX``), when the agent's
   backend offers one for the cache's memory kind: the slab is registered with it once per
   store, and each group is one post of the group's descriptors, polled to its end on the
-  worker thread (a cancelled request lets a post in flight finish: no I/O outlives its job).
+  worker thread (a cancelled request lets a post in flight finish: no I/O outlives its job,
+  and the cancel returns only after it: :meth:`~.fileio.Job.io`).
 
 :class:`Mover` is what :meth:`kvxfer.Store._run` calls per group, whichever path it is.
 """
@@ -27,7 +28,7 @@ from .fileio import Calls, run_calls
 
 __all__ = ["Mover", "Files", "descriptors"]
 
-Hook = Callable[[int], None] | None
+Hook = Callable[[str], None] | None  # tests: "issue" before a post or call, "call" after
 
 
 def descriptors(part: Calls) -> tuple[np.ndarray, np.ndarray]:
@@ -86,22 +87,17 @@ class Files:
                 raise StoreError(f"the {fp.name} file path could not register the slab: {exc}") from exc
             hit = (weakref.ref(fp), handle)
             self._held[id(fp)] = hit
-        io = self.io(fp, kind)
+        return Mover(fp.name, False, self.io(fp, kind), per_run=False)
 
-        def run(write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook) -> None:
-            io(write, part, cancelled)
-            if hook is not None:
-                hook(0)
-
-        return Mover(fp.name, False, run, per_run=False)
-
-    def io(self, fp: Any, kind: MemoryKind) -> Callable[[bool, Calls, Callable[[], bool]], None]:
+    def io(self, fp: Any, kind: MemoryKind) -> Callable[[bool, Calls, Callable[[], bool], Hook], None]:
         """Move ``part``'s iovecs through ``fp`` as one post, polled to its end (call :meth:`mover` first)."""
         handle = self._held[id(fp)][1]
 
-        def run(write: bool, part: Calls, cancelled: Callable[[], bool]) -> None:
+        def run(write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook = None) -> None:
             if cancelled():
                 raise TransferCancelledError("store transfer was cancelled")
+            if hook is not None:
+                hook("issue")
             local, off = descriptors(part)
             try:
                 x = fp.post(Op.WRITE if write else Op.READ, handle, local, off, kind)
@@ -112,6 +108,8 @@ class Files:
                 _wait(fp, x, write)
             finally:
                 fp.release(x)
+            if hook is not None:
+                hook("call")
 
         return run
 

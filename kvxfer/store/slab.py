@@ -8,17 +8,18 @@ the row rounded up to 4 KiB. :func:`slab_spec` describes the file as a block-out
 pairs a local cache with it: one descriptor per row for a row-shaped cache, one per page for
 a layer-outermost one (gathered into the row). docs/storage.md has the file formats.
 
-Files are created 0600. The slab is preallocated with ``posix_fallocate`` before it is
-published (renamed into place), so "disk full" is a :class:`~kvxfer.errors.StoreFullError`
-at creation and never a torn row later. One store object at a time holds the slab: an
-exclusive ``flock`` on a lock file next to it refuses a second opener.
+Files are created 0600 in a directory of this uid (:mod:`.dirs`). The slab is preallocated
+with ``posix_fallocate`` before it is published (renamed into place), so "disk full" is a
+:class:`~kvxfer.errors.StoreFullError` at creation and never a torn row later (the journal
+can still meet a full disk: :mod:`.journal`). One store object at a time holds the slab: an
+exclusive ``flock`` on a lock file next to it refuses a second opener. A header is read
+bounded: its nesting is checked before parsing, and its numbers are checked before any use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import mmap
@@ -29,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpecError, StoreBusyError, StoreError, StoreFullError
+from ..errors import SpecError, StoreError, StoreFullError
 from ..geometry._spec import KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from .digest import DIGEST_NAME
+from .dirs import StoreDir, typed
 
 __all__ = ["HEADER", "ALIGN", "Geometry", "geometry", "slab_spec", "Slab"]
 
@@ -107,46 +109,62 @@ def _header(g: Geometry, slots: int) -> bytes:
     return (head + body).ljust(HEADER, b"\0")
 
 
+#: The deepest nesting a header of ours has (members hold dicts of lists); a crafted one is refused before parsing.
+_MAX_DEPTH = 16
+
+
 def _read_header(fd: int) -> dict[str, Any]:
     raw = os.pread(fd, HEADER, 0)
     if len(raw) < 16 or raw[:8] != _MAGIC:
         raise StoreError("the slab file has no kvxfer header; move it away or choose another path")
     version, n = struct.unpack_from("<II", raw, 8)
     if version != _VERSION or n > HEADER - 16:
-        raise StoreError(f"slab header version {version} is not {_VERSION}; it was written by another kvxfer")
+        raise StoreError("the slab header is of another version; it was written by another kvxfer: move it away")
+    body = raw[16:16 + n]
+    b = np.frombuffer(body, dtype=np.uint8)
+    depth = np.cumsum((b == ord("[")) | (b == ord("{")), dtype=np.int64) \
+        - np.cumsum((b == ord("]")) | (b == ord("}")), dtype=np.int64)
+    if depth.size and int(depth.max()) > _MAX_DEPTH:
+        raise StoreError("the slab header is corrupt (nested too deep); move the slab away")
     try:
-        d = json.loads(raw[16:16 + n])
-    except ValueError:
+        d = json.loads(body)
+    except (ValueError, RecursionError):
         raise StoreError("the slab header is corrupt; move the slab away") from None
     if not isinstance(d, dict):
         raise StoreError("the slab header is corrupt; move the slab away")
     return d
 
 
-class Slab:
-    """An open, locked, preallocated slab file and a read-only map of it (for digests)."""
+def _count(v: Any) -> int | None:
+    """A header number as an int, or None (a crafted header's values never reach a message)."""
+    return v if type(v) is int and 0 <= v < 1 << 62 else None
 
-    def __init__(self, directory: str, g: Geometry, slots: int) -> None:
+
+class Slab:
+    """An open, locked, preallocated slab file in a checked directory, and a read-only map of
+    it (for digests). A refused creation leaves no file behind, its lock file included."""
+
+    def __init__(self, d: StoreDir, g: Geometry, slots: int) -> None:
         if slots < 1:
             raise StoreError(f"capacity holds no row: one slot is {g.stride} bytes")
-        self.g, self.slots = g, slots
+        self.g, self.slots, self.dir = g, slots, d
         self.size = HEADER + slots * g.stride
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        base = os.path.join(directory, f"slab-{g.fingerprint}")
-        self.path, self.index_path = base + ".kv", base + ".idx"
-        self._lock = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        base = f"slab-{g.fingerprint}"
+        self.name, self.index_name, self._lock_name = base + ".kv", base + ".idx", base + ".lock"
+        self.path, self.index_path = d.join(self.name), d.join(self.index_name)
+        self._lock = d.lock(self._lock_name, f"{self.path} is open in another store (this or another process); "
+                            "one store object per slab: share it, or close the other first")
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
-            raise StoreBusyError(f"{self.path} is open in another store (this or another process); "
-                                 "one store object per slab: share it, or close the other first") from None
-        try:
-            self.created = not os.path.exists(self.path)
+            d.sweep(base)  # temporaries of a killed creation or compaction (only a lock holder makes them)
+            self.created = not d.exists(self.name)
             self.fd = self._create() if self.created else self._open()
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            try:
+                self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except BaseException:
+                os.close(self.fd)
+                raise
         except BaseException:
-            os.close(self._lock)
+            self.release(remove=self.created)
             raise
         self._u8 = np.frombuffer(self.map, dtype=np.uint8, count=slots * g.stride, offset=HEADER)
         self.rows = self._u8.reshape(slots, g.stride)  # slot s is rows[s, :row_len]
@@ -154,8 +172,7 @@ class Slab:
         self.mapped = slab_spec(g, slots, self._u8.ctypes.data)
 
     def _create(self) -> int:
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd, tmp = self.dir.create(self.name)
         try:
             try:
                 os.posix_fallocate(fd, 0, self.size)
@@ -166,26 +183,27 @@ class Slab:
                 raise StoreError(f"cannot preallocate {self.path}: {exc}") from exc
             os.pwrite(fd, _header(self.g, self.slots), 0)
             os.fsync(fd)
-            os.rename(tmp, self.path)
-            _fsync_dir(os.path.dirname(self.path))
+            self.dir.publish(tmp, self.name)
             return fd
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self.dir.unlink(tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, StoreError):
+                raise typed(exc, f"cannot create {self.path}") from None
             raise
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        fd = self.dir.open(self.name, os.O_RDWR)
         try:
             d = _read_header(fd)
             if d.get("fingerprint") != self.g.fingerprint:
                 raise StoreError(f"{self.path} was written for another layout; move it away")
-            if d.get("slots") != self.slots or d.get("stride") != self.g.stride:
-                raise StoreError(f"{self.path} has {d.get('slots')} slots of {d.get('stride')} bytes; open it "
-                                 f"with capacity={d.get('slots', 0) * d.get('stride', 0)} or move it away")
+            slots, stride = _count(d.get("slots")), _count(d.get("stride"))
+            if slots is None or stride is None:
+                raise StoreError(f"the header of {self.path} is corrupt; move the slab away")
+            if slots != self.slots or stride != self.g.stride:
+                raise StoreError(f"{self.path} has {slots} slots of {stride} bytes; open it "
+                                 f"with capacity={slots * stride} or move it away")
             if os.fstat(fd).st_size < self.size:
                 raise StoreError(f"{self.path} is shorter than its {self.size} bytes (truncated); move it away")
             if d.get("digest") != DIGEST_NAME:  # rows of another digest: the journal drops them too
@@ -200,19 +218,25 @@ class Slab:
         """The file still spans every slot (reading the map past its end would kill the process)."""
         return os.fstat(self.fd).st_size >= self.size
 
-    def close(self) -> None:
-        self.rows = self._u8 = None  # type: ignore[assignment]
+    def release(self, remove: bool) -> None:
+        """Give up the slab's lock; ``remove``: delete the slab, its index and the lock file
+        first (a store that failed to come up leaves nothing behind)."""
+        if remove:
+            for name in (self.name, self.index_name):
+                try:
+                    self.dir.unlink(name)
+                except OSError:
+                    pass
+        self.dir.unlock(self._lock, self._lock_name, remove)
+
+    def close(self, remove: bool = False) -> None:
+        """Unmap and close, releasing the lock on every path."""
         try:
-            self.map.close()
-        except BufferError:  # a digest view still alive; the map goes with it
-            pass
-        os.close(self.fd)
-        os.close(self._lock)  # releases the flock
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            self.rows = self._u8 = None  # type: ignore[assignment]
+            try:
+                self.map.close()
+            except BufferError:  # a digest view still alive; the map goes with it
+                pass
+            os.close(self.fd)
+        finally:
+            self.release(remove)

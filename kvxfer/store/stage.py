@@ -96,9 +96,9 @@ class DeviceCopies:
 class Stage:
     """Two stage buffers of ``unit`` bytes and the :class:`~.paths.Mover` that uses them."""
 
-    def __init__(self, copies: Any, unit: int, base: int, stride: int, io: Callable[[bool, Calls, Any], None],
+    def __init__(self, copies: Any, unit: int, base: int, stride: int, io: Callable[[bool, Calls, Any, Hook], None],
                  name: str, register: Any = None, buffers: int = 2) -> None:
-        """``io(write, runs, cancelled)`` moves stage runs to or from the slab (``pwritev``, or a
+        """``io(write, runs, cancelled, hook)`` moves stage runs to or from the slab (``pwritev``, or a
         backend's file path, then ``register(allocations)`` -> ``deregister`` handle it first)."""
         self.copies, self.unit, self.base, self.stride, self.io, self.name = copies, unit, base, stride, io, name
         self._free: "queue.Queue[tuple[int, Any]]" = queue.Queue()
@@ -132,6 +132,7 @@ class Stage:
         if int((off + local[:, 1]).max()) - int(at) > self.unit:
             raise StoreError("a staged group is larger than the stage")  # the grouping makes this unreachable
         addr, keep = self._free.get()
+        issue = (lambda stage: hook(stage) if stage == "issue" else None) if hook is not None else None  # noqa: E731
         try:
             stage = np.uint64(addr) + (off - at)
             # One iovec per contiguous file run of the group: stage bytes -> file, whole.
@@ -142,14 +143,14 @@ class Stage:
                         len(part))
             if write:
                 self._copy(stage, local[:, 0], local[:, 1], False)
-                self.io(True, one, cancelled)
+                self.io(True, one, cancelled, issue)
             else:
-                self.io(False, one, cancelled)
+                self.io(False, one, cancelled, issue)
                 self._copy(local[:, 0], stage, local[:, 1], True)
         finally:
             self._free.put((addr, keep))
         if hook is not None:
-            hook(0)
+            hook("call")  # one I/O per group on this path
 
     def close(self) -> None:
         if self._registered is not None:

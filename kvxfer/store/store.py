@@ -20,17 +20,19 @@ import numpy as np
 
 from .. import lifecycle
 from ..deadlines import check_timeout
-from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
+from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError,
+                      StoreFullError, StoreMissError, UnsupportedError)
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
-from ..planner import TransferPlan, plan
+from ..planner import TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
 from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
 from .index import Entry, Index
-from .journal import MAX_KEY, Journal, encode_drop, encode_put
+from .dirs import StoreDir
+from .journal import MAX_KEY, encode_drop, encode_put
 from .paths import Files, Mover, posix_mover
 from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
@@ -81,14 +83,24 @@ class Store:
         self.timeout = check_timeout(timeout, "Store timeout")
         slots = capacity // g.stride
         self.spec = slab_spec(g, max(slots, 1))  # validates the slot count against the spec bounds
-        self._slab = Slab(os.fspath(path), g, slots)
+        d = StoreDir(path)  # refuses a directory this uid does not own, or that others may write
         try:
-            records = [] if self._slab.created else journal.load(self._slab.index_path, g.fingerprint, slots)
-            self._index = Index(slots, records)
-            journal.rewrite(self._slab.index_path, g.fingerprint, slots, self._index.live())  # compaction
-            self._journal = Journal(self._slab.index_path, durable)
+            self._slab = Slab(d, g, slots)
         except BaseException:
-            self._slab.close()
+            d.close()
+            raise
+        try:
+            name, r = self._slab.index_name, journal.Reader(g.fingerprint, slots)
+            self._index = Index(slots, () if self._slab.created else journal.records(d, name, r))
+            try:
+                self._journal = journal.rewrite(d, name, g.fingerprint, slots, self._index.live(), durable)  # compact
+            except StoreFullError:
+                if self._slab.created or not r.headed:
+                    raise
+                self._journal = journal.reopen(d, name, r.at, durable)  # no room to compact: cut the torn tail only
+        except BaseException:
+            self._slab.close(remove=self._slab.created)  # a store that did not come up leaves no file
+            d.close()
             raise
         self.durable = durable
         self._jbytes = 0  # appended since the last compaction
@@ -103,9 +115,9 @@ class Store:
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
                               f"{len(self._index)} of {slots} rows of {g.row_len} bytes held",
                               created=self._slab.created, entries=len(self._index), slots=slots)
-        #: Test hook: called with a stage name on the worker thread: "call" after each system
-        #: call, "written" after an offload's writes (before publishing), "verified" after a
-        #: restore's digest check (before copying).
+        #: Test hook: called with a stage name on the worker thread: "issue" right before and
+        #: "call" right after each system call or post, "written" after an offload's writes
+        #: (before publishing), "verified" after a restore's digest check (before copying).
         self._fault: Callable[[str], None] | None = None
 
     # -- facts ------------------------------------------------------------------------------
@@ -147,11 +159,15 @@ class Store:
         return int(hit.shape[0] if hit.all() else np.argmin(hit))
 
     def discard(self, keys: Sequence[bytes]) -> int:
-        """Drop entries (their slots are reused once no restore pins them); returns how many."""
+        """Drop entries (their slots are reused once no restore pins them); returns how many.
+        Journaled first: a journal that cannot take the drops (a full disk) raises
+        :class:`~kvxfer.errors.StoreFullError` and drops nothing."""
         ks = _keys(keys)
         with self._lock:
-            gone = self._index.drop(ks)
+            gone = [k for k in dict.fromkeys(ks) if k in self._index.entries]
             self._append(b"".join(encode_drop(k) for k in gone))
+            self._index.drop(gone)
+            self._compact_if_due()
         return len(gone)
 
     # -- transfers --------------------------------------------------------------------------
@@ -160,7 +176,8 @@ class Store:
         """Write ``spec``'s ``local_blocks[i]`` to the store under ``keys[i]``.
 
         The entries appear (:meth:`lookup`) only once the transfer is DONE; a failed,
-        cancelled or interrupted one publishes nothing.
+        cancelled or interrupted one publishes nothing. A refused one (bad block ids, a cache
+        that does not pair, a journal that cannot take the evictions) evicts nothing either.
         """
         t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
                                           else getattr(spec, "timeout", None))
@@ -168,14 +185,20 @@ class Store:
         if len(set(ks)) != len(ks):
             raise DuplicateBlockIdError("a key appears twice in one offload; each key names one row")
         spec, mover = self._check_local(spec)
+        pairing = self._pairing(spec)  # everything the plan can refuse is refused before anything is evicted
+        blocks = as_block_ids(local_blocks, spec.num_blocks, "local")
+        if blocks.shape[0] != len(ks):
+            raise BlockCountMismatchError(f"{blocks.shape[0]} local blocks for {len(ks)} keys; give one key per block")
         with self._lock:
             slots, evicted = self._index.reserve(len(ks))
-            self._append(b"".join(encode_drop(k) for k in evicted))
+            self._append(b"".join(encode_drop(k) for k in evicted))  # cannot: nothing evicted
+            self._index.commit(slots, evicted)
+            self._compact_if_due()
         if evicted:
             lifecycle.store_event("store_evict", self.path, f"evicted {len(evicted)} least recently used row(s)",
                                   evicted=len(evicted))
         try:
-            p = plan(spec, self.spec, local_blocks, slots, Op.WRITE, coalesce=True, pairing=self._pairing(spec))
+            p = plan(spec, self.spec, blocks, slots, Op.WRITE, coalesce=True, pairing=pairing)
             calls = self._calls(p, mover)
         except BaseException:
             with self._lock:
@@ -185,14 +208,21 @@ class Store:
         def body(job: Job) -> None:
             digests = self._run(job, calls, slots, None, mover)
             if self.durable:
-                os.fdatasync(self._slab.fd)
+                try:
+                    os.fdatasync(self._slab.fd)
+                except OSError as exc:
+                    raise StoreError(f"cannot sync the slab {self.path}: {exc.strerror}; nothing was published") \
+                        from None
             self._stage("written")
             with self._lock, job.lock:
                 if job.cancelled:
                     return
-                recs = self._index.publish(ks, slots, digests)
+                recs = self._index.records(ks, slots, digests)
+                # Journal first: a full disk raises here and nothing is published (cleanup frees the slots).
                 self._append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
+                self._index.publish(recs)
                 job.published = True  # type: ignore[attr-defined]
+                self._compact_if_due()
 
         def cleanup(job: Job, err: BaseException | None) -> None:
             if not getattr(job, "published", False):
@@ -240,8 +270,12 @@ class Store:
             except _Damaged as exc:
                 lost = [got[i].key for i in np.flatnonzero(np.isin(slots, exc.slots)).tolist()]
                 with self._lock:
-                    gone = self._index.drop(lost)
-                    self._append(b"".join(encode_drop(k) for k in gone))
+                    gone = self._index.drop(lost)  # dropped even when the journal cannot say so:
+                    try:  # after a restart the same rows fail their digests again
+                        self._append(b"".join(encode_drop(k) for k in gone))
+                        self._compact_if_due()
+                    except StoreError:
+                        pass
                 lifecycle.store_event("store_corrupt", self.path, f"{len(lost)} row(s) failed their digest and were "
                                       "dropped", dropped=len(lost))
                 raise StoreCorruptError(f"{len(lost)} of {len(got)} stored rows failed their digest (a torn "
@@ -296,7 +330,8 @@ class Store:
             unit = max(1, MAX_CALL // stride) * stride
             if fp is None:
                 fd = self._slab.fd
-                st = Stage(copies, unit, HEADER, stride, lambda w, c, cancelled: run_calls(fd, w, c, cancelled),
+                st = Stage(copies, unit, HEADER, stride,
+                           lambda w, c, cancelled, hook: run_calls(fd, w, c, cancelled, hook),
                            f"staged-{copies.name}")
             else:
                 try:
@@ -343,7 +378,7 @@ class Store:
         dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
         bad: list[np.ndarray] = []
         cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
-        hook = (lambda k: self._stage("call")) if self._fault is not None else None
+        hook = self._stage if self._fault is not None else None
 
         def one(a: int, b: int, lo: int, hi: int) -> None:
             i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
@@ -354,7 +389,8 @@ class Store:
                     bad.append(wrong)
                     return
                 self._stage("verified")
-            mover(write, part, cancelled, hook)
+            with job.io():  # the fence: a cancel returns only once this call has ended
+                mover(write, part, cancelled, hook)
             if write:
                 dig[i:j] = self._digest_slots(uniq[i:j])
 
@@ -384,15 +420,29 @@ class Store:
         return row_digests(self._slab.mapped, sorted_slots)
 
     def _append(self, records: bytes) -> None:
-        """Journal records (under the lock); compact once the journal is mostly dead records,
-        so a long-running store's index file stays proportional to its live entries."""
+        """Journal records (under the lock, before the index changes): all of them, or none
+        and a typed error (:class:`~kvxfer.errors.StoreFullError` on a full disk)."""
         self._journal.append(records)
         self._jbytes += len(records)
+
+    def _compact_if_due(self) -> None:
+        """Compact once the journal is mostly dead records, so a long-running store's index
+        file stays proportional to its live entries (under the lock, after the index changed).
+        Best effort: on a full disk the journal as appended is complete; tried again later."""
         if self._jbytes > max(self.COMPACT_BYTES, 8 * 64 * len(self._index)):
-            self._journal.close()
-            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
-            self._journal = Journal(self._slab.index_path, self.durable)
             self._jbytes = 0
+            self._compact()
+
+    def _compact(self) -> bool:
+        try:
+            fresh = journal.rewrite(self._slab.dir, self._slab.index_name, self.geometry.fingerprint, self.slots,
+                                    self._index.live(), self.durable)
+        except StoreError as exc:
+            lifecycle.store_event("store_compact_failed", self.path, f"journal not compacted: {exc}")
+            return False
+        self._journal.close()
+        self._journal = fresh
+        return True
 
     def _stage(self, name: str) -> None:
         if self._fault is not None:
@@ -412,18 +462,32 @@ class Store:
         return Transfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Wait for jobs in flight, compact the journal and release the slab's lock."""
+        """Wait for jobs in flight, compact the journal and release the slab's lock. The lock
+        and every file are released on every path; a compaction a full disk refuses is
+        skipped (the journal as appended is complete)."""
         if self._closed:
             return
         self._closed = True
-        self._jobs.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
-        with self._lock:
-            self._journal.close()
-            journal.rewrite(self._slab.index_path, self.geometry.fingerprint, self.slots, self._index.live())
-            self._files.close()
-            for st in self._stages.values():
-                st.close()
-            self._slab.close()
+        try:
+            self._jobs.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+            with self._lock:
+                self._compact()
+        finally:
+            with self._lock:
+                _all(self._journal.close, self._files.close, *(st.close for st in self._stages.values()),
+                     self._slab.close, self._slab.dir.close)
         lifecycle.store_event("store_close", self.path, f"closed with {len(self._index)} row(s)",
                               entries=len(self._index))
+
+
+def _all(*steps: Callable[[], None]) -> None:
+    """Run every step, then raise the first error (so one failure leaks nothing else)."""
+    err: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:
+            err = err or exc
+    if err is not None:
+        raise err

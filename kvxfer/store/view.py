@@ -4,20 +4,22 @@ One :class:`~kvxfer.Store` holds a slab at a time (its ``flock``), but another p
 need to know what it holds: vLLM's scheduler decides which prompt prefixes to load while a
 worker process owns the store. The view replays the index journal (the same crash-consistent
 records an opening store replays) without locking or writing anything, reading only what was
-appended since its last look. It is a hint: an entry it shows may be evicted or found damaged before a
-restore, which the restore reports as a miss. docs/storage.md has the journal format.
+appended since its last look, a chunk at a time. It is a hint: an entry it shows may be
+evicted or found damaged before a restore, which the restore reports as a miss. docs/storage.md has the journal format.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import AbstractSet as Set, Any, Sequence
 
 import numpy as np
 
 from ..errors import StoreError
-from .journal import _header, replay
+from . import journal
+from .journal import Reader, Record
 
 __all__ = ["IndexView", "ViewHandle"]
 
@@ -49,35 +51,44 @@ class IndexView:
 
     def keys(self) -> Set[bytes]:
         """Live keys. An append (the file grew) is replayed from where the last look ended; a
-        compaction (a new file renamed over it) or anything else is replayed whole. Absent or
-        foreign: no keys."""
+        compaction (a new file renamed over it) or anything else is replayed whole, a chunk at
+        a time. Absent, foreign or not a regular file: no keys."""
         h = self.handle
         try:
-            with open(h.index_path, "rb") as f:
-                st = os.fstat(f.fileno())
-                back = len(self._tail)
-                if st.st_ino == self._ino and st.st_size >= self._at:
-                    f.seek(self._at - back)
-                    data = f.read()
-                    if data[:back] != self._tail:
-                        data = b""
-                else:
-                    data = b""
-                if not data:  # not an append to what was replayed: replay the whole file
-                    self._ino, self._at, self._tail, back = st.st_ino, 0, b"", 0
-                    self._slot_of, self._key_in = {}, {}
-                    f.seek(0)
-                    data = f.read()
-                data = data[back:]
+            fd = os.open(h.index_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return self._reset()
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return self._reset()
+            back = len(self._tail)
+            if st.st_ino != self._ino or st.st_size < self._at or \
+                    os.pread(fd, back, self._at - back) != self._tail:  # not an append to what was replayed
+                self._reset()
+                self._ino = st.st_ino
+            r = Reader(h.fingerprint, h.slots, headed=self._at > 0)
+            r.tail = self._tail
+            at = self._at
+            while not r.ended:
+                data = os.pread(fd, journal.CHUNK, at)
                 if not data:
-                    return self._slot_of.keys()
-            head = b"" if self._at == 0 else _header(h.fingerprint, h.slots)  # replay wants its header first
-            records, used = replay(head + data, h.fingerprint, h.slots)
+                    break
+                at += len(data)
+                self._apply(r.feed(data))
+            self._at += r.at
+            self._tail = r.tail
         except (OSError, StoreError):
-            self._ino, self._at, self._tail, self._slot_of, self._key_in = None, 0, b"", {}, {}
-            return self._slot_of.keys()
-        self._at += used - len(head)
-        self._tail = (self._tail + data[:used - len(head)])[-32:]
+            return self._reset()
+        finally:
+            os.close(fd)
+        return self._slot_of.keys()
+
+    def _reset(self) -> Set[bytes]:
+        self._ino, self._at, self._tail, self._slot_of, self._key_in = None, 0, b"", {}, {}
+        return self._slot_of.keys()
+
+    def _apply(self, records: list[Record]) -> None:
         for r in records:  # later records win, and a slot claimed twice keeps the later key (index.py)
             old = self._slot_of.pop(r.key, None)
             if old is not None:
@@ -85,7 +96,6 @@ class IndexView:
             if r.kind == "P":
                 self._slot_of.pop(self._key_in.pop(r.slot, b""), None)
                 self._slot_of[r.key], self._key_in[r.slot] = r.slot, r.key
-        return self._slot_of.keys()
 
     def lookup(self, keys: Sequence[bytes]) -> np.ndarray:
         have = self.keys()
