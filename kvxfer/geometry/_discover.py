@@ -248,6 +248,34 @@ def _shard(p: _Piece, tp_rank: int, tp_size: int, kv_heads: int | None) -> Shard
     return Shard(tp_rank, tp_size, (first, first + 1), total)
 
 
+def _replicated_heads(name: str, h: int | None, tp_size: int, kv_heads: int | None) -> None:
+    """Refuse a replicated page with a heads axis under TP when nothing says it holds every head.
+
+    If it were one rank's share, "identical on every rank" would pair ranks holding different
+    heads and move wrong heads without an error. ``kv_heads`` is the statement (checked against
+    the page by the caller), and a page whose dims name no heads axis is not split by heads.
+    """
+    if h is not None and tp_size > 1 and kv_heads is None:
+        raise SpecError(f"{name}: replicated=True with tp_size={tp_size}, but its page has a heads axis ({h} "
+                        "heads) and nothing says it holds every KV head; pass kv_heads= (the model's KV heads: "
+                        "accepted when the page holds all of them), or register GQA/MHA pages without "
+                        "replicated=True (replicated=True is for pages identical on every rank: MLA, indexer)")
+
+
+def _tp(tp_rank: object, tp_size: object) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` checked: a TP size above 1 without a rank would claim rank 0's heads."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or not 1 <= tp_size <= 1 << 16:
+        raise SpecError(f"tp_size must be an integer from 1 to 65536, got {tp_size!r}")
+    if tp_rank is None:
+        if tp_size > 1:
+            raise SpecError(f"tp_size={tp_size} needs tp_rank= (this worker's rank, 0 to {tp_size - 1}); without it "
+                            "the pages would be registered as rank 0's heads")
+        return 0, 1
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
+        raise SpecError(f"tp_rank must be an integer from 0 to {int(tp_size) - 1}, got {tp_rank!r}")
+    return int(tp_rank), int(tp_size)
+
+
 def _entries(name: str, x: Any, dims: Any) -> list[tuple[str, Any, str, str | None]]:
     """``(member base name, tensor, form, dims)`` for one ``kv_caches`` entry."""
     if isinstance(x, Mapping):
@@ -273,22 +301,33 @@ def _one(d: Any) -> str | None:
     raise SpecError(f"dims must be a string of letters, got {d!r}")
 
 
-def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication = False, tp_rank: int = 0,
+def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication = False, tp_rank: int | None = None,
                       tp_size: int = 1, layout: str | None = None, block_tokens: int | None = None,
                       kv_dim: int | None = None, dims: Dims = None, kv_heads: int | None = None) -> KVCacheSpec:
     """Build a spec from ``{name: tensor | array | (k, v) | (conv, ssm) | {suffix: tensor}}``.
 
     ``replicated``: True/False for every member, a set of names, or a predicate. True means
     every TP rank holds identical bytes (MLA latent caches); False (the default, the safe
-    answer) means pages hold this rank's heads and pair only with the same heads.
+    answer) means pages hold this rank's heads and pair only with the same heads. With
+    ``tp_size > 1``, ``tp_rank`` is required, and a replicated page with a heads axis needs
+    ``kv_heads`` (it must hold all of them): the caller's statement that no rank holds others.
     ``dims``: letters naming each dimension, for all tensors or per entry name (see
     :data:`DIM_LETTERS`); needed only for shapes that are not recognised.
     ``kv_heads``: the model's total KV heads, when the TP size may exceed it.
     ``kv_dim``: split each page into ``.k``/``.v`` members along that dimension.
     The returned spec keeps the tensors alive for as long as it exists.
     """
+    return _discover(kv_caches, replicated, tp_rank, tp_size, layout, block_tokens, kv_dim, dims, kv_heads, False)
+
+
+def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: int | None, tp_size: int,
+              layout: str | None, block_tokens: int | None, kv_dim: int | None, dims: Dims, kv_heads: int | None,
+              heads_stated: bool) -> KVCacheSpec:
+    """:func:`spec_from_tensors`; ``heads_stated``: the caller (a spec file, which gives every
+    replicated member's heads as the whole model's) has said each replicated page holds every head."""
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise SpecError("kv_caches must be a non-empty mapping of name -> tensor")
+    tp_rank, tp_size = _tp(tp_rank, tp_size)
     pieces: list[_Piece] = []
     keep: list[Any] = []
     for name, x in kv_caches.items():
@@ -324,6 +363,8 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
             raise SpecError(f"{p.name}: replicated=True, but its page holds {h} of the model's kv_heads={kv_heads} "
                             "KV heads, so other TP ranks hold other heads; register GQA/MHA pages with tp_rank= "
                             "and tp_size= (replicated=True is for pages identical on every rank: MLA, indexer)")
+        if rep and not heads_stated:
+            _replicated_heads(p.name, h, tp_size, kv_heads)
         shard = None if rep else _shard(p, tp_rank, tp_size, kv_heads)
         return Member(p.name, p.page_bytes, offset, rep, p.page, p.role, shard, p.layer)
 
@@ -402,7 +443,7 @@ def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpe
 def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, int], *, num_blocks: int,
                        members: Sequence[Member | tuple[str, int]], layout: str = "BLHNC",
                        kind: MemoryKind | str = MemoryKind.DRAM, block_stride: int | None = None,
-                       replicated: Replication = False, block_tokens: int = 1, tp_rank: int = 0,
+                       replicated: Replication = False, block_tokens: int = 1, tp_rank: int | None = None,
                        tp_size: int = 1) -> KVCacheSpec:
     """Build a spec from raw ``(pointer, nbytes, device)`` spans and an explicit geometry.
 
@@ -414,6 +455,7 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
     """
     if isinstance(spans, tuple) and len(spans) == 3 and all(isinstance(s, (int, np.integer)) for s in spans):
         spans = [spans]  # type: ignore[list-item]
+    tp_rank, tp_size = _tp(tp_rank, tp_size)
     spans = [(int(s[0]), int(s[1]), int(s[2])) for s in spans]  # type: ignore[index]
     if layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
