@@ -44,6 +44,11 @@ def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
     elif isinstance(blocks, (str, bytes, bytearray, memoryview)):
         raise BlockIdTypeError(f"{side} block ids must be a sequence of integers, got {type(blocks).__name__}")
     else:
+        if isinstance(blocks, (list, tuple)):  # numpy would turn [0, True] into [0, 1]: look first
+            kinds = set(map(type, blocks))  # one C-level pass, no Python loop per id
+            if bool in kinds or np.bool_ in kinds:
+                raise BlockIdTypeError(f"{side} block ids must be integers, got a bool among them; "
+                                       "True is not block 1")
         try:
             arr = np.asarray(blocks)
         except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot hold

@@ -30,16 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpecError
-from ._spec import KNOWN_LAYOUTS, KVCacheSpec, Member, PackedLayout, Region
+from ..errors import InvalidArgumentError, SpecError
+from ._spec import KNOWN_LAYOUTS, MAX_ALLOCATIONS, MAX_MEMBERS, KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from ._pageformat import PageFormat, Shard
 
-__all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS"]
+__all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS", "DISCOVERY_OPTIONS"]
 
 Replication = bool | Iterable[str] | Callable[[str], bool]
 Dims = str | Mapping[str, str | Sequence[str]] | None
 
+#: The options :func:`spec_from_tensors` (and so ``Agent.register``) takes.
+DISCOVERY_OPTIONS = frozenset({"replicated", "tp_rank", "tp_size", "layout", "block_tokens", "kv_dim", "dims",
+                               "kv_heads"})
 #: Letters the ``dims`` option accepts, one per tensor dimension.
 DIM_LETTERS = "BLKNHDSX"
 _HINT = ("pass dims={name: letters}, one letter per dimension: B blocks, L layers, K the K/V pair (size 2), "
@@ -224,11 +227,16 @@ def _layer_of(name: str) -> int | None:
 
 
 def _replication(replicated: Replication) -> Callable[[str], bool]:
-    if isinstance(replicated, bool):
-        return lambda _n: replicated
+    if isinstance(replicated, (bool, np.bool_)):
+        return lambda _n: bool(replicated)
     if callable(replicated):
         return lambda n: bool(replicated(n))  # type: ignore[operator]
-    names = set(replicated)
+    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
+        raise InvalidArgumentError(f"replicated is True/False, a set of member names or a predicate, "
+                                   f"got {type(replicated).__name__}")
+    names = {n for n in replicated if isinstance(n, str)}
+    if len(names) != sum(1 for _ in replicated):
+        raise InvalidArgumentError("replicated names members by strings")
     return lambda n: n in names or n.rsplit(".", 1)[0] in names
 
 
@@ -260,6 +268,21 @@ def _replicated_heads(name: str, h: int | None, tp_size: int, kv_heads: int | No
                         "heads) and nothing says it holds every KV head; pass kv_heads= (the model's KV heads: "
                         "accepted when the page holds all of them), or register GQA/MHA pages without "
                         "replicated=True (replicated=True is for pages identical on every rank: MLA, indexer)")
+
+
+def _check_options(layout: object, block_tokens: object, kv_dim: object, dims: object, kv_heads: object) -> None:
+    """Types of the discovery options, before any of them is used."""
+    for name, v, hi in (("block_tokens", block_tokens, 1 << 24), ("kv_dim", kv_dim, 64), ("kv_heads", kv_heads, 1 << 16)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"{name} must be an integer or None, got {type(v).__name__}")
+        if not (0 if name == "kv_dim" else 1) <= v <= hi:
+            raise SpecError(f"{name}={v} is out of range")
+    if layout is not None and not isinstance(layout, str):
+        raise InvalidArgumentError(f"layout must be a string or None, got {type(layout).__name__}")
+    if dims is not None and not isinstance(dims, (str, Mapping)):
+        raise InvalidArgumentError(f"dims must be a string of letters or a mapping per entry, got {type(dims).__name__}")
 
 
 def _tp(tp_rank: object, tp_size: object) -> tuple[int, int]:
@@ -327,9 +350,13 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
     replicated member's heads as the whole model's) has said each replicated page holds every head."""
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise SpecError("kv_caches must be a non-empty mapping of name -> tensor")
+    if len(kv_caches) > MAX_MEMBERS:  # each entry is at least one member: refused before walking them
+        raise SpecError(f"kv_caches has {len(kv_caches)} entries; a spec holds at most {MAX_MEMBERS} members")
     tp_rank, tp_size = _tp(tp_rank, tp_size)
+    _check_options(layout, block_tokens, kv_dim, dims, kv_heads)
     pieces: list[_Piece] = []
     keep: list[Any] = []
+    storages: set[tuple[MemoryKind, int, int]] = set()
     for name, x in kv_caches.items():
         if not isinstance(name, str) or not name:
             raise SpecError(f"layer names must be non-empty strings, got {name!r}")
@@ -337,6 +364,10 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
         for base, tensor, form, dd in _entries(name, x, d):
             t = _describe(base, tensor)
             keep.append(tensor)
+            storages.add((t.kind, t.device, t.storage_ptr))
+            if len(storages) > MAX_ALLOCATIONS:
+                raise SpecError(f"{base}: more than {MAX_ALLOCATIONS} separate storages; a spec holds at most "
+                                f"{MAX_ALLOCATIONS} allocations (views of one storage count once)")
             kd = kv_dim if form == "tensor" else None
             if kd is not None and (not 0 <= kd < len(t.shape) or t.shape[kd] != 2):
                 raise SpecError(f"{base}: kv_dim={kd} needs size 2 there, shape is {t.shape}")
@@ -349,6 +380,8 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
                 letters = _auto_dims(t, form)
             role = ("k" if base.endswith(".k") else "v") if form == "kv" else ""
             pieces += _pieces(name, base, t, letters, role, kd)
+            if len(pieces) > MAX_MEMBERS:
+                raise SpecError(f"{base}: more than {MAX_MEMBERS} members; a spec holds at most {MAX_MEMBERS}")
     is_rep = _replication(replicated)
     members_of = {p.name: p for p in pieces}
     if len(members_of) != len(pieces):
@@ -389,13 +422,13 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
             regions.append(Region(ai, p.ptr - p.t.storage_ptr, p.num_blocks,
                                   PackedLayout(p.block_stride, (member(p, 0),))))
             block_outer = False
+    several_layers = len({p.entry if p.layer is None else (p.entry, p.layer) for p in pieces}) > 1
     for (ai, stride, nb), group in packed.items():
         regions.append(Region(ai, 0, nb, PackedLayout(stride, tuple(member(p, p.ptr - p.t.storage_ptr)
                                                                     for p in group))))
         # A storage of its own per layer (even one holding that layer's K and V per block)
         # is layer-outermost: block-outermost means one row holds several layers' pages.
-        if len({p.entry if p.layer is None else (p.entry, p.layer) for p in pieces}) > 1 and \
-                len({p.entry if p.layer is None else (p.entry, p.layer) for p in group}) < 2:
+        if several_layers and len({p.entry if p.layer is None else (p.entry, p.layer) for p in group}) < 2:
             block_outer = False
 
     if layout is None:

@@ -14,13 +14,14 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .. import lifecycle
 from ..deadlines import check_timeout
-from ..errors import (DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError, StoreMissError, UnsupportedError)
+from ..errors import (DuplicateBlockIdError, InvalidArgumentError, SpecError, StoreCorruptError, StoreError,
+                      StoreMissError, UnsupportedError)
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
@@ -39,13 +40,26 @@ __all__ = ["Store"]
 
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, str)):
-        raise TypeError("keys must be a sequence of bytes objects, one per block")
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable):
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, one per block, got {type(keys).__name__}")
     out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
     for k in out:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
             raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
     return out
+
+
+def _path(path: Any) -> str:
+    """The store's directory as given, refused typed when it cannot be one (empty, NUL, a file)."""
+    try:
+        p = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise InvalidArgumentError(f"a store path is a str or os.PathLike, got {type(path).__name__}") from None
+    if not p or "\0" in p:
+        raise StoreError(f"a store path must be a non-empty path without NUL bytes, got {p!r:.80}")
+    if os.path.lexists(p) and not os.path.isdir(p):
+        raise StoreError(f"store path {p!r:.200} exists and is not a directory; pass a directory")
+    return p
 
 
 class _Damaged(Exception):
@@ -81,7 +95,7 @@ class Store:
         self.timeout = check_timeout(timeout, "Store timeout")
         slots = capacity // g.stride
         self.spec = slab_spec(g, max(slots, 1))  # validates the slot count against the spec bounds
-        self._slab = Slab(os.fspath(path), g, slots)
+        self._slab = Slab(_path(path), g, slots)
         try:
             records = [] if self._slab.created else journal.load(self._slab.index_path, g.fingerprint, slots)
             self._index = Index(slots, records)
@@ -267,6 +281,9 @@ class Store:
         (:mod:`.paths`), else the store's own ``preadv``/``pwritev``."""
         fp = None
         if not isinstance(spec, KVCacheSpec):
+            from ..agent import Agent
+            if not isinstance(spec, Agent):
+                raise InvalidArgumentError(f"the store moves a KVCacheSpec's or an Agent's cache, got {type(spec).__name__}")
             agent = spec
             agent._check_open()
             spec = agent.spec
