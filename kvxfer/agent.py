@@ -31,7 +31,7 @@ from .errors import (
 from .geometry._discover import DISCOVERY_OPTIONS, spec_from_tensors
 from .group import TransferGroup
 from .geometry._spec import KVCacheSpec
-from .memory import Op
+from .memory import Op, as_op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
 from .pairing._templates import Pairing, pair
@@ -333,7 +333,7 @@ class Agent:
     def plan(self, peer: str, local_blocks: Any, remote_blocks: Any, op: Op | str = Op.READ) -> TransferPlan:
         """The plan :meth:`read`/:meth:`write` would post (for inspection and benchmarks)."""
         self._check_open()
-        return self._plan(self._peer(peer), local_blocks, remote_blocks, Op(op))
+        return self._plan(self._peer(peer), local_blocks, remote_blocks, as_op(op))
 
     def _plan(self, peer: Peer, local_blocks: Any, remote_blocks: Any, op: Op) -> TransferPlan:
         if self.spec is None:

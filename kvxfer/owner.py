@@ -72,6 +72,12 @@ def _without_frames(exc: BaseException) -> BaseException:
     return exc
 
 
+def _check_key(key: object) -> None:
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"a peer is named by a string (a route's key or a peer's name), "
+                                   f"got {type(key).__name__}")
+
+
 class Owner:
     """Owns ``agent`` on a thread of its own; see the module docstring.
 
@@ -128,9 +134,7 @@ class Owner:
                 timeout: float | None, expect: Any = None) -> OwnedTransfer:
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
-        if not isinstance(key, str):
-            raise InvalidArgumentError(f"a peer is named by a string (a route's key or a peer's name), "
-                                       f"got {type(key).__name__}")
+        _check_key(key)
         limit = self.agent.timeout if timeout is None else check_timeout(timeout)
         t = OwnedTransfer(self, op, key, local, remote, None if notify is None else bytes(notify),
                           time.monotonic() + limit, limit)
@@ -173,10 +177,12 @@ class Owner:
 
     def connect(self, key: str) -> OwnedFuture[str]:
         """Fetch and add the route's peer now (if not already); the future holds its name."""
+        _check_key(key)  # checked here: on the loop, an unhashable key would end it
         return self._enqueue("connect", key)
 
     def refresh(self, key: str) -> None:
         """Fetch the route's metadata again before its next transfer (a restart was seen)."""
+        _check_key(key)
         self._enqueue("refresh", key)
 
     def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> OwnedFuture[str]:
@@ -188,6 +194,7 @@ class Owner:
         return self._enqueue("call", fn)
 
     def notify(self, peer: str, message: bytes) -> OwnedFuture[None]:
+        _check_key(peer)
         if not isinstance(message, (bytes, bytearray)):  # bytes(5) would be five zero bytes
             raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
         msg = bytes(message)

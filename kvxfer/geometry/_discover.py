@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, SpecError
+from ..errors import InvalidArgumentError, SpecError, UnknownOptionError
 from ._spec import KNOWN_LAYOUTS, MAX_ALLOCATIONS, MAX_MEMBERS, KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from ._pageformat import PageFormat, Shard
@@ -285,6 +285,30 @@ def _check_options(layout: object, block_tokens: object, kv_dim: object, dims: o
         raise InvalidArgumentError(f"dims must be a string of letters or a mapping per entry, got {type(dims).__name__}")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _spans(spans: object) -> list[tuple[int, int, int]]:
+    """``(pointer, nbytes, device)`` spans, each three integers; at most a spec's allocations."""
+    if not isinstance(spans, (list, tuple)) or not 0 < len(spans) <= MAX_ALLOCATIONS or not all(
+            isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and 0 <= v < 1 << 64 for v in s)
+            for s in spans):
+        raise InvalidArgumentError(f"spans are (pointer, nbytes, device) tuples of integers, 1 to {MAX_ALLOCATIONS} "
+                                   f"of them, got {spans!r:.80}")
+    return [(int(s[0]), int(s[1]), int(s[2])) for s in spans]
+
+
+def _pointer_members(members: object) -> list[Member | tuple[str, int]]:
+    """Members as :class:`Member` objects or ``(name, size)`` pairs; at most a spec's members."""
+    if not isinstance(members, (list, tuple)) or not 0 < len(members) <= MAX_MEMBERS or not all(
+            isinstance(m, Member) or (isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], str)
+                                      and _is_int(m[1]) and 0 < m[1] < 1 << 63) for m in members):
+        raise InvalidArgumentError(f"members are Member objects or (name, size) pairs, 1 to {MAX_MEMBERS} of them, "
+                                   f"got {members!r:.80}")
+    return list(members)
+
+
 def _tp(tp_rank: object, tp_size: object) -> tuple[int, int]:
     """``(tp_rank, tp_size)`` checked: a TP size above 1 without a rank would claim rank 0's heads."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or not 1 <= tp_size <= 1 << 16:
@@ -466,6 +490,12 @@ def _block_tokens(pieces: Sequence[_Piece]) -> int:
 
 def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpec:
     """numpy arrays in host memory; same rules and options as :func:`spec_from_tensors`."""
+    if not isinstance(kv_caches, Mapping) or not kv_caches:
+        raise SpecError("kv_caches must be a non-empty mapping of name -> array")
+    unknown = sorted(set(options) - DISCOVERY_OPTIONS)
+    if unknown:
+        raise UnknownOptionError(f"spec_from_arrays() has no option {unknown[0]!r}; its options: "
+                                 f"{', '.join(sorted(DISCOVERY_OPTIONS))}", tuple(sorted(DISCOVERY_OPTIONS)))
     for name, x in kv_caches.items():
         items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else (x,)
         if not all(isinstance(i, np.ndarray) for i in items):
@@ -489,7 +519,14 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
     if isinstance(spans, tuple) and len(spans) == 3 and all(isinstance(s, (int, np.integer)) for s in spans):
         spans = [spans]  # type: ignore[list-item]
     tp_rank, tp_size = _tp(tp_rank, tp_size)
-    spans = [(int(s[0]), int(s[1]), int(s[2])) for s in spans]  # type: ignore[index]
+    spans = _spans(spans)
+    members = _pointer_members(members)
+    for name, v in (("num_blocks", num_blocks), ("block_tokens", block_tokens), ("block_stride", block_stride)):
+        if (v is not None or name != "block_stride") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                                          or v < 1):
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r:.60}")
+    if not isinstance(layout, str) or not isinstance(kind, (str, MemoryKind)) or kind not in ("DRAM", "VRAM"):
+        raise InvalidArgumentError(f"layout is a string and kind 'DRAM' or 'VRAM', got {layout!r:.60}, {kind!r:.60}")
     if layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     is_rep = _replication(replicated)

@@ -25,7 +25,7 @@ from ..errors import (DuplicateBlockIdError, InvalidArgumentError, SpecError, St
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
-from ..planner import TransferPlan, plan
+from ..planner import MAX_BLOCK_IDS, TransferPlan, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
@@ -40,9 +40,15 @@ __all__ = ["Store"]
 
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable):
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable) or \
+            getattr(keys, "ndim", 1) == 0:  # a 0-d array claims to be iterable and sized, and is neither
         raise InvalidArgumentError(f"keys must be a sequence of bytes objects, one per block, got {type(keys).__name__}")
-    out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    if hasattr(keys, "__len__") and len(keys) > MAX_BLOCK_IDS:  # counted before walking (a lazy range)
+        raise InvalidArgumentError(f"{len(keys)} keys in one call; at most {MAX_BLOCK_IDS}")
+    try:
+        out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    except TypeError:  # an iterable that cannot be iterated (a 0-d array)
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, got {type(keys).__name__}") from None
     for k in out:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
             raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
@@ -57,6 +63,9 @@ def _path(path: Any) -> str:
         raise InvalidArgumentError(f"a store path is a str or os.PathLike, got {type(path).__name__}") from None
     if not p or "\0" in p:
         raise StoreError(f"a store path must be a non-empty path without NUL bytes, got {p!r:.80}")
+    raw = os.fsencode(p)
+    if len(raw) >= 4096 or any(len(part) > 255 for part in raw.split(b"/")):
+        raise StoreError(f"store path {p!r:.80} is too long for a file system (4,095 bytes, 255 per name)")
     if os.path.lexists(p) and not os.path.isdir(p):
         raise StoreError(f"store path {p!r:.200} exists and is not a directory; pass a directory")
     return p
@@ -281,8 +290,7 @@ class Store:
         (:mod:`.paths`), else the store's own ``preadv``/``pwritev``."""
         fp = None
         if not isinstance(spec, KVCacheSpec):
-            from ..agent import Agent
-            if not isinstance(spec, Agent):
+            if not all(hasattr(spec, a) for a in ("_check_open", "spec", "backend")):  # an Agent (not imported: a cycle)
                 raise InvalidArgumentError(f"the store moves a KVCacheSpec's or an Agent's cache, got {type(spec).__name__}")
             agent = spec
             agent._check_open()
