@@ -154,3 +154,20 @@ def test_control_replicated_true_is_accepted_where_it_is_true() -> None:
         for l in range(L):
             assert (views[f"layer.{l}"][LB] == X[l][RB]).all()
             assert untouched(views[f"layer.{l}"], LB)
+
+
+def test_hidden_heads_pair_only_the_same_tp_rank() -> None:
+    """Heads flattened into the channel axis ([blocks, tokens, heads*dim]) cannot be named: such
+    pages pair only with the same TP rank and size (docs/geometry.md), never another rank's."""
+    rng = np.random.default_rng(9)
+    src = [rng.integers(0, 255, size=(B, T, H // 2 * D), dtype=np.uint8) for _ in range(2)]
+    dst = np.full((B, T, H // 2 * D), 0xAA, np.uint8)
+    with kvxfer.Agent("r0") as r0, kvxfer.Agent("r1") as r1, kvxfer.Agent("d") as d:
+        r0.register({"l0": src[0]}, tp_rank=0, tp_size=2)
+        r1.register({"l0": src[1]}, tp_rank=1, tp_size=2)
+        d.register({"l0": dst}, tp_rank=0, tp_size=2)
+        with pytest.raises(HeadSliceMismatchError):
+            d.add_peer(r1.metadata())
+        d.add_peer(r0.metadata())  # control: the same rank pairs and moves its own bytes
+        d.read("r0", LB, RB).wait(10)
+        assert (dst[LB] == src[0][RB]).all() and untouched(dst, LB)
