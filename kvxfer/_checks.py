@@ -22,6 +22,14 @@ def digest(agent: Any, blocks: Any, cells: Any, algorithm: str, rows: bool) -> A
 
     if agent.spec is None:
         raise SpecError("register a KV cache before digesting it")
+    from .errors import InvalidArgumentError
+    from .integrity.cells import Cells
+
+    if cells is not None and not isinstance(cells, Cells):
+        raise InvalidArgumentError(f"cells must be None or kvxfer.integrity Cells (Agent.cells_for), got "
+                                   f"{type(cells).__name__}")
+    if not isinstance(algorithm, str):
+        raise InvalidArgumentError(f"algorithm must be a string ('auto'), got {type(algorithm).__name__}")
     return compute(agent.spec, as_block_ids(blocks, agent.spec.num_blocks, "digest"), cells=cells,
                    algorithm=algorithm, rows=rows)
 

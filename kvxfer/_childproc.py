@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from .deadlines import readable
+from .deadlines import readable, writable
 
 __all__ = ["Child", "Clock", "MAX_INPUT", "NATIVE_FAULTS", "PINNING_ENV", "ask", "end", "read_exact", "serve",
            "unpin_self"]
@@ -138,6 +138,11 @@ class Child:
             if log:
                 err.close()
         self.pid = self.proc.pid
+        assert self.proc.stdin is not None
+        # Writes never block: a stopped helper that reads nothing must not hold a caller past
+        # its deadline (a frame larger than the pipe would otherwise block in write()).
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self.unsent = memoryview(b"")  # what send() had not written when its deadline passed
         self.uses = 0
         self.epoch = 0  # whose generation of helpers it belongs to (the owner's business)
         self.ended: str | None = None
@@ -152,13 +157,34 @@ class Child:
         except OSError:
             return 0
 
-    def send(self, op: bytes, payload: bytes) -> bool:
+    def send(self, op: bytes, payload: bytes, deadline: float | None = None) -> bool | str:
+        """Write one frame: True once written, False if the helper is gone, ``"late"`` when
+        ``deadline`` (monotonic) passed first; the rest is then in :attr:`unsent`, for
+        :meth:`send_rest` (the helper has read part of a frame and expects the remainder)."""
+        self.unsent = memoryview(FRAME.pack(op, len(payload)) + payload)
+        return self.send_rest(deadline)
+
+    def send_rest(self, deadline: float | None = None) -> bool | str:
+        """Write what :meth:`send` left unsent; the same answers."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(FRAME.pack(op, len(payload)) + payload)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
+            fd = self.proc.stdin.fileno()
+        except ValueError:  # closed by end()
             return False
+        while self.unsent:
+            left = _TICK if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return "late"
+            if not writable(fd, min(left, _TICK)):
+                continue
+            try:
+                n = os.write(fd, self.unsent)
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, OSError, ValueError):
+                self.unsent = memoryview(b"")
+                return False
+            self.unsent = self.unsent[n:]
         return True
 
     def reply(self, budget: float, deadline: float, kinds: tuple[bytes, ...] = (b"K", b"R"),

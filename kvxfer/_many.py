@@ -28,6 +28,8 @@ def post_many(agent: Any, op: Op, local_blocks: Any, remote_blocks: Mapping[str,
     deadline = time.monotonic() + agent.timeout
     if op not in agent.backend.capabilities.ops:
         raise UnsupportedError(f"backend {agent.backend_name!r} does not support {op.value}")
+    if notify is not None and not isinstance(notify, (bytes, bytearray)):
+        raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
     if not isinstance(remote_blocks, Mapping) or not remote_blocks:
         raise InvalidArgumentError("remote_blocks must map each peer's name to its block ids")
     if agent.spec is None:

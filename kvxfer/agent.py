@@ -24,13 +24,14 @@ from .errors import (
     SpecError,
     StalePeerError,
     TransferTimeoutError,
+    UnknownOptionError,
     UnknownPeerError,
     UnsupportedError,
 )
-from .geometry._discover import spec_from_tensors
+from .geometry._discover import DISCOVERY_OPTIONS, spec_from_tensors
 from .group import TransferGroup
 from .geometry._spec import KVCacheSpec
-from .memory import Op
+from .memory import Op, as_op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
 from .pairing._templates import Pairing, pair
@@ -69,6 +70,15 @@ class Peer:
     prepared: dict[Any, Any] = field(default_factory=dict)
     pairing: Pairing | Gather | None = None
     source: bool = False  # added by add_source: may hold only part of our cache
+
+
+def _store(store: Any) -> Any:
+    """``store`` if it is a :class:`kvxfer.Store` (imported here: the store is optional)."""
+    from .store import Store
+
+    if not isinstance(store, Store):
+        raise InvalidArgumentError(f"offload/restore take a kvxfer.Store, got {type(store).__name__}")
+    return store
 
 
 class Agent:
@@ -132,6 +142,10 @@ class Agent:
         :meth:`close`, so temporaries cannot be freed while transfers may touch them.
         """
         self._check_open()
+        unknown = sorted(set(options) - DISCOVERY_OPTIONS)
+        if unknown:
+            raise UnknownOptionError(f"register() has no option {unknown[0]!r}; its options: "
+                                     f"{', '.join(sorted(DISCOVERY_OPTIONS))}", tuple(sorted(DISCOVERY_OPTIONS)))
         if self.spec is not None:
             raise SpecError("a KV cache is already registered; deregister() it first")
         if isinstance(kv, KVCacheSpec):
@@ -319,7 +333,7 @@ class Agent:
     def plan(self, peer: str, local_blocks: Any, remote_blocks: Any, op: Op | str = Op.READ) -> TransferPlan:
         """The plan :meth:`read`/:meth:`write` would post (for inspection and benchmarks)."""
         self._check_open()
-        return self._plan(self._peer(peer), local_blocks, remote_blocks, Op(op))
+        return self._plan(self._peer(peer), local_blocks, remote_blocks, as_op(op))
 
     def _plan(self, peer: Peer, local_blocks: Any, remote_blocks: Any, op: Op) -> TransferPlan:
         if self.spec is None:
@@ -344,11 +358,11 @@ class Agent:
 
     def offload(self, store: Any, local_blocks: Any, keys: Sequence[bytes]) -> Transfer:
         """Write ``local_blocks`` to a :class:`kvxfer.Store` under ``keys`` (docs/storage.md)."""
-        return store.offload(self, local_blocks, keys)
+        return _store(store).offload(self, local_blocks, keys)
 
     def restore(self, store: Any, keys: Sequence[bytes], local_blocks: Any) -> Transfer:
         """Read the rows a :class:`kvxfer.Store` holds under ``keys`` into ``local_blocks``."""
-        return store.restore(keys, self, local_blocks)
+        return _store(store).restore(keys, self, local_blocks)
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
                   notify: bytes | None, deadline: float | None = None, expect: Any = None) -> Transfer:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from .errors import InvalidTimeoutError
 
-__all__ = ["check_timeout", "current_deadline", "deadline_scope", "readable"]
+__all__ = ["check_timeout", "current_deadline", "deadline_scope", "readable", "writable"]
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvxfer_deadline", default=None)
 
@@ -40,6 +40,13 @@ def readable(fd: int, timeout: float) -> bool:
     engine process can hold more than 1,024 descriptors, where ``select`` raises."""
     p = select.poll()
     p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(max(0, int(timeout * 1000))))
+
+
+def writable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` takes bytes (or has failed) within ``timeout`` s; ``poll``, as :func:`readable`."""
+    p = select.poll()
+    p.register(fd, select.POLLOUT | select.POLLHUP | select.POLLERR)
     return bool(p.poll(max(0, int(timeout * 1000))))
 
 

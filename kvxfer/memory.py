@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, OutOfRegistrationError, SpecError
 
-__all__ = ["MemoryKind", "Op", "Allocation", "DescriptorList"]
+__all__ = ["MemoryKind", "Op", "Allocation", "DescriptorList", "as_op"]
 
 _U64_MAX = (1 << 64) - 1
 
@@ -40,6 +40,16 @@ class Op(str, enum.Enum):
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         raise InvalidArgumentError(f"op must be Op.READ or Op.WRITE ('READ' or 'WRITE'), got {value!r}")
+
+
+def as_op(value: object) -> Op:
+    """``Op(value)``, typed for any value: enum lookup compares a numpy array elementwise and
+    raises numpy's own ValueError before :meth:`Op._missing_` can refuse it."""
+    if type(value) is Op:
+        return value
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"op must be Op.READ or Op.WRITE ('READ' or 'WRITE'), got {type(value).__name__}")
+    return Op(value)
 
 
 def _int(name: str, value: Any, *, lo: int = 0, hi: int = _U64_MAX) -> int:

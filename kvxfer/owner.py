@@ -36,6 +36,7 @@ from .errors import (
     AgentClosedError,
     BackPressureError,
     HandshakeError,
+    InvalidArgumentError,
     KvxferError,
     MetadataError,
     TransferCancelledError,
@@ -59,6 +60,24 @@ _SPIN_S = 2e-3
 _MIN_NAP = 20e-6
 
 
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` (and what it was raised from) without tracebacks: their frames hold the fetched
+    metadata (``add_peer``'s argument), which would live as long as any transfer's error."""
+    e: BaseException | None = exc
+    for _ in range(8):
+        if e is None:
+            break
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"a peer is named by a string (a route's key or a peer's name), "
+                                   f"got {type(key).__name__}")
+
+
 class Owner:
     """Owns ``agent`` on a thread of its own; see the module docstring.
 
@@ -68,8 +87,11 @@ class Owner:
 
     def __init__(self, agent: Agent, *, max_pending: int = 4096, max_pending_per_peer: int = 512, burst: int = 8,
                  add_peer_timeout: float | None = None, close_agent: bool = True, name: str | None = None) -> None:
-        if max_pending < 1 or max_pending_per_peer < 1 or burst < 1:
-            raise ValueError("max_pending, max_pending_per_peer and burst must be at least 1")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                   for n in (max_pending, max_pending_per_peer, burst)):
+            raise InvalidArgumentError("max_pending, max_pending_per_peer and burst must be integers of at least 1")
+        if not isinstance(agent, Agent):
+            raise InvalidArgumentError(f"Owner owns a kvxfer.Agent, got {type(agent).__name__}")
         self.agent = agent
         self.max_pending, self.max_pending_per_peer, self.burst = max_pending, max_pending_per_peer, burst
         self.add_peer_timeout = None if add_peer_timeout is None else check_timeout(add_peer_timeout)
@@ -111,7 +133,8 @@ class Owner:
     def _submit(self, op: Op, key: str, local: Any, remote: Any, notify: bytes | None,
                 timeout: float | None, expect: Any = None) -> OwnedTransfer:
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
-            raise TypeError("notify must be bytes")
+            raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
+        _check_key(key)
         limit = self.agent.timeout if timeout is None else check_timeout(timeout)
         t = OwnedTransfer(self, op, key, local, remote, None if notify is None else bytes(notify),
                           time.monotonic() + limit, limit)
@@ -142,6 +165,8 @@ class Owner:
         first transfer and again after a failure a restart explains. ``expect``: the agent
         name the metadata must carry (a different one fails the route's transfers).
         """
+        if not isinstance(key, str) or not callable(fetch) or not isinstance(expect, (str, type(None))):
+            raise InvalidArgumentError("route(key: str, fetch: a callable returning metadata bytes, expect: str | None)")
         with self._cond:
             self._check_open()
             r = self._routes.get(key)
@@ -152,10 +177,12 @@ class Owner:
 
     def connect(self, key: str) -> OwnedFuture[str]:
         """Fetch and add the route's peer now (if not already); the future holds its name."""
+        _check_key(key)  # checked here: on the loop, an unhashable key would end it
         return self._enqueue("connect", key)
 
     def refresh(self, key: str) -> None:
         """Fetch the route's metadata again before its next transfer (a restart was seen)."""
+        _check_key(key)
         self._enqueue("refresh", key)
 
     def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> OwnedFuture[str]:
@@ -167,6 +194,9 @@ class Owner:
         return self._enqueue("call", fn)
 
     def notify(self, peer: str, message: bytes) -> OwnedFuture[None]:
+        _check_key(peer)
+        if not isinstance(message, (bytes, bytearray)):  # bytes(5) would be five zero bytes
+            raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
         msg = bytes(message)
         return self._enqueue("call", lambda a: a.notify(self._peer_name(peer), msg))
 
@@ -245,18 +275,17 @@ class Owner:
             with self._cond:
                 if not self._inbox and not self._closing and not spinning:
                     self._cond.wait(self._idle_wait(delay))
-                ops = list(self._inbox)
-                self._inbox.clear()
+                ops, self._inbox = self._inbox, deque()
                 closing = self._closing
-            for op in ops:
-                self._apply(op)
+            had_ops = bool(ops)
+            self._apply_all(ops)
             if closing:
                 return
             moved = self._post_ready()
             now = time.monotonic()
             moved |= self._poll(now)
             self._expire_queued(now)
-            if moved or ops:
+            if moved or had_ops:
                 delay, busy_since = _MIN_NAP, now
             elif spinning:
                 time.sleep(0)  # yields the GIL: a model thread never waits a switch interval for us
@@ -268,6 +297,12 @@ class Owner:
             return delay
         waits = [t.deadline for r in self._routes.values() for t in r.queue]
         return max(1e-4, min(1.0, min(waits) - time.monotonic())) if waits else 1.0
+
+    def _apply_all(self, ops: deque[tuple[Any, ...]]) -> None:
+        """Apply and drop each op: none stays referenced while the loop waits (a fetched
+        peer's metadata can be hundreds of MB)."""
+        while ops:
+            self._apply(ops.popleft())
 
     def _apply(self, op: tuple[Any, ...]) -> None:
         kind = op[0]
@@ -350,7 +385,8 @@ class Owner:
                     raise MetadataError(f"route {route.key!r} serves agent {name!r}, not {route.expect!r}")
                 route.peer = name
             except BaseException as exc:
-                err = exc
+                err = _without_frames(exc)
+            md = None
         if err is not None:
             if not isinstance(err, KvxferError):
                 err = HandshakeError(f"fetching metadata of {route.key!r} failed: {type(err).__name__}: {err}")
@@ -391,7 +427,7 @@ class Owner:
                 finished = inner.done()
             except KvxferError as exc:
                 self._end(t, exc)
-                self._maybe_refresh(self._routes[t.route], exc)
+                self._maybe_refresh(self._routes.get(t.route), exc)
                 moved = True
                 continue
             if finished:
@@ -399,7 +435,7 @@ class Owner:
                 moved = True
             elif inner.expire(now):
                 self._end(t, inner.error)
-                self._maybe_refresh(self._routes[t.route], inner.error)
+                self._maybe_refresh(self._routes.get(t.route), inner.error)
                 moved = True
         return moved
 
@@ -413,8 +449,8 @@ class Owner:
                         f"{t.op.value} from {route.key!r} waited {t.timeout:g} s for the {what} the peer; "
                         "nothing was posted"))
 
-    def _maybe_refresh(self, route: Route, exc: BaseException | None) -> None:
-        if route.fetch is not None and isinstance(exc, REFRESH_ON) and not route.fetching:
+    def _maybe_refresh(self, route: Route | None, exc: BaseException | None) -> None:
+        if route is not None and route.fetch is not None and isinstance(exc, REFRESH_ON) and not route.fetching:
             route.peer = None
             if route.queue:
                 self._handshake(route)
@@ -446,12 +482,23 @@ class Owner:
         self._inflight.pop(t, None)
         with self._cond:
             self._held -= 1
-            self._routes[t.route].held -= 1
+            route = self._routes[t.route]
+            route.held -= 1
+            self._forget_idle(route)
         if error is None:
             t.stats = t._inner.stats if t._inner is not None else t.stats
             t._done()
         else:
             t._fail(error)
+
+    def _forget_idle(self, route: Route) -> None:
+        """Under the lock: drop a route named only by submissions once it holds nothing.
+
+        The next submission builds the same route again, so 20,000 unknown names leave
+        nothing behind; routes named by :meth:`route` (how to fetch a peer) are kept.
+        """
+        if route.fetch is None and not route.held and not route.queue and not route.waiters:
+            self._routes.pop(route.key, None)
 
     def _shutdown(self) -> None:
         """Everything held ends DONE or typed; then the agent closes (see :meth:`close`)."""

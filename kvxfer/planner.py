@@ -21,16 +21,20 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
-                     LayoutMismatchError)
+                     InvalidArgumentError, LayoutMismatchError)
 from .geometry._spec import Granularity, KVCacheSpec
 from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
-from .memory import DescriptorList, Op
+from .memory import DescriptorList, Op, as_op
 from .pairing._templates import Group, Pairing, cached_pairing, pair
 from .pairing._reshard import Gather
 from .pairing._sliced import may_merge as _may_merge
 
 __all__ = ["plan", "plan_gather", "TransferPlan", "Leg", "ExplicitLeg", "SlicedLeg", "SpecLeg",
            "as_block_ids", "check_unique"]
+
+
+#: Block ids one request may name (128 MiB as int64): a lazy ``range`` is refused, not expanded.
+MAX_BLOCK_IDS = 1 << 24
 
 
 def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
@@ -44,6 +48,13 @@ def as_block_ids(blocks: Any, num_blocks: int, side: str) -> np.ndarray:
     elif isinstance(blocks, (str, bytes, bytearray, memoryview)):
         raise BlockIdTypeError(f"{side} block ids must be a sequence of integers, got {type(blocks).__name__}")
     else:
+        if hasattr(blocks, "__len__") and len(blocks) > MAX_BLOCK_IDS:  # range(10**9) would be 8 GB
+            raise BlockCountMismatchError(f"{side}: {len(blocks)} block ids in one request; at most {MAX_BLOCK_IDS}")
+        if isinstance(blocks, (list, tuple)):  # numpy would turn [0, True] into [0, 1]: look first
+            kinds = set(map(type, blocks))  # one C-level pass, no Python loop per id
+            if bool in kinds or np.bool_ in kinds:
+                raise BlockIdTypeError(f"{side} block ids must be integers, got a bool among them; "
+                                       "True is not block 1")
         try:
             arr = np.asarray(blocks)
         except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot hold
@@ -195,7 +206,10 @@ def plan(local_spec: KVCacheSpec, remote_spec: KVCacheSpec, local_blocks: Any, r
     :class:`~kvxfer.pairing._reshard.Gather` pairing (another TP size, PP stage or block size) is
     planned by :mod:`kvxfer.pairing._reshard`.
     """
-    op = op if type(op) is Op else Op(op)
+    op = as_op(op)
+    if not isinstance(local_spec, KVCacheSpec) or not isinstance(remote_spec, KVCacheSpec):
+        raise InvalidArgumentError(f"plan() takes two KVCacheSpecs, got {type(local_spec).__name__} and "
+                                   f"{type(remote_spec).__name__}")
     if isinstance(pairing, Gather) and pairing.matches(local_spec, remote_spec):
         return plan_gather(pairing, local_spec, {"": remote_spec}, local_blocks, remote_blocks, op)[""]  # type: ignore[no-any-return]
     if not coalesce and isinstance(pairing, Pairing) and pairing.matches(local_spec, remote_spec):
@@ -290,7 +304,7 @@ def plan_gather(g: Gather, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec
     Remote id ``j`` lands in local block ``local_blocks[j // k]`` at token ``(j % k) * remote
     block tokens``; the last local block may be partly covered.
     """
-    op = Op(op)
+    op = as_op(op)
     if g.missing:
         raise LayoutMismatchError(
             "no peer given holds every page this rank needs; read the other tensor- or pipeline-parallel "

@@ -192,8 +192,11 @@ class Prover:
         for attempt in (1, 2):
             child = self._checkout(what, deadline)
             clock = Clock(child.pid)
-            got = child.reply(self.timeout, deadline, clock=clock) if child.send(b"P", data) else "crash"
+            sent = child.send(b"P", data, deadline)
+            got = child.reply(self.timeout, deadline, clock=clock) if sent is True else "late" if sent == "late" \
+                else "crash"
             if got == "late":
+                clock.tick()  # a helper that never read the frame was never asked to answer either
                 self._count("late")
                 self._count("unavailable")
                 pending.handed_off = True
@@ -241,7 +244,10 @@ class Prover:
     def _finish(self, child: Child, clock: Clock, digest: bytes, what: str, pending: _Pending) -> None:
         """Wait on for a late probe's answer, so that its verdict is remembered for the next caller."""
         try:
-            got = child.reply(self.timeout, time.monotonic() + 4 * self.timeout, clock=clock)
+            until = time.monotonic() + 4 * self.timeout
+            sent = child.send_rest(until)  # the part of the frame the caller's deadline left unwritten
+            got = child.reply(self.timeout, until, clock=clock) if sent is True else "late" if sent == "late" \
+                else "crash"
             if got == "late":
                 child.end()
                 self._retire(child)

@@ -151,3 +151,93 @@ def test_only_kvxfer_errors_leave_the_public_api(pair: Any) -> None:
             if isinstance(result, kvxfer.Transfer):
                 result.wait(timeout=10)
     assert not leaks, "\n".join(leaks)
+
+
+@pytest.mark.parametrize("ids", [[0, True], [np.True_, 5], (np.bool_(False), 2)])
+def test_a_bool_among_integer_block_ids_is_refused(pair: Any, ids: Any) -> None:
+    _, decode, peer, _, dst = pair
+    with pytest.raises(BlockIdTypeError, match="bool"):
+        decode.read(peer, ids, [3, 4])
+    with pytest.raises(BlockIdTypeError, match="bool"):
+        decode.read(peer, [3, 4], ids)
+    assert (dst == 0xAA).all()
+
+
+def test_control_numpy_turns_a_mixed_bool_into_block_one(pair: Any) -> None:
+    """Why the check looks before converting: the converted list is plain integers, True is 1."""
+    _, decode, peer, src, dst = pair
+    converted = np.asarray([0, True])
+    assert converted.dtype.kind == "i"
+    decode.read(peer, [3, 4], converted).wait(timeout=10)
+    assert (dst[4] == src[1]).all() and (dst[3] == src[0]).all()
+
+
+def test_register_refuses_unknown_options_and_wrong_types() -> None:
+    kv = {"kv": np.zeros((8, 64), np.uint8)}
+    with kvxfer.Agent("r") as a:
+        with pytest.raises(UnknownOptionError, match="no option 'unknown_option'") as ei:
+            a.register(kv, unknown_option=1)
+        assert "kv_heads" in ei.value.valid
+        for bad in ({"kv_heads": "8"}, {"kv_heads": 0}, {"block_tokens": 1.5}, {"layout": 5}, {"dims": 5},
+                    {"replicated": 5}, {"replicated": "kv"}, {"replicated": [1]}, {"tp_size": "2"},
+                    {"tp_rank": -1}, {"kv_dim": True}):
+            with pytest.raises(KvxferError):
+                a.register(kv, **bad)
+            assert a.spec is None
+        assert a.register(kv, tp_size=1, replicated={"kv"}).members[0].replicated  # control
+
+
+def test_register_of_too_many_arrays_is_refused_before_walking_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.geometry._discover as discover
+    from kvxfer.errors import SpecError
+    from kvxfer.geometry._spec import MAX_ALLOCATIONS, MAX_MEMBERS
+
+    seen = []
+    real = discover._describe
+    monkeypatch.setattr(discover, "_describe", lambda n, x: seen.append(n) or real(n, x))
+    one = np.zeros((4, 16), np.uint8)
+    with kvxfer.Agent("r") as a:
+        with pytest.raises(SpecError, match="entries"):
+            a.register(dict.fromkeys((f"l{i}" for i in range(MAX_MEMBERS + 1)), one))
+        assert seen == []  # counted, not walked
+        with pytest.raises(SpecError, match="separate storages"):
+            a.register({f"l{i}": np.zeros((4, 16), np.uint8) for i in range(5000)})
+        assert len(seen) == MAX_ALLOCATIONS + 1  # stopped at the first storage past the bound
+        seen.clear()
+        assert len(a.register({f"l{i}": np.zeros((4, 16), np.uint8) for i in range(400)}).allocations) == 400
+
+
+def test_store_arguments_are_typed(tmp_path: Any) -> None:
+    from kvxfer.errors import StoreError
+
+    kv = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8).reshape(4, 4096)
+    back = np.full_like(kv, 0xAA)
+    with kvxfer.Agent("s") as a:
+        spec = a.register({"kv": kv})
+        file = tmp_path / "file"
+        file.write_bytes(b"x")
+        for path in ("", "a\0b", str(file), b"", 5, None):
+            with pytest.raises(KvxferError):
+                kvxfer.Store(path, capacity=1 << 16, layout=spec)
+        with kvxfer.Store(tmp_path / "s", capacity=1 << 16, layout=spec) as store:
+            for keys in (b"key", "key", None, 5, [None], [b""]):
+                for call in (store.lookup, store.prefix, store.discard,
+                             lambda k: store.offload(a, [0], k), lambda k: store.restore(k, a, [0]),
+                             lambda k: a.offload(store, [0], k), lambda k: a.restore(store, k, [0])):
+                    with pytest.raises(KvxferError):
+                        call(keys)
+            for not_a_store in (None, "store", object(), tmp_path):
+                with pytest.raises(InvalidArgumentError):
+                    a.offload(not_a_store, [0], [b"k"])
+                with pytest.raises(InvalidArgumentError):
+                    a.restore(not_a_store, [b"k"], [0])
+            with pytest.raises(InvalidArgumentError):
+                store.offload(object(), [0], [b"k"])
+            with pytest.raises(StoreError):
+                store.restore([b"never stored"], a, [0]).wait(10)
+            # Control: the right arguments move the right bytes.
+            a.offload(store, [1, 3], [b"k1", b"k3"]).wait(10)
+            a.deregister()
+            a.register({"kv": back})
+            a.restore(store, [b"k3"], [0]).wait(10)
+            assert (back[0] == kv[3]).all() and (back[1:] == 0xAA).all()

@@ -90,14 +90,53 @@ def test_replicated_true_on_a_gqa_share_is_refused_when_kv_heads_is_known() -> N
         assert a.spec is None
 
 
-def test_control_without_kv_heads_replicated_gqa_pairs_wrong_heads() -> None:
-    """Why the refusal matters: told nothing, kvxfer believes replicated=True and pairs ranks 0 and 1."""
-    X, (a0, a1), ranks = _ranks({"replicated": True})
-    try:
-        a0.add_peer(a1.metadata())  # accepted: the pages claim to be identical on every rank
-    finally:
-        a0.close()
-        a1.close()
+def _wrong_heads_read(opts: dict[str, object], ranks_opts: list[dict[str, object]]) -> np.ndarray:
+    """Decode rank 0 (registered with ``opts``) reads rank 1's blocks; returns the heads that landed."""
+    X = logical(L, B, T, H, D)
+    r1 = gqa_rank(list(range(L)), B, T, heads_of(1, 2, H), D, "HND", X)
+    dec = gqa_rank(list(range(L)), B, T, heads_of(0, 2, H), D, "HND")
+    with kvxfer.Agent("r1") as a1, kvxfer.Agent("d") as d:
+        a1.register(r1.tensors(), tp_size=2, **ranks_opts[0])
+        d.register(dec.tensors(), tp_size=2, **opts)
+        d.add_peer(a1.metadata())  # accepted only because a registration claimed what is false
+        d.read("r1", LB, RB).wait(10)
+        assert untouched(dec.views[(0, 0)], LB)
+        return dec.views[(0, 0)][LB]
+
+
+def test_replicated_true_on_a_gqa_share_is_refused_without_kv_heads() -> None:
+    with pytest.raises(SpecError, match=r"layer\.0\.k: replicated=True with tp_size=2, .*nothing says it holds every"):
+        _ranks({"replicated": True})
+
+
+def test_control_without_kv_heads_replicated_gqa_pairs_wrong_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the refusal matters: with the check off, kvxfer believes replicated=True and rank 0 gets rank 1's heads."""
+    import kvxfer.geometry._discover as discover
+    monkeypatch.setattr(discover, "_replicated_heads", lambda *a: None)
+    got = _wrong_heads_read({"replicated": True, "tp_rank": 0}, [{"replicated": True, "tp_rank": 1}])
+    X = logical(L, B, T, H, D)
+    assert (got == X[0, 0][RB][:, :, H // 2:]).all()  # rank 1's heads 4..8 in rank 0's blocks
+
+
+def test_tp_size_without_tp_rank_is_refused() -> None:
+    rank = gqa_rank(list(range(L)), B, T, heads_of(1, 2, H), D, "HND")
+    with kvxfer.Agent("a") as a:
+        with pytest.raises(SpecError, match=r"tp_size=2 needs tp_rank="):
+            a.register(rank.tensors(), tp_size=2, kv_heads=H)
+        assert a.spec is None
+        with pytest.raises(SpecError, match=r"tp_rank must be an integer from 0 to 1"):
+            a.register(rank.tensors(), tp_size=2, tp_rank=2, kv_heads=H)
+        assert a.register(rank.tensors(), tp_size=2, tp_rank=1, kv_heads=H).members[0].shard.heads == (4, 8)
+
+
+def test_control_tp_rank_defaulting_to_zero_pairs_wrong_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old default: rank 1 registered without tp_rank claims rank 0's heads, and rank 0 reads them."""
+    import kvxfer.geometry._discover as discover
+    real = discover._tp
+    monkeypatch.setattr(discover, "_tp", lambda r, s: real(0 if r is None else r, s))
+    got = _wrong_heads_read({"tp_rank": 0, "kv_heads": H}, [{"kv_heads": H}])
+    X = logical(L, B, T, H, D)
+    assert (got == X[0, 0][RB][:, :, H // 2:]).all()
 
 
 def test_control_replicated_true_is_accepted_where_it_is_true() -> None:
@@ -115,3 +154,20 @@ def test_control_replicated_true_is_accepted_where_it_is_true() -> None:
         for l in range(L):
             assert (views[f"layer.{l}"][LB] == X[l][RB]).all()
             assert untouched(views[f"layer.{l}"], LB)
+
+
+def test_hidden_heads_pair_only_the_same_tp_rank() -> None:
+    """Heads flattened into the channel axis ([blocks, tokens, heads*dim]) cannot be named: such
+    pages pair only with the same TP rank and size (docs/geometry.md), never another rank's."""
+    rng = np.random.default_rng(9)
+    src = [rng.integers(0, 255, size=(B, T, H // 2 * D), dtype=np.uint8) for _ in range(2)]
+    dst = np.full((B, T, H // 2 * D), 0xAA, np.uint8)
+    with kvxfer.Agent("r0") as r0, kvxfer.Agent("r1") as r1, kvxfer.Agent("d") as d:
+        r0.register({"l0": src[0]}, tp_rank=0, tp_size=2)
+        r1.register({"l0": src[1]}, tp_rank=1, tp_size=2)
+        d.register({"l0": dst}, tp_rank=0, tp_size=2)
+        with pytest.raises(HeadSliceMismatchError):
+            d.add_peer(r1.metadata())
+        d.add_peer(r0.metadata())  # control: the same rank pairs and moves its own bytes
+        d.read("r0", LB, RB).wait(10)
+        assert (dst[LB] == src[0][RB]).all() and untouched(dst, LB)

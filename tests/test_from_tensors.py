@@ -98,7 +98,9 @@ def test_replication_options() -> None:
     assert not any(m.replicated for m in spec_from_arrays(views).members)  # head-split by default
     s = spec_from_arrays(views, replicated={"layer.1", "layer.3"})
     assert [m.replicated for m in s.members] == [False, True, False, True]
-    s = spec_from_arrays(views, replicated=lambda n: n.endswith("0"), tp_rank=1, tp_size=2)
+    # With TP, a replicated page states it is not split by heads: its dims name no heads axis.
+    dims = {n: "BNXD" if n.endswith("0") else "BNHD" for n in views}
+    s = spec_from_arrays(views, replicated=lambda n: n.endswith("0"), tp_rank=1, tp_size=2, dims=dims)
     assert [m.replicated for m in s.members] == [True, False, False, False]
     assert (s.tp_rank, s.tp_size) == (1, 2)
 

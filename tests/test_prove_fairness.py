@@ -245,3 +245,65 @@ def test_a_helper_is_not_pinned_to_its_parents_busy_core(tmp_path: Path, monkeyp
         spin.kill()
         spin.wait()
         p.close()
+
+
+def _blocking_send(child: Any, op: bytes, payload: bytes, deadline: float | None = None) -> bool:
+    """What ``Child.send`` did before: the whole frame into a blocking pipe, no deadline."""
+    fd = child.proc.stdin.fileno()
+    os.set_blocking(fd, True)
+    os.write(fd, prove_frame(op, payload))  # a blocking pipe write returns once all is written
+    return True
+
+
+def prove_frame(op: bytes, payload: bytes) -> bytes:
+    from kvxfer._childproc import FRAME
+    return FRAME.pack(op, len(payload)) + payload
+
+
+def _stopped_helper_big_blob(tmp_path: Path, control: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blob 4x a pipe's capacity, offered to a SIGSTOPped helper with a 1 s deadline."""
+    if control:
+        monkeypatch.setattr(prove.Child, "send", _blocking_send)
+    log = tmp_path / "probed"
+    p = Prover(TARGET, {"log": str(log)}, timeout=1.0)
+    blob = b"genuine " + bytes(range(256)) * 1024  # 256 KiB: 4,000 regions' worth of unsigned metadata
+    try:
+        p.start()
+        pid = p.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        call = Call(p, blob, deadline=time.monotonic() + 1.0)
+        call.start()
+        try:
+            if control:
+                # Past its deadline (by 3 s) the caller is still inside write(): the defect.
+                call.join(4.0)
+                assert call.is_alive() and p.stats["unavailable"] == 0
+                return
+            until(lambda: not call.is_alive(), "the call returned while the helper stays stopped")
+            assert _state(pid) == "T"  # it never ran: the call ended on its own deadline
+            assert isinstance(call.error, ProverUnavailableError) and call.error.reason == "stopped", call.error
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            call.join()
+        # The rest of the frame is written in the background; the verdict is remembered.
+        until(lambda: p.stats["proven"] == 1, "the late answer was recorded")
+        p.prove(blob)
+        assert seen(log) == [blob] and p.stats["cached"] == 1
+    finally:
+        p.close()
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2]
+
+
+def test_a_stopped_helper_cannot_hold_a_large_blobs_caller_past_its_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _stopped_helper_big_blob(tmp_path, False, monkeypatch)
+
+
+def test_control_a_blocking_write_holds_the_caller_past_its_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _stopped_helper_big_blob(tmp_path, True, monkeypatch)

@@ -30,16 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpecError
-from ._spec import KNOWN_LAYOUTS, KVCacheSpec, Member, PackedLayout, Region
+from ..errors import InvalidArgumentError, SpecError, UnknownOptionError
+from ._spec import KNOWN_LAYOUTS, MAX_ALLOCATIONS, MAX_MEMBERS, KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
 from ._pageformat import PageFormat, Shard
 
-__all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS"]
+__all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS", "DISCOVERY_OPTIONS"]
 
 Replication = bool | Iterable[str] | Callable[[str], bool]
 Dims = str | Mapping[str, str | Sequence[str]] | None
 
+#: The options :func:`spec_from_tensors` (and so ``Agent.register``) takes.
+DISCOVERY_OPTIONS = frozenset({"replicated", "tp_rank", "tp_size", "layout", "block_tokens", "kv_dim", "dims",
+                               "kv_heads"})
 #: Letters the ``dims`` option accepts, one per tensor dimension.
 DIM_LETTERS = "BLKNHDSX"
 _HINT = ("pass dims={name: letters}, one letter per dimension: B blocks, L layers, K the K/V pair (size 2), "
@@ -224,11 +227,16 @@ def _layer_of(name: str) -> int | None:
 
 
 def _replication(replicated: Replication) -> Callable[[str], bool]:
-    if isinstance(replicated, bool):
-        return lambda _n: replicated
+    if isinstance(replicated, (bool, np.bool_)):
+        return lambda _n: bool(replicated)
     if callable(replicated):
         return lambda n: bool(replicated(n))  # type: ignore[operator]
-    names = set(replicated)
+    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
+        raise InvalidArgumentError(f"replicated is True/False, a set of member names or a predicate, "
+                                   f"got {type(replicated).__name__}")
+    names = {n for n in replicated if isinstance(n, str)}
+    if len(names) != sum(1 for _ in replicated):
+        raise InvalidArgumentError("replicated names members by strings")
     return lambda n: n in names or n.rsplit(".", 1)[0] in names
 
 
@@ -246,6 +254,73 @@ def _shard(p: _Piece, tp_rank: int, tp_size: int, kv_heads: int | None) -> Shard
         raise SpecError(f"{p.name}: {h} heads per rank does not fit kv_heads={total} over TP size {tp_size}")
     first = tp_rank * total // tp_size
     return Shard(tp_rank, tp_size, (first, first + 1), total)
+
+
+def _replicated_heads(name: str, h: int | None, tp_size: int, kv_heads: int | None) -> None:
+    """Refuse a replicated page with a heads axis under TP when nothing says it holds every head.
+
+    If it were one rank's share, "identical on every rank" would pair ranks holding different
+    heads and move wrong heads without an error. ``kv_heads`` is the statement (checked against
+    the page by the caller), and a page whose dims name no heads axis is not split by heads.
+    """
+    if h is not None and tp_size > 1 and kv_heads is None:
+        raise SpecError(f"{name}: replicated=True with tp_size={tp_size}, but its page has a heads axis ({h} "
+                        "heads) and nothing says it holds every KV head; pass kv_heads= (the model's KV heads: "
+                        "accepted when the page holds all of them), or register GQA/MHA pages without "
+                        "replicated=True (replicated=True is for pages identical on every rank: MLA, indexer)")
+
+
+def _check_options(layout: object, block_tokens: object, kv_dim: object, dims: object, kv_heads: object) -> None:
+    """Types of the discovery options, before any of them is used."""
+    for name, v, hi in (("block_tokens", block_tokens, 1 << 24), ("kv_dim", kv_dim, 64), ("kv_heads", kv_heads, 1 << 16)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"{name} must be an integer or None, got {type(v).__name__}")
+        if not (0 if name == "kv_dim" else 1) <= v <= hi:
+            raise SpecError(f"{name}={v} is out of range")
+    if layout is not None and not isinstance(layout, str):
+        raise InvalidArgumentError(f"layout must be a string or None, got {type(layout).__name__}")
+    if dims is not None and not isinstance(dims, (str, Mapping)):
+        raise InvalidArgumentError(f"dims must be a string of letters or a mapping per entry, got {type(dims).__name__}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _spans(spans: object) -> list[tuple[int, int, int]]:
+    """``(pointer, nbytes, device)`` spans, each three integers; at most a spec's allocations."""
+    if not isinstance(spans, (list, tuple)) or not 0 < len(spans) <= MAX_ALLOCATIONS or not all(
+            isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and 0 <= v < 1 << 64 for v in s)
+            for s in spans):
+        raise InvalidArgumentError(f"spans are (pointer, nbytes, device) tuples of integers, 1 to {MAX_ALLOCATIONS} "
+                                   f"of them, got {spans!r:.80}")
+    return [(int(s[0]), int(s[1]), int(s[2])) for s in spans]
+
+
+def _pointer_members(members: object) -> list[Member | tuple[str, int]]:
+    """Members as :class:`Member` objects or ``(name, size)`` pairs; at most a spec's members."""
+    if not isinstance(members, (list, tuple)) or not 0 < len(members) <= MAX_MEMBERS or not all(
+            isinstance(m, Member) or (isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], str)
+                                      and _is_int(m[1]) and 0 < m[1] < 1 << 63) for m in members):
+        raise InvalidArgumentError(f"members are Member objects or (name, size) pairs, 1 to {MAX_MEMBERS} of them, "
+                                   f"got {members!r:.80}")
+    return list(members)
+
+
+def _tp(tp_rank: object, tp_size: object) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` checked: a TP size above 1 without a rank would claim rank 0's heads."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or not 1 <= tp_size <= 1 << 16:
+        raise SpecError(f"tp_size must be an integer from 1 to 65536, got {tp_size!r}")
+    if tp_rank is None:
+        if tp_size > 1:
+            raise SpecError(f"tp_size={tp_size} needs tp_rank= (this worker's rank, 0 to {tp_size - 1}); without it "
+                            "the pages would be registered as rank 0's heads")
+        return 0, 1
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
+        raise SpecError(f"tp_rank must be an integer from 0 to {int(tp_size) - 1}, got {tp_rank!r}")
+    return int(tp_rank), int(tp_size)
 
 
 def _entries(name: str, x: Any, dims: Any) -> list[tuple[str, Any, str, str | None]]:
@@ -273,24 +348,39 @@ def _one(d: Any) -> str | None:
     raise SpecError(f"dims must be a string of letters, got {d!r}")
 
 
-def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication = False, tp_rank: int = 0,
+def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication = False, tp_rank: int | None = None,
                       tp_size: int = 1, layout: str | None = None, block_tokens: int | None = None,
                       kv_dim: int | None = None, dims: Dims = None, kv_heads: int | None = None) -> KVCacheSpec:
     """Build a spec from ``{name: tensor | array | (k, v) | (conv, ssm) | {suffix: tensor}}``.
 
     ``replicated``: True/False for every member, a set of names, or a predicate. True means
     every TP rank holds identical bytes (MLA latent caches); False (the default, the safe
-    answer) means pages hold this rank's heads and pair only with the same heads.
+    answer) means pages hold this rank's heads and pair only with the same heads. With
+    ``tp_size > 1``, ``tp_rank`` is required, and a replicated page with a heads axis needs
+    ``kv_heads`` (it must hold all of them): the caller's statement that no rank holds others.
     ``dims``: letters naming each dimension, for all tensors or per entry name (see
     :data:`DIM_LETTERS`); needed only for shapes that are not recognised.
     ``kv_heads``: the model's total KV heads, when the TP size may exceed it.
     ``kv_dim``: split each page into ``.k``/``.v`` members along that dimension.
     The returned spec keeps the tensors alive for as long as it exists.
     """
+    return _discover(kv_caches, replicated, tp_rank, tp_size, layout, block_tokens, kv_dim, dims, kv_heads, False)
+
+
+def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: int | None, tp_size: int,
+              layout: str | None, block_tokens: int | None, kv_dim: int | None, dims: Dims, kv_heads: int | None,
+              heads_stated: bool) -> KVCacheSpec:
+    """:func:`spec_from_tensors`; ``heads_stated``: the caller (a spec file, which gives every
+    replicated member's heads as the whole model's) has said each replicated page holds every head."""
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise SpecError("kv_caches must be a non-empty mapping of name -> tensor")
+    if len(kv_caches) > MAX_MEMBERS:  # each entry is at least one member: refused before walking them
+        raise SpecError(f"kv_caches has {len(kv_caches)} entries; a spec holds at most {MAX_MEMBERS} members")
+    tp_rank, tp_size = _tp(tp_rank, tp_size)
+    _check_options(layout, block_tokens, kv_dim, dims, kv_heads)
     pieces: list[_Piece] = []
     keep: list[Any] = []
+    storages: set[tuple[MemoryKind, int, int]] = set()
     for name, x in kv_caches.items():
         if not isinstance(name, str) or not name:
             raise SpecError(f"layer names must be non-empty strings, got {name!r}")
@@ -298,6 +388,10 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
         for base, tensor, form, dd in _entries(name, x, d):
             t = _describe(base, tensor)
             keep.append(tensor)
+            storages.add((t.kind, t.device, t.storage_ptr))
+            if len(storages) > MAX_ALLOCATIONS:
+                raise SpecError(f"{base}: more than {MAX_ALLOCATIONS} separate storages; a spec holds at most "
+                                f"{MAX_ALLOCATIONS} allocations (views of one storage count once)")
             kd = kv_dim if form == "tensor" else None
             if kd is not None and (not 0 <= kd < len(t.shape) or t.shape[kd] != 2):
                 raise SpecError(f"{base}: kv_dim={kd} needs size 2 there, shape is {t.shape}")
@@ -310,6 +404,8 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
                 letters = _auto_dims(t, form)
             role = ("k" if base.endswith(".k") else "v") if form == "kv" else ""
             pieces += _pieces(name, base, t, letters, role, kd)
+            if len(pieces) > MAX_MEMBERS:
+                raise SpecError(f"{base}: more than {MAX_MEMBERS} members; a spec holds at most {MAX_MEMBERS}")
     is_rep = _replication(replicated)
     members_of = {p.name: p for p in pieces}
     if len(members_of) != len(pieces):
@@ -324,6 +420,8 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
             raise SpecError(f"{p.name}: replicated=True, but its page holds {h} of the model's kv_heads={kv_heads} "
                             "KV heads, so other TP ranks hold other heads; register GQA/MHA pages with tp_rank= "
                             "and tp_size= (replicated=True is for pages identical on every rank: MLA, indexer)")
+        if rep and not heads_stated:
+            _replicated_heads(p.name, h, tp_size, kv_heads)
         shard = None if rep else _shard(p, tp_rank, tp_size, kv_heads)
         return Member(p.name, p.page_bytes, offset, rep, p.page, p.role, shard, p.layer)
 
@@ -348,13 +446,13 @@ def spec_from_tensors(kv_caches: Mapping[str, Any], *, replicated: Replication =
             regions.append(Region(ai, p.ptr - p.t.storage_ptr, p.num_blocks,
                                   PackedLayout(p.block_stride, (member(p, 0),))))
             block_outer = False
+    several_layers = len({p.entry if p.layer is None else (p.entry, p.layer) for p in pieces}) > 1
     for (ai, stride, nb), group in packed.items():
         regions.append(Region(ai, 0, nb, PackedLayout(stride, tuple(member(p, p.ptr - p.t.storage_ptr)
                                                                     for p in group))))
         # A storage of its own per layer (even one holding that layer's K and V per block)
         # is layer-outermost: block-outermost means one row holds several layers' pages.
-        if len({p.entry if p.layer is None else (p.entry, p.layer) for p in pieces}) > 1 and \
-                len({p.entry if p.layer is None else (p.entry, p.layer) for p in group}) < 2:
+        if several_layers and len({p.entry if p.layer is None else (p.entry, p.layer) for p in group}) < 2:
             block_outer = False
 
     if layout is None:
@@ -392,6 +490,12 @@ def _block_tokens(pieces: Sequence[_Piece]) -> int:
 
 def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpec:
     """numpy arrays in host memory; same rules and options as :func:`spec_from_tensors`."""
+    if not isinstance(kv_caches, Mapping) or not kv_caches:
+        raise SpecError("kv_caches must be a non-empty mapping of name -> array")
+    unknown = sorted(set(options) - DISCOVERY_OPTIONS)
+    if unknown:
+        raise UnknownOptionError(f"spec_from_arrays() has no option {unknown[0]!r}; its options: "
+                                 f"{', '.join(sorted(DISCOVERY_OPTIONS))}", tuple(sorted(DISCOVERY_OPTIONS)))
     for name, x in kv_caches.items():
         items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else (x,)
         if not all(isinstance(i, np.ndarray) for i in items):
@@ -402,7 +506,7 @@ def spec_from_arrays(kv_caches: Mapping[str, Any], **options: Any) -> KVCacheSpe
 def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, int], *, num_blocks: int,
                        members: Sequence[Member | tuple[str, int]], layout: str = "BLHNC",
                        kind: MemoryKind | str = MemoryKind.DRAM, block_stride: int | None = None,
-                       replicated: Replication = False, block_tokens: int = 1, tp_rank: int = 0,
+                       replicated: Replication = False, block_tokens: int = 1, tp_rank: int | None = None,
                        tp_size: int = 1) -> KVCacheSpec:
     """Build a spec from raw ``(pointer, nbytes, device)`` spans and an explicit geometry.
 
@@ -414,7 +518,15 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
     """
     if isinstance(spans, tuple) and len(spans) == 3 and all(isinstance(s, (int, np.integer)) for s in spans):
         spans = [spans]  # type: ignore[list-item]
-    spans = [(int(s[0]), int(s[1]), int(s[2])) for s in spans]  # type: ignore[index]
+    tp_rank, tp_size = _tp(tp_rank, tp_size)
+    spans = _spans(spans)
+    members = _pointer_members(members)
+    for name, v in (("num_blocks", num_blocks), ("block_tokens", block_tokens), ("block_stride", block_stride)):
+        if (v is not None or name != "block_stride") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                                          or v < 1):
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r:.60}")
+    if not isinstance(layout, str) or not isinstance(kind, (str, MemoryKind)) or kind not in ("DRAM", "VRAM"):
+        raise InvalidArgumentError(f"layout is a string and kind 'DRAM' or 'VRAM', got {layout!r:.60}, {kind!r:.60}")
     if layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
     is_rep = _replication(replicated)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import SpecError
 from ..memory import MemoryKind
-from ._discover import _Tensor, spec_from_tensors
+from ._discover import _discover, _Tensor
 from ._kinds import LayerGroup, MemberKind
 from ._spec import KVCacheSpec
 
@@ -134,6 +134,6 @@ def geometry_spec(g: Geometry, num_blocks: int, base: int) -> KVCacheSpec:
             raise SpecError(f"{entry}: an unnamed member must be the only one of its group")
         else:
             views[entry], dims[entry] = per, letters
-    return spec_from_tensors(views, dims=dims, replicated=g.replicated(), layout=g.layout,
-                             block_tokens=g.block_tokens, tp_rank=g.tp_rank, tp_size=g.tp_size,
-                             kv_heads=_kv_heads(g))
+    # A spec file gives a replicated member's heads as the model's: its page holds every one.
+    return _discover(views, g.replicated(), g.tp_rank, g.tp_size, g.layout, g.block_tokens, None, dims, _kv_heads(g),
+                     True)

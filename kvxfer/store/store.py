@@ -14,18 +14,18 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .. import lifecycle
 from ..deadlines import check_timeout
-from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, SpecError, StoreCorruptError, StoreError,
-                      StoreFullError, StoreMissError, UnsupportedError)
+from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArgumentError, SpecError,
+                      StoreCorruptError, StoreError, StoreFullError, StoreMissError, UnsupportedError)
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
-from ..planner import TransferPlan, as_block_ids, plan
+from ..planner import MAX_BLOCK_IDS, TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
@@ -41,9 +41,15 @@ __all__ = ["Store"]
 
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, str)):
-        raise TypeError("keys must be a sequence of bytes objects, one per block")
-    out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable) or \
+            getattr(keys, "ndim", 1) == 0:  # a 0-d array claims to be iterable and sized, and is neither
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, one per block, got {type(keys).__name__}")
+    if hasattr(keys, "__len__") and len(keys) > MAX_BLOCK_IDS:  # counted before walking (a lazy range)
+        raise InvalidArgumentError(f"{len(keys)} keys in one call; at most {MAX_BLOCK_IDS}")
+    try:
+        out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    except TypeError:  # an iterable that cannot be iterated (a 0-d array)
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, got {type(keys).__name__}") from None
     for k in out:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
             raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
@@ -301,6 +307,8 @@ class Store:
         (:mod:`.paths`), else the store's own ``preadv``/``pwritev``."""
         fp = None
         if not isinstance(spec, KVCacheSpec):
+            if not all(hasattr(spec, a) for a in ("_check_open", "spec", "backend")):  # an Agent (not imported: a cycle)
+                raise InvalidArgumentError(f"the store moves a KVCacheSpec's or an Agent's cache, got {type(spec).__name__}")
             agent = spec
             agent._check_open()
             spec = agent.spec
