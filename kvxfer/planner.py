@@ -25,7 +25,7 @@ from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTyp
 from .geometry._spec import Granularity, KVCacheSpec
 from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
 from .memory import DescriptorList, Op, as_op
-from .pairing._templates import Group, Pairing, cached_pairing, pair
+from .pairing._templates import Group, Pairing, cached_pairing
 from .pairing._reshard import Gather
 from .pairing._sliced import may_merge as _may_merge
 

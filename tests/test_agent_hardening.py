@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from common import GEOM, agent_pair
 import kvxfer
 from kvxfer.errors import (
-    BackendError,
     InvalidTimeoutError,
     KvxferError,
     MetadataError,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvxfer import Agent
-from kvxfer.errors import KvxferError, PeerDisconnectedError, TransferTimeoutError
+from kvxfer.errors import KvxferError, PeerDisconnectedError
 from kvxfer.testing import TwoProcessConformance
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.conformance import GEOM, _PeerProcess

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import SENTINEL, assert_rows_moved, pattern_rows
+from common import assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import CUDA_IPC, SAME_PROCESS, DevicePath, blob
 from kvxfer.cuda.copy import pieces

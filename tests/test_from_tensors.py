@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer import HeadSliceMismatchError, KVCacheSpec, Member, MemoryKind, Op, SpecError, TransferPlan, plan, spec_from_arrays, spec_from_pointers, spec_from_tensors
+from kvxfer import HeadSliceMismatchError, Member, MemoryKind, Op, SpecError, TransferPlan, plan, spec_from_arrays, spec_from_pointers, spec_from_tensors
 
 B, L, N, H, C = 6, 4, 4, 2, 8  # blocks, layers, tokens per block, heads, channels
 

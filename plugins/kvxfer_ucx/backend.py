@@ -47,7 +47,7 @@ from ._identity import here
 from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
-from ._paths import CopyPath, RmaPath, guarded
+from ._paths import CopyPath, RmaPath
 from ._peers import Peer as _Peer, Xfer as _Xfer
 from ._peerworkers import PeerWorkers
 from ._stuckslot import SlotWatch

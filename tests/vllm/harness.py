@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.testing import lines
-from kvxfer.testing.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
