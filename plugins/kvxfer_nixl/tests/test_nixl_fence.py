@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.testing import TwoProcessConformance
+from kvxfer.testing import BackendConformance, TwoProcessConformance
 
 pytestmark = pytest.mark.nixl
 nixl = pytest.importorskip("nixl", reason="nixl is not installed: pip install -e '.[nixl]'")
@@ -40,6 +40,14 @@ class TestNixlTwoProcessTcpOwner(_OverTcp, TwoProcessConformance):
     backend = "nixl"
     options: dict[str, Any] = {}
     owned = True
+
+
+class TestNixlFencedEverywhere(BackendConformance):
+    """The one-process kit with every READ fenced and cut into pieces of two descriptors:
+    the bounce area under split posts, strided lists, notifications and cancel."""
+
+    backend = "nixl"
+    options: dict[str, Any] = {"fence_reads": True, "request_descriptors": 2}
 
 
 class _Unfenced(_OverTcp, TwoProcessConformance):
