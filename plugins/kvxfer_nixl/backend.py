@@ -82,11 +82,9 @@ class NixlBackend(Notifications, Files, Backend):
         from a token holder, who could send bad KV anyway (docs/design.md, section 8).
         ``True`` proves every blob, ``False`` none.
     ``fence_reads`` (default ``"auto"``)
-        land DRAM READs in a private registered area and copy them to the destination only
-        once DONE (:mod:`kvxfer_nixl._bounce`), for peers reached over a transport that cannot
-        recall a GET (UCX over TCP): without it a stopped peer that resumes writes into blocks
-        after their READ timed out. ``"auto"`` fences peers that UCX's transports reach only
-        over TCP (:func:`kvxfer_nixl._bounce.needs_fence`); ``True`` every peer, ``False`` none.
+        land DRAM READs in a private area copied out only once DONE (:mod:`kvxfer_nixl._bounce`),
+        so a stopped peer that resumes cannot write after the end. ``"auto"``: for peers UCX
+        reaches only over TCP, which cannot recall a GET; ``True`` every peer, ``False`` none.
     """
 
     name = "nixl"
@@ -384,10 +382,9 @@ class NixlBackend(Notifications, Files, Backend):
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
         path = choose(self._paths, local, remote)
-        if path is self._nixl_path and rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM:
-            h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True)
-        else:
-            h = path.start(op, local, li, remote, ri, rem.name, notification)
+        fence = path is self._nixl_path and rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
+        h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True) if fence else \
+            path.start(op, local, li, remote, ri, rem.name, notification)
         x = Xfer(path, h, rem, notification)
         if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
             x.pumped = True
