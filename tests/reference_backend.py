@@ -32,7 +32,7 @@ from kvxfer.spans import SpanIndex
 
 #: Every bug a mutant may inject; each is caught by at least one conformance case.
 BUGS = frozenset({"off-by-one", "remote-offset", "swap-direction", "early-done", "drop-descriptor",
-                  "ignore-notify", "eof-done", "dead-done"})
+                  "ignore-notify", "eof-done", "dead-done", "late-write"})
 CHUNK = 1 << 20
 
 
@@ -232,6 +232,8 @@ class ReferenceBackend(Backend):
         return xfer.done or ("early-done" in self.bugs and xfer.sent)
 
     def release(self, xfer: _Xfer) -> None:
+        if "late-write" in self.bugs:
+            return  # the bug: the end is reported while the reading thread may still write
         with xfer.lock:
             xfer.cancelled = True
             if xfer.sock is not None:

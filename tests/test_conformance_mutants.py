@@ -33,6 +33,7 @@ CASES = [
     ("mutant-early-done", TWO, "test_peer_killed_mid_read"),
     ("mutant-eof-done", TWO, "test_peer_killed_mid_read"),
     ("mutant-dead-done", TWO, "test_peer_killed_mid_write"),
+    ("mutant-late-write", TWO, "test_stopped_peer_writes_nothing_after_the_end"),
 ]
 
 

@@ -6,6 +6,15 @@ in the core, so a new transport stays small and every transport behaves the same
 order, what the core guarantees and what a backend promises are written down in
 ``docs/design.md`` (section "The seam"); the conformance suite in :mod:`kvxfer.testing`
 checks each promise.
+
+**The fence.** A transfer's end is final: once :meth:`Backend.poll` has returned True or
+raised, or :meth:`Backend.release` has returned, nothing more may land in the transfer's
+destination, whatever the peer does next (it may be stopped and resume, or answer late): the
+engine reuses those blocks at once. A transport that cannot recall a request in flight must
+make sure of it before it reports: wait for the request to settle, tear down the endpoint (and
+its worker, if the worker could still complete the request), or let the transfer land in a
+private buffer copied to the destination only once it is DONE. The kit's
+``test_stopped_peer_writes_nothing_after_the_end`` checks it (docs/design.md, section 7).
 """
 
 from __future__ import annotations
@@ -101,11 +110,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, xfer: Any) -> bool:
-        """True when done; False while pending; raises a :class:`~kvxfer.KvxferError` on failure."""
+        """True when done; False while pending; raises a :class:`~kvxfer.KvxferError` on failure.
+        True means every byte is there; True or an error means nothing more will land (the fence)."""
 
     @abc.abstractmethod
     def release(self, xfer: Any) -> None:
-        """Forget a transfer; if still pending, abort it (this is how the core cancels)."""
+        """Forget a transfer; if still pending, abort it (this is how the core cancels). Once it
+        returns nothing more lands in the destination, whether or not the transport could recall
+        the request (the fence, above); it returns in bounded time even if the peer is stopped."""
 
     def data_path(self, xfer: Any) -> str | None:
         """Which data path carries a posted transfer (reported in ``TransferStats.path``)."""

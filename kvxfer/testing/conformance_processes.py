@@ -248,6 +248,73 @@ class TwoProcessConformance(_Base):
             peer.close()
 
 
+    # -- the fence: a stopped peer writes nothing after the end (design.md §7) -------------
+    #: How long the READ from a stopped peer is waited on before it times out (``end="timeout"``),
+    #: and how long the destination is watched once the peer runs again. A loaded machine can
+    #: only shorten what the watch sees, never fail a backend that fences.
+    stop_wait: float = 1.0
+    stop_watch: float = 1.0
+
+    @pytest.mark.parametrize("end", ["timeout", "cancel"])
+    def test_stopped_peer_writes_nothing_after_the_end(self, end: str) -> None:
+        """The peer stops (SIGSTOP) with our READ in flight; the READ times out or is cancelled;
+        the peer resumes (SIGCONT). Once the READ has reported its end, not one more byte may
+        land in its destination: the engine has already reused those blocks."""
+        peer = self._spawn("packed", seed=41, name="stopped")
+        stopped = False
+        try:
+            dst = make_cache("packed", num_blocks=16, memory=self.memory, **GEOM)
+            with self.make_agent("local") as agent:
+                agent.register(dst.views, replicated=True)
+                name = agent.add_peer(peer.metadata)
+                agent.read(name, [15], [1]).wait(self.timeout)  # connected before the peer stops
+                before = dst.layer_pages()
+                os.kill(peer.pid, signal.SIGSTOP)
+                stopped = True
+                ended = "an error"
+                try:
+                    t = agent.read(name, DST_BLOCKS, SRC_BLOCKS)
+                    if end == "cancel":
+                        t.done()  # polled once, so the request is surely on its way
+                        t.cancel()
+                    t.wait(self.stop_wait)  # a cancelled transfer raises its cancellation at once
+                    ended = "DONE"
+                except KvxferError as exc:  # timed out, cancelled, or another typed end
+                    ended = type(exc).__name__
+                at_end = dst.layer_pages()
+                os.kill(peer.pid, signal.SIGCONT)
+                stopped = False
+                src = peer.pages()  # the peer answers again
+                # A fresh READ from the same peer ends DONE with the right bytes (the fence did not
+                # break the peer) and has come through whatever the stale request still sends.
+                try:
+                    agent.read(name, [14], [2]).wait(self.timeout)
+                except PeerDisconnectedError:  # a fence that closed the connection may say so: re-add
+                    agent.remove_peer(name)
+                    name = agent.add_peer(peer.metadata)
+                    agent.read(name, [14], [2]).wait(self.timeout)
+                deadline = time.monotonic() + self.stop_watch
+                while time.monotonic() < deadline and np.array_equal(dst.layer_pages()[:, :14], at_end[:, :14]):
+                    agent.progress()
+                    time.sleep(0.01)
+                after = dst.layer_pages()
+                late = int((after[:, :14] != at_end[:, :14]).any(axis=2).sum())
+                assert late == 0, (f"{late} pages of the READ's destination were written after it reported "
+                                   f"{ended}: a backend must fence before it reports the end")
+                want = expected_after(before, src, DST_BLOCKS + [14], SRC_BLOCKS + [2])
+                np.testing.assert_array_equal(after[:, 14], want[:, 14], err_msg="the READ after the resume")
+                untouched = [b for b in range(14) if b not in DST_BLOCKS]
+                np.testing.assert_array_equal(after[:, untouched], before[:, untouched],
+                                              err_msg="blocks outside the READ changed")
+                if ended == "DONE":
+                    np.testing.assert_array_equal(after[:, DST_BLOCKS], want[:, DST_BLOCKS],
+                                                  err_msg="a READ that reported DONE")
+        finally:
+            if stopped:
+                os.kill(peer.pid, signal.SIGCONT)
+            peer.close()
+
+
 class _PeerProcess(PeerProcess):
     """The suite's peer: 12 blocks of the suite's geometry, rows padded with 32 spare bytes."""
 

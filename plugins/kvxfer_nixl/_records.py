@@ -74,6 +74,7 @@ class Remote:
     local: "weakref.ReferenceType[Any] | None"  # the peer's backend, when in this process
     key: bytes = b""  # the blob it was loaded from: a re-add of the same bytes reuses the load
     stale: str | None = None  # set when the peer announced it deregistered memory
+    fence: bool = False  # its READs land in a bounce area first (kvxfer_nixl._bounce)
 
 
 @dataclass(eq=False)
@@ -84,6 +85,7 @@ class Prepared:
     descs: DescriptorList
     device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
     gone: str | None = None  # why the list is unusable (its local memory was deregistered)
+    rows: Any = None  # the list as N x 3 rows, once a fenced READ needed them (kvxfer_nixl._bounce)
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ import numpy as np
 from kvxfer import Op
 from kvxfer.errors import BackendError, TransferCancelledError, UnsupportedError
 
+from ._bounce import Bounce, Quarantine, expand
 from ._nixl import map_error
 
 __all__ = ["NixlPath", "NixlXfer", "as_int32"]
@@ -46,11 +47,12 @@ class _Listed(Protocol):
 class NixlXfer:
     """One post on the NIXL path: pieces not yet posted, and NIXL handles in flight."""
 
-    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released")
+    __slots__ = ("op", "lp", "rp", "li", "ri", "n", "notification", "peer", "next", "live", "released", "bounce")
 
     def __init__(self, op: Op, lp: _Listed, li: np.ndarray, rp: _Listed, ri: np.ndarray, notification: bytes,
-                 peer: str) -> None:
+                 peer: str, bounce: Bounce | None = None) -> None:
         self.op, self.lp, self.rp, self.li, self.ri = op, lp, rp, li, ri
+        self.bounce = bounce  # a fenced READ lands here and is copied out once DONE (kvxfer_nixl._bounce)
         self.n = li.shape[0]
         self.notification, self.peer = notification, peer
         self.next = 0  # first descriptor not yet posted
@@ -68,6 +70,7 @@ class NixlPath:
         self._lock = lock
         self._piece = max(1, int(piece))
         self.unreleased: list[Any] = []  # handles NIXL was still aborting; retried by reap()
+        self.quarantine = Quarantine()  # fenced READs that ended before their requests did
 
     @staticmethod
     def serves(local: _Listed, remote: _Listed) -> bool:
@@ -75,16 +78,31 @@ class NixlPath:
         return local.nixl is not None and remote.nixl is not None
 
     def start(self, op: Op, local: _Listed, li: np.ndarray, remote: _Listed, ri: np.ndarray, peer: str,
-              notification: bytes | None) -> NixlXfer:
-        """Post the first piece (the whole transfer when it fits in one)."""
-        x = NixlXfer(op, local, li, remote, ri, notification or b"", peer)
-        with self._lock:
-            self._post_next(x)
+              notification: bytes | None, fence: bool = False) -> NixlXfer:
+        """Post the first piece (the whole transfer when it fits in one). ``fence``: a READ over
+        a transport that cannot recall it lands in a :class:`~kvxfer_nixl._bounce.Bounce`."""
+        bounce = None
+        if fence and op is Op.READ:
+            rows = getattr(local, "rows", None)
+            if rows is None:
+                rows = local.rows = expand(local.descs.array)  # type: ignore[attr-defined]
+            bounce = Bounce(self._agent, self._lock, rows[li])
+            local, li = bounce, np.arange(li.shape[0], dtype=np.int32)
+        x = NixlXfer(op, local, li, remote, ri, notification or b"", peer, bounce)
+        try:
+            with self._lock:
+                self._post_next(x)
+        except BaseException:
+            if bounce is not None:
+                self._settle(x)
+            raise
+        if bounce is not None and not x.live and x.next >= x.n:
+            self._deliver(x)  # finished inside transfer()
         return x
 
     def poll(self, x: NixlXfer) -> bool:
         """True once every piece is DONE; posts the next piece while some remain."""
-        if not x.live and x.next >= x.n and not x.released:
+        if not x.live and x.next >= x.n and not x.released and x.bounce is None:
             return True  # finished inside transfer(): nothing of NIXL's left to look at
         with self._lock:
             if x.released:  # released by another thread: never touch a freed handle
@@ -102,7 +120,10 @@ class NixlPath:
             n = x.n
             if x.next < n and (x.next + self._piece < n or not x.live or not x.notification):
                 self._post_next(x)
-            return x.next >= n and not x.live
+            finished = x.next >= n and not x.live
+            if finished and x.bounce is not None:
+                self._deliver(x)
+            return finished
 
     def cancel(self, x: NixlXfer) -> None:
         """Release every handle (NIXL aborts what is pending); never raises."""
@@ -110,12 +131,37 @@ class NixlPath:
             if x.released:
                 return
             x.released = True
+            if x.bounce is not None:
+                self._settle(x)
+                return
             for h in x.live:
                 self._release(h)
             x.live.clear()
 
+    def _deliver(self, x: NixlXfer) -> None:
+        """Every piece is DONE: copy the landing area to the destination, then free it."""
+        b, x.bounce = x.bounce, None
+        if b is not None:
+            b.deliver()
+            b.free()
+
+    def _settle(self, x: NixlXfer) -> None:
+        """A fenced READ ends early: free its landing area, or hold it until NIXL is done with it."""
+        b, x.bounce = x.bounce, None
+        if b is None:
+            return
+        if x.live:
+            self.quarantine.hold(b, x.live)
+            x.live = []
+            self.quarantine.reap(self._agent)
+        else:
+            b.free()
+
     def reap(self) -> None:
-        """Retry releasing handles NIXL was still aborting."""
+        """Retry releasing handles NIXL was still aborting; free landing areas NIXL is done with."""
+        if len(self.quarantine):
+            with self._lock:
+                self.quarantine.reap(self._agent)
         if self.unreleased:
             with self._lock:
                 pending, self.unreleased = self.unreleased, []
@@ -129,6 +175,7 @@ class NixlPath:
     def close(self) -> None:
         """Drop the agent: NIXL destroys it with its last reference."""
         self.unreleased.clear()
+        self.quarantine.orphan()
         self._agent = None
 
     def _post_next(self, x: NixlXfer) -> None:

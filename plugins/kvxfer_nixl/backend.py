@@ -30,6 +30,7 @@ from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
 from . import _blob, _identity, _probe
+from ._bounce import needs_fence
 from ._files import Files
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import BACKGROUND_SLEEP_S, Notifications
@@ -86,6 +87,10 @@ class NixlBackend(Notifications, Files, Backend):
         only unauthenticated metadata (an agent with ``token=NO_AUTH``): a signed blob comes
         from a token holder, who could send bad KV anyway (docs/design.md, section 8).
         ``True`` proves every blob, ``False`` none.
+    ``fence_reads`` (default ``"auto"``)
+        land DRAM READs in a private area copied out only once DONE (:mod:`kvxfer_nixl._bounce`),
+        so a stopped peer that resumes cannot write after the end. ``"auto"``: for peers UCX
+        reaches only over TCP, which cannot recall a GET; ``True`` every peer, ``False`` none.
     """
 
     name = "nixl"
@@ -95,8 +100,11 @@ class NixlBackend(Notifications, Files, Backend):
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
                  device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
-                 prove_timeout: float = 30.0) -> None:
+                 prove_timeout: float = 30.0, fence_reads: bool | str = "auto") -> None:
         super().__init__(agent_name)
+        if fence_reads not in (True, False, "auto"):
+            raise BackendError(f"fence_reads must be True, False or 'auto', got {fence_reads!r}")
+        self._fence_reads = fence_reads
         # The core device path: its state, and a row of the table of data paths below.
         self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
@@ -271,7 +279,10 @@ class NixlBackend(Notifications, Files, Backend):
         if other is not None and other is not self and other.agent_name == peer_name:
             local = weakref.ref(other)
         old = self._remotes.get(peer_name)
-        self._remotes[peer_name] = Remote(peer_name, alias, self._loads, parsed, memory, local, bytes(blob))
+        fence = self._fence_reads is True or (self._fence_reads == "auto" and local is None
+                                              and needs_fence(parsed.identity.same_host()))
+        self._remotes[peer_name] = Remote(peer_name, alias, self._loads, parsed, memory, local, bytes(blob),
+                                          fence=fence)
         if old is not None:
             self._release_lists(old)
         parked = self._parked.take(peer_name)
@@ -381,7 +392,10 @@ class NixlBackend(Notifications, Files, Backend):
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
         path = choose(self._paths, local, remote)
-        x = Xfer(path, path.start(op, local, li, remote, ri, rem.name, notification), rem, notification)
+        fence = path is self._nixl_path and rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
+        h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True) if fence else \
+            path.start(op, local, li, remote, ri, rem.name, notification)
+        x = Xfer(path, h, rem, notification)
         if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
             x.pumped = True
             self._pump.add(x)  # notifications (and later pieces) go out without the caller polling

@@ -14,6 +14,13 @@ wiring up to it, and UCX crashed such a peer (SIGSEGV) when the worker it wired 
 gone (``test_ucx_processes.py::test_release_of_a_stuck_transfer_stops_it``). It is kept,
 progressed, reused if that process is added again, and destroyed once the process is gone:
 at most one per live peer process and agent.
+
+Except a worker *fenced* off: its endpoint was forced closed because a cancelled GET did not
+settle (the peer stopped answering). UCX can still complete that GET into our memory when the
+worker is progressed and the peer answers at last (seen: a stopped peer resumed, was added
+again, and its stale reply landed through the reused worker after the READ had ended). A
+fenced worker is therefore never progressed nor reused; it is destroyed once its process is
+gone (the fence, issue 30).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class PeerWorkers:
     def __init__(self, main: Worker) -> None:
         self.main = main
         self._retired: list[tuple[ProcessWatch, Worker]] = []
+        self._fenced: list[tuple[ProcessWatch, Worker]] = []  # never progressed, never reused
 
     def for_peer(self, watch: ProcessWatch) -> Worker:
         """The worker kept for this process, if any, else a new one."""
@@ -39,18 +47,22 @@ class PeerWorkers:
                 return w
         return self.main.spawn()
 
-    def retire(self, w: Worker, watch: ProcessWatch | None) -> None:
+    def retire(self, w: Worker, watch: ProcessWatch | None, fenced: bool = False) -> None:
         """``w``'s endpoint is closed and no request on it is ours any more: destroy it if the
-        peer's process is gone, else keep it until it is."""
+        peer's process is gone, else keep it until it is (``fenced``: without progressing it)."""
         if w is self.main:
             return
         if watch is None or not watch.alive(force=True):
             w.close()
         else:
-            self._retired.append((watch, w))
+            (self._fenced if fenced else self._retired).append((watch, w))
 
     def progress(self) -> None:
         """Serve what live removed peers still send; destroy the workers of dead ones."""
+        if self._fenced:
+            for _, w in [f for f in self._fenced if not f[0].alive()]:
+                w.close()
+            self._fenced = [f for f in self._fenced if f[0].alive()]
         if not self._retired:
             return
         kept = []
@@ -67,6 +79,7 @@ class PeerWorkers:
         return [w.fifo for _, w in self._retired]
 
     def close(self) -> None:
-        for _, w in self._retired:
+        for _, w in self._retired + self._fenced:
             w.close()
         self._retired.clear()
+        self._fenced.clear()

@@ -277,7 +277,7 @@ class UcxBackend(Backend):
                     w.drain([x.am], 0.0, lambda: False)
                     x.am = None
             self._notes.forget(peer.ep)
-            self._pw.retire(w, peer.watch)
+            self._pw.retire(w, peer.watch, fenced=peer.failed == L.UCS_ERR_CANCELED)  # RmaPath.cancel's fence
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:

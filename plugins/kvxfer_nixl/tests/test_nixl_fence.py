@@ -1,0 +1,82 @@
+"""The fence over NIXL (issue 30): nothing lands after a transfer's end, over UCX's TCP transport too.
+
+Over ``UCX_TLS=tcp`` a GET is answered by the target's process and cannot be recalled, so a
+READ from a peer that stops (SIGSTOP) and resumes used to land after its timeout. The kit's
+stopped-peer case runs here over TCP, directly and through an Owner; the control runs the
+same case with the fence off (``fence_reads=False``) and shows the late bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer.testing import BackendConformance, TwoProcessConformance
+
+pytestmark = pytest.mark.nixl
+nixl = pytest.importorskip("nixl", reason="nixl is not installed: pip install -e '.[nixl]'")
+
+from kvxfer_nixl._bounce import expand, needs_fence  # noqa: E402
+
+
+class _OverTcp:
+    """Both processes restricted to UCX's TCP transport (this one set before its agent exists)."""
+
+    peer_env = {"UCX_TLS": "tcp"}
+
+    @pytest.fixture(autouse=True)
+    def _tcp(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+class TestNixlTwoProcessTcp(_OverTcp, TwoProcessConformance):
+    backend = "nixl"
+    options: dict[str, Any] = {}
+
+
+class TestNixlTwoProcessTcpOwner(_OverTcp, TwoProcessConformance):
+    backend = "nixl"
+    options: dict[str, Any] = {}
+    owned = True
+
+
+class TestNixlFencedEverywhere(BackendConformance):
+    """The one-process kit with every READ fenced and cut into pieces of two descriptors:
+    the bounce area under split posts, strided lists, notifications and cancel."""
+
+    backend = "nixl"
+    options: dict[str, Any] = {"fence_reads": True, "request_descriptors": 2}
+
+
+class _Unfenced(_OverTcp, TwoProcessConformance):
+    backend = "nixl"
+    options: dict[str, Any] = {"fence_reads": False}
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancel"])
+def test_control_unfenced_reads_over_tcp_land_after_the_end(end: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: the kit's case with the fence off fails: the resumed peer's bytes land late."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with pytest.raises(AssertionError, match="written after it reported"):
+        _Unfenced().test_stopped_peer_writes_nothing_after_the_end(end)
+
+
+def test_which_peers_are_fenced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TCP alone is fenced; a transport that completes GETs without the target is not."""
+    import kvxfer_nixl._bounce as bounce
+
+    monkeypatch.setattr(bounce, "_rdma_here", lambda: False)
+    assert needs_fence(True, "tcp") and needs_fence(False, "tcp") and needs_fence(True, "self,tcp")
+    assert not needs_fence(True, "tcp,sm") and not needs_fence(True, "cma,tcp") and not needs_fence(True, "")
+    assert needs_fence(False, "") and needs_fence(False, "^cuda") and needs_fence(False, "rc,tcp")
+    monkeypatch.setattr(bounce, "_rdma_here", lambda: True)
+    assert not needs_fence(False, "") and not needs_fence(False, "rc,tcp") and needs_fence(False, "tcp")
+
+
+def test_strided_rows_expand_as_nixl_indexes_them() -> None:
+    rows = np.array([[1000, 8, 0, 100, 3], [5000, 4, 0, 4, 1]], dtype=np.uint64)
+    want = np.array([[1000, 8, 0], [1100, 8, 0], [1200, 8, 0], [5000, 4, 0]], dtype=np.uint64)
+    np.testing.assert_array_equal(expand(rows), want)
+    np.testing.assert_array_equal(expand(want), want)
