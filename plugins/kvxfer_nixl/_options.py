@@ -44,4 +44,9 @@ OPTIONS = (
            "True to prove signed blobs too; False only for peers you trust completely"),
     Option("prove_timeout", "30.0", "seconds of CPU time the helper may spend on one blob before it counts as hung",
            "raise it on a heavily loaded machine if healthy blobs are refused as hanging"),
+    Option("fence_reads", '"auto"',
+           "DRAM READs land in a private area copied out only once DONE, so a stopped peer that resumes cannot "
+           'write after a timeout or cancel; "auto" does it for peers UCX reaches only over TCP',
+           "True to fence every peer; False only where no transport can deliver a READ late (costs one copy "
+           "per row when on, BENCHMARKS.md)"),
 )
