@@ -13,12 +13,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.deadlines import check_timeout
+from kvxfer.deadlines import check_timeout, current_deadline
 from kvxfer.errors import (
     BackendClosedError, BackendError, PeerDisconnectedError, StalePeerError, UnknownPeerError, UnsupportedError,
 )
@@ -85,6 +86,10 @@ class MooncakeBackend(Backend):
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"kvxfer-mooncake-{agent_name}")
         self._lock = threading.Lock()
         self._closed = False
+        # One byte of our own that add_remote's first contact reads into (never advertised).
+        self._scratch = np.zeros(64, np.uint8)
+        if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.nbytes) != 0:
+            raise BackendError("mooncake register_memory of the handshake scratch byte failed")
 
     # memory
     def register(self, allocations: Sequence[Allocation]) -> int:
@@ -123,9 +128,29 @@ class MooncakeBackend(Backend):
             return _blob.encode(self.session, [r for regs in self._regs.values() for r in regs])
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
-        peer = _Peer(_blob.decode(blob, peer_name))  # typed MetadataError; nothing kept on failure
+        b = _blob.decode(blob, peer_name)  # typed MetadataError; nothing kept on failure
+        peer = _Peer(b)
         with self._lock:
             self._peers[peer_name] = peer
+        if b.regions:
+            self._first_contact(b)
+
+    def _first_contact(self, b: _blob.Blob) -> None:
+        """Handshake now, inside add_peer's deadline, not in the first transfer.
+
+        Mooncake's handshake with a peer that accepts but never answers takes 60 s whatever
+        its settings; the progress timeout bounds only an established session. So the
+        handshake is done here (a one-byte read into our scratch byte) and waited for at most
+        the progress timeout or the caller's deadline; if it is still pending it finishes in
+        the background and can only write the scratch byte.
+        """
+        bound = self.progress_timeout
+        deadline = current_deadline()
+        if deadline is not None:
+            bound = max(0.0, min(bound, deadline - time.monotonic()))
+        f = self._pool.submit(self._engine.batch_transfer_sync_read, b.session, [self._scratch.ctypes.data],
+                              [b.regions[0][0]], [1])
+        cf.wait([f], timeout=bound)
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
@@ -217,6 +242,7 @@ class MooncakeBackend(Backend):
             self._reindex()
         for regions in regs:
             self._unregister(regions)
+        self._unregister([(self._scratch.ctypes.data, 0)])
         engine, self._engine = [self._engine], None
         # Mooncake's destructor joins its threads (about 1 s); nothing of ours is registered any
         # more, so it may finish after close returns.
