@@ -24,18 +24,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
+	# The Mooncake backend is its own distribution (plugins/kvxfer_mooncake); wheel users get
+	# it as the `mooncake` extra, this tree installs it from its folder.
+	$(PIP) install -q -e plugins/kvxfer_mooncake
 	touch $(STAMP)
 
-# System packages some tests need: etcd (the metadata directory) and iproute2 (network
-# namespaces). Installed with apt-get when missing and we are root; a no-op once present.
+# System packages some tests need: etcd (the metadata directory), iproute2 (network
+# namespaces) and libibverbs1 (Mooncake's engine links it even for TCP). Installed with
+# apt-get when missing and we are root; a no-op once present.
 deps:
-	@if command -v etcd >/dev/null 2>&1 && command -v ip >/dev/null 2>&1; then :; \
+	@if command -v etcd >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 && \
+		ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "deps: installing etcd-server and iproute2 with apt-get"; \
+		echo "deps: installing etcd-server, iproute2 and libibverbs1 with apt-get"; \
 		export DEBIAN_FRONTEND=noninteractive; log=$$(mktemp); \
-		if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server iproute2; } \
+		if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server iproute2 libibverbs1; } \
 			>$$log 2>&1; then cat $$log; rm -f $$log; exit 1; fi; rm -f $$log; \
-	else echo "deps: etcd or iproute2 missing: apt-get install -y etcd-server iproute2 (their tests skip)"; fi
+	else echo "deps: etcd, iproute2 or libibverbs1 missing: apt-get install -y etcd-server iproute2 libibverbs1 (their tests skip)"; fi
 
 test: venv deps venv-vllm
 	$(PY) -m pytest -q --durations=25

@@ -94,6 +94,7 @@ class TwoProcessConformance(_Base):
 
     def test_standalone_notify_reaches_a_busy_peer(self) -> None:
         """A notification must leave even while the sender does nothing but wait on a pipe."""
+        self.require(notifications=True)
         peer = self._spawn("packed", seed=None)
         try:
             cache = make_cache("packed", num_blocks=4, memory=self.memory, **GEOM)

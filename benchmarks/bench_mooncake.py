@@ -1,0 +1,117 @@
+"""Raw Mooncake Transfer Engine against kvxfer on Mooncake: same buffers, same block ids.
+
+One READ request per iteration, decode pulling blocks from prefill over Mooncake's TCP
+transport (two engines in this process; the bytes cross the loopback interface). Raw
+Mooncake is done as well as its API allows: one ``batch_transfer_sync_read`` per request,
+address lists built once outside the timed loop. kvxfer does ``Agent.read(...).wait()``:
+planning, bounds checks, the worker thread and the same batch call.
+
+Shapes: ``packed`` rows (every layer of a block contiguous: one descriptor per block),
+``layers`` (one array per layer: one descriptor per layer and block), and ``one-block`` (one
+4 KiB block, the added cost per small transfer). Every mode's destination is checked once
+against a numpy reference (pattern source, sentinel destination).
+
+    python benchmarks/bench_mooncake.py [--iters 20] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import numpy as np
+
+from kvxfer import Agent
+from kvxfer.testing.buffers import make_cache
+
+try:
+    from _timing import Column, print_table, samples
+except ImportError:  # run as a module
+    from benchmarks._timing import Column, print_table, samples
+
+OPTS: dict[str, Any] = {"trusted_network": True}
+SHAPES = {"packed": ("packed", 16, 64 << 10, 64, 32), "layers": ("layers", 16, 64 << 10, 64, 32),
+          "one-block": ("packed", 1, 4096, 64, 1)}
+
+
+def _rows(cache: Any, blocks: list[int]) -> tuple[list[int], list[int]]:
+    """Addresses and lengths raw Mooncake moves: one span per block (packed) or per page."""
+    if cache.kind == "packed":
+        s = cache.storages[0]
+        return [s[b].ctypes.data for b in blocks], [cache.num_layers * cache.page] * len(blocks)
+    return [s[b].ctypes.data for s in cache.storages for b in blocks], [cache.page] * (len(blocks) * cache.num_layers)
+
+
+def run_shape(name: str, iters: int) -> dict[str, Any]:
+    from mooncake.engine import TransferEngine
+
+    kind, layers, page, nblocks, n = SHAPES[name]
+    rng = np.random.default_rng(1)
+    src_ids = [int(x) for x in rng.permutation(nblocks)[:n]]
+    dst_ids = [int(x) for x in rng.permutation(nblocks)[:n]]
+    src = make_cache(kind, num_blocks=nblocks, num_layers=layers, page=page, seed=5)
+    dst = make_cache(kind, num_blocks=nblocks, num_layers=layers, page=page)
+    want = dst.layer_pages().copy()
+    want[:, dst_ids] = src.layer_pages()[:, src_ids]  # the independent reference
+
+    raw_t, raw_d = TransferEngine(), TransferEngine()
+    for e in (raw_t, raw_d):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    for e, c in ((raw_t, src), (raw_d, dst)):
+        for s in c.storages:
+            assert e.register_memory(s.ctypes.data, s.nbytes) == 0
+    session = f"127.0.0.1:{raw_t.get_rpc_port()}"
+    local, lengths = _rows(dst, dst_ids)
+    remote, _ = _rows(src, src_ids)
+
+    def raw() -> None:
+        assert raw_d.batch_transfer_sync_read(session, local, remote, lengths) == 0
+
+    out: dict[str, Any] = {"shape": name, "descriptors": len(lengths), "bytes": sum(lengths)}
+    raw()
+    assert np.array_equal(dst.layer_pages(), want), "raw Mooncake moved the wrong bytes"
+    out["raw_s"] = statistics.median(samples(raw, iters))
+    for s in dst.storages:
+        s[...] = 0xAA
+    with Agent("prefill", backend="mooncake", **OPTS) as a, Agent("decode", backend="mooncake", **OPTS) as d:
+        a.register(src.views, replicated=True)
+        d.register(dst.views, replicated=True)
+        peer = d.add_peer(a.metadata())
+
+        def kv() -> None:
+            d.read(peer, dst_ids, src_ids).wait()
+
+        kv()
+        assert np.array_equal(dst.layer_pages(), want), "kvxfer moved the wrong bytes"
+        out["kvxfer_s"] = statistics.median(samples(kv, iters))
+    out["ratio"] = out["raw_s"] / out["kvxfer_s"]
+    out["added_us"] = (out["kvxfer_s"] - out["raw_s"]) * 1e6
+    out["raw_gbs"] = out["bytes"] / out["raw_s"] / 1e9
+    out["kvxfer_gbs"] = out["bytes"] / out["kvxfer_s"] / 1e9
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = [run_shape(s, args.iters) for s in args.shapes.split(",")]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print_table(rows, [Column("shape"), Column("descriptors"), Column("bytes"),
+                       Column("raw_s", "raw median s", fmt=lambda v: f"{v * 1e3:.3f} ms"),
+                       Column("kvxfer_s", "kvxfer median", fmt=lambda v: f"{v * 1e3:.3f} ms"),
+                       Column("raw_gbs", "raw GB/s", fmt=lambda v: f"{v:.2f}"),
+                       Column("kvxfer_gbs", "kvxfer GB/s", fmt=lambda v: f"{v:.2f}"),
+                       Column("ratio", "kvxfer/raw speed", fmt=lambda v: f"{v:.3f}x"),
+                       Column("added_us", "added per request", fmt=lambda v: f"{v:+.0f} us")])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

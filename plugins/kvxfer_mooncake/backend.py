@@ -1,0 +1,249 @@
+"""The seam on Mooncake Transfer Engine: registrations, the blob, bounded lists, batch posts.
+
+Each post is one ``batch_transfer_sync_read``/``_write`` call on a worker thread (the calls
+release the GIL). The async forms are not used: a second status query of a finished batch
+crashes this Mooncake release. The fence: a transfer's end is reported only once its call
+has returned, because until then Mooncake may still write. ``release`` of a running post
+therefore waits for the call, which Mooncake ends within ``progress_timeout`` seconds when the
+peer stops answering (``MC_TCP_PROGRESS_TIMEOUT_SEC``); a post not yet started is dropped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer.deadlines import check_timeout, current_deadline
+from kvxfer.errors import (
+    BackendClosedError, BackendError, PeerDisconnectedError, StalePeerError, UnknownPeerError, UnsupportedError,
+)
+from kvxfer.spans import SpanIndex
+
+from . import _blob
+from ._engine import start_engine
+
+__all__ = ["MooncakeBackend"]
+
+PATH = "mooncake-tcp"
+
+
+class _Peer:
+    """One ``add_remote``: a new object each time, so lists prepared before it go stale."""
+
+    __slots__ = ("session", "index")
+
+    def __init__(self, blob: _blob.Blob) -> None:
+        self.session = blob.session
+        self.index = SpanIndex(Allocation(a, n) for a, n in blob.regions)
+
+
+class Listed:
+    """A prepared list: expanded ``(address, nbytes, device)`` rows, and whose memory."""
+
+    __slots__ = ("rows", "peer", "epoch")
+
+    def __init__(self, rows: np.ndarray, peer: str | None, epoch: _Peer | None) -> None:
+        self.rows, self.peer, self.epoch = rows, peer, epoch
+
+
+class Post:
+    __slots__ = ("future", "op", "session", "nbytes")
+
+    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int) -> None:
+        self.future, self.op, self.session, self.nbytes = future, op, session, nbytes
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+    # TCP only in this wheel: host memory. Notifications: Mooncake's Python API can receive
+    # (get_notifies) but not attach one to a TCP batch, so none are claimed. Cancel: a batch
+    # call cannot be stopped once running; release waits for it (the fence, see above).
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
+                                notifications=False, cross_process=True)
+
+    def __init__(self, agent_name: str, *, trusted_network: bool = False, host: str = "127.0.0.1",
+                 progress_timeout: float = 5.0, workers: int = 2) -> None:
+        super().__init__(agent_name)
+        if trusted_network is not True:
+            raise BackendError(
+                "mooncake backend: Mooncake's TCP listeners bind every interface and authenticate nobody, so "
+                "anyone who reaches the port can read and write the registered memory. Pass trusted_network=True "
+                "only where everyone who can reach this host is trusted; see plugins/kvxfer_mooncake/README.md")
+        self.progress_timeout = check_timeout(progress_timeout, "mooncake progress_timeout")
+        if not isinstance(workers, int) or not 1 <= workers <= 64:
+            raise BackendError(f"mooncake workers must be an int in 1..64, got {workers!r}")
+        self._engine, self.session = start_engine(host, self.progress_timeout)
+        self._regs: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._local = SpanIndex()
+        self._peers: dict[str, _Peer] = {}
+        self._ids = itertools.count(1)
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"kvxfer-mooncake-{agent_name}")
+        self._lock = threading.Lock()
+        self._closed = False
+        # One byte of our own that add_remote's first contact reads into (never advertised).
+        self._scratch = np.zeros(64, np.uint8)
+        if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.nbytes) != 0:
+            raise BackendError("mooncake register_memory of the handshake scratch byte failed")
+
+    # memory
+    def register(self, allocations: Sequence[Allocation]) -> int:
+        done: list[tuple[int, int]] = []
+        for a in allocations:
+            if a.kind is not MemoryKind.DRAM:
+                self._unregister(done)
+                raise UnsupportedError("mooncake (TCP) moves host memory only")
+            rc = self._engine.register_memory(a.address, a.nbytes)
+            if rc != 0:
+                self._unregister(done)
+                raise BackendError(f"mooncake register_memory({a.address:#x}, {a.nbytes}) returned {rc}")
+            done.append((a.address, a.nbytes))
+        handle = next(self._ids)
+        with self._lock:
+            self._regs[handle] = tuple(done)
+            self._reindex()
+        return handle
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            regions = self._regs.pop(handle, ())
+            self._reindex()
+        self._unregister(regions)
+
+    def _unregister(self, regions: Sequence[tuple[int, int]]) -> None:
+        for addr, _ in regions:
+            self._engine.unregister_memory(addr)
+
+    def _reindex(self) -> None:
+        self._local = SpanIndex(Allocation(a, n) for regs in self._regs.values() for a, n in regs)
+
+    # peers
+    def local_metadata(self) -> bytes:
+        with self._lock:
+            return _blob.encode(self.session, [r for regs in self._regs.values() for r in regs])
+
+    def add_remote(self, peer_name: str, blob: bytes) -> None:
+        b = _blob.decode(blob, peer_name)  # typed MetadataError; nothing kept on failure
+        peer = _Peer(b)
+        with self._lock:
+            self._peers[peer_name] = peer
+        if b.regions:
+            self._first_contact(b)
+
+    def _first_contact(self, b: _blob.Blob) -> None:
+        """Handshake now, inside add_peer's deadline, not in the first transfer.
+
+        Mooncake's handshake with a peer that accepts but never answers takes 60 s whatever
+        its settings; the progress timeout bounds only an established session. So the
+        handshake is done here (a one-byte read into our scratch byte) and waited for at most
+        the progress timeout or the caller's deadline; if it is still pending it finishes in
+        the background and can only write the scratch byte.
+        """
+        bound = self.progress_timeout
+        deadline = current_deadline()
+        if deadline is not None:
+            bound = max(0.0, min(bound, deadline - time.monotonic()))
+        f = self._pool.submit(self._engine.batch_transfer_sync_read, b.session, [self._scratch.ctypes.data],
+                              [b.regions[0][0]], [1])
+        cf.wait([f], timeout=bound)
+
+    def remove_remote(self, peer: str) -> None:
+        with self._lock:
+            self._peers.pop(peer, None)
+
+    # lists
+    def prepare(self, peer: str | None, descs: DescriptorList) -> Listed:
+        if descs.kind is not MemoryKind.DRAM:
+            raise UnsupportedError("mooncake (TCP) moves host memory only")
+        rows = descs.expand().array
+        if peer is None:
+            self._local.check(rows, MemoryKind.DRAM, f"{self.agent_name} (local)")
+            return Listed(rows, None, None)
+        epoch = self._peers.get(peer)
+        if epoch is None:
+            raise UnknownPeerError(peer)
+        epoch.index.check(rows, MemoryKind.DRAM, f"peer {peer!r}")  # bounded by what its blob registered
+        return Listed(rows, peer, epoch)
+
+    # transfers
+    def post(self, op: Op, local: Listed, local_idx: np.ndarray, remote: Listed, remote_idx: np.ndarray,
+             notification: bytes | None) -> Post:
+        if self._closed:
+            raise BackendClosedError(f"mooncake backend of {self.agent_name!r} is closed")
+        if notification is not None:
+            raise UnsupportedError("mooncake backend does not carry notifications")
+        if remote.peer is None or local.peer is not None:
+            raise BackendError("post needs a local list and a peer's list")
+        epoch = self._peers.get(remote.peer)
+        if epoch is None:
+            raise UnknownPeerError(remote.peer)
+        if epoch is not remote.epoch:
+            raise StalePeerError(f"{remote.peer!r} was re-added since this list was prepared")
+        la, ra = local.rows[np.asarray(local_idx)], remote.rows[np.asarray(remote_idx)]
+        if la.shape[0] != ra.shape[0] or not np.array_equal(la[:, 1], ra[:, 1]):
+            raise BackendError("mooncake post: local and remote spans differ in count or length")
+        if la.shape[0] == 0:
+            return Post(None, op, epoch.session, 0)
+        call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
+        lengths = la[:, 1].tolist()
+        future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
+        return Post(future, op, epoch.session, int(sum(lengths)))
+
+    def poll(self, xfer: Post) -> bool:
+        if xfer.future is None:
+            return True
+        if not xfer.future.done():
+            return False
+        try:
+            rc = xfer.future.result()
+        except cf.CancelledError:
+            raise BackendError("mooncake post was cancelled") from None
+        except Exception as exc:  # the binding raised: typed here, the call has returned
+            raise BackendError(f"mooncake {xfer.op.value} failed: {exc!r}") from None
+        if rc != 0:
+            raise PeerDisconnectedError(
+                f"mooncake {xfer.op.value} with {xfer.session} returned {rc}: the peer died, stopped answering for "
+                f"{self.progress_timeout:g} s, or no longer registers that memory")
+        return True
+
+    def release(self, xfer: Post) -> None:
+        """Cancel: a post not started is dropped; a running call is waited for, so nothing lands later."""
+        f = xfer.future
+        if f is None or f.cancel():
+            return
+        cf.wait([f])  # bounded by Mooncake's progress timeout
+
+    def data_path(self, xfer: Post) -> str | None:
+        return PATH
+
+    def telemetry(self, xfer: Post) -> dict[str, Any]:
+        return {"path": PATH, "bytes": xfer.nbytes}
+
+    # notifications
+    def notify(self, peer: str, message: bytes) -> None:
+        raise UnsupportedError("mooncake backend does not carry notifications")
+
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)  # every running call returns before memory goes
+        with self._lock:
+            regs, self._regs = list(self._regs.values()), {}
+            self._peers.clear()
+            self._reindex()
+        for regions in regs:
+            self._unregister(regions)
+        self._unregister([(self._scratch.ctypes.data, 0)])
+        engine, self._engine = [self._engine], None
+        # Mooncake's destructor joins its threads (about 1 s); nothing of ours is registered any
+        # more, so it may finish after close returns.
+        threading.Thread(target=engine.clear, name="kvxfer-mooncake-close", daemon=True).start()

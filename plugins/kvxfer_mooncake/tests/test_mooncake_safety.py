@@ -1,0 +1,183 @@
+"""What the Mooncake backend refuses and guarantees, each with a control that shows the bad outcome.
+
+* no ``trusted_network``: refused (Mooncake's ports authenticate nobody);
+* a remote descriptor outside the peer's blob: refused before any byte moves;
+* the fence: a READ from a stopped peer that is released moves nothing afterwards;
+* mutated blobs: typed errors only (a campaign in a child process, and at the seam).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine")
+
+from kvxfer import Agent, Allocation, DescriptorList, KvxferError, Op  # noqa: E402
+from kvxfer.errors import BackendError, MetadataError, OutOfRegistrationError  # noqa: E402
+from kvxfer.testing.mutate import mutate  # noqa: E402
+from kvxfer_mooncake import _blob, backend as mb  # noqa: E402
+
+HERE = Path(__file__).parent
+SENT = 0xAA
+pytestmark = pytest.mark.timeout(120)
+
+
+def descs(base: int, offsets: list[int], lengths: list[int]) -> DescriptorList:
+    return DescriptorList(np.array([[base + o, n, 0] for o, n in zip(offsets, lengths)], dtype=np.uint64))
+
+
+def wait_done(be: mb.MooncakeBackend, x: Any) -> None:
+    while not be.poll(x):
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[mb.MooncakeBackend, mb.MooncakeBackend, np.ndarray, np.ndarray]]:
+    a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
+    b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
+    src = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.full(1 << 16, SENT, np.uint8)
+    a.register([Allocation(src.ctypes.data, src.nbytes)])
+    b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+    try:
+        yield a, b, src, dst
+    finally:
+        b.close()
+        a.close()
+
+
+def test_tcp_needs_trusted_network() -> None:
+    with pytest.raises(BackendError, match="trusted_network"):
+        Agent("x", backend="mooncake")
+    Agent("x", backend="mooncake", trusted_network=True).close()  # control: the opt-in starts it
+
+
+def test_remote_span_outside_the_blob_is_refused(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's blob names only the first half; a read of the second half is refused, typed.
+
+    Control: with the bound bypassed, Mooncake itself serves the second half (the peer has it
+    registered), so the bound in ``prepare`` is what stops it.
+    """
+    a, b, src, dst = pair
+    half = src.nbytes // 2
+    b.add_remote("prefill", _blob.encode(a.session, [(src.ctypes.data, half)]))
+    local = b.prepare(None, descs(dst.ctypes.data, [0], [4096]))
+    with pytest.raises(OutOfRegistrationError):
+        b.prepare("prefill", descs(src.ctypes.data, [half], [4096]))
+    ok = b.prepare("prefill", descs(src.ctypes.data, [0], [4096]))  # inside: still works
+    wait_done(b, b.post(Op.READ, local, np.arange(1), ok, np.arange(1), None))
+    np.testing.assert_array_equal(dst[:4096], src[:4096])
+    assert (dst[4096:] == SENT).all()
+
+    dst[:] = SENT
+    monkeypatch.setattr(mb.SpanIndex, "check", lambda *args, **kw: None)
+    bad = b.prepare("prefill", descs(src.ctypes.data, [half], [4096]))
+    wait_done(b, b.post(Op.READ, local, np.arange(1), bad, np.arange(1), None))
+    np.testing.assert_array_equal(dst[:4096], src[half:half + 4096])  # the bad outcome
+
+
+@pytest.fixture
+def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    p = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py"), "16"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        blob = bytes.fromhex(p.stdout.readline().strip())  # type: ignore[union-attr]
+        yield p, blob
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+
+
+def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any,
+                       progress_timeout: float = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Post a 16 MiB READ from a stopped peer, release it, resume the peer; the destination after."""
+    p, blob = peer
+    dst = np.full(16 << 20, SENT, np.uint8)
+    be = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=progress_timeout)
+    try:
+        be.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        be.add_remote("peer", blob)
+        base = _blob.decode(blob, "peer").regions[0][0]
+        local = be.prepare(None, descs(dst.ctypes.data, [0], [dst.nbytes]))
+        remote = be.prepare("peer", descs(base, [0], [dst.nbytes]))
+        os.kill(p.pid, signal.SIGSTOP)  # after add_remote's handshake: stopped mid-READ
+        x = be.post(Op.READ, local, np.arange(1), remote, np.arange(1), None)
+        time.sleep(0.2)
+        release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
+        ended = dst.copy()
+        os.kill(p.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and np.array_equal(dst, ended):
+            time.sleep(0.05)
+        return ended, dst.copy()
+    finally:
+        be.close()
+
+
+def test_released_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any) -> None:
+    ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release)
+    np.testing.assert_array_equal(later, ended, err_msg="bytes landed after release() returned")
+
+
+def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any) -> None:
+    """Control: a release that only drops the future (no wait) reports the end too early."""
+    def early(be: mb.MooncakeBackend, x: Any) -> None:
+        x.future.cancel()
+
+    ended, later = _read_from_stopped(stopped_peer, early, progress_timeout=20)
+    assert (ended == SENT).all()
+    assert not np.array_equal(later, ended), "control: the bytes should land after an early end"
+
+
+def test_fuzz_campaign_in_a_child_is_typed_only() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, str(HERE / "mooncake_fuzz.py"), "--count", "400", "--seed", "7"],
+                       capture_output=True, text=True, env=env, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]  # a native crash would show here
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["outcomes"].get("untyped", 0) == 0, out
+    assert sum(out["outcomes"].values()) == 400 and out["genuine_after"] == "ok", out
+
+
+def _seam_mutants(be: mb.MooncakeBackend, blob: bytes, n: int) -> tuple[int, list[str]]:
+    rng, typed, untyped = random.Random(11), 0, []
+    for _ in range(n):
+        _, bad = mutate(rng, blob)
+        try:
+            be.add_remote("p", bad)
+            be.remove_remote("p")
+        except KvxferError:
+            typed += 1
+        except Exception as exc:  # noqa: BLE001 - counted
+            untyped.append(type(exc).__name__)
+    return typed, untyped
+
+
+def test_mutated_blobs_at_the_seam_raise_metadata_error(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_remote itself (no agent guard) refuses mutants typed. Control: a naive parser does not."""
+    a, b, _, _ = pair
+    typed, untyped = _seam_mutants(b, a.local_metadata(), 300)
+    assert untyped == [] and typed > 200
+    with pytest.raises(MetadataError):
+        b.add_remote("p", b'{"v":1,"session":"127.0.0.1:1","regions":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+    def naive(blob: bytes, who: str) -> _blob.Blob:
+        d = json.loads(blob)
+        return _blob.Blob(d["session"], tuple((int(x), int(y)) for x, y in d["regions"]))
+
+    monkeypatch.setattr(mb._blob, "decode", naive)
+    _, untyped = _seam_mutants(b, a.local_metadata(), 300)
+    assert untyped, "control: an unvalidated parser lets raw exceptions out"
