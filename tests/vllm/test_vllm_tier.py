@@ -189,3 +189,19 @@ def test_row_is_a_whole_chunk_and_a_job_is_few_calls(tmp_path: Path) -> None:
     t = tier.store.offload(tier.spec, np.arange(4), [b"kvxfer-vllm-tier-v1\0" + k for k in ks]).wait()
     assert t.stats.posts == 1
     mgr.shutdown()
+
+
+def test_selected_by_vllms_factory_from_the_extra_config(tmp_path: Path) -> None:
+    """The config docs/engines.md gives: vLLM's factory imports and builds the tier from it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from tier_site import Region
+
+    region = Region()
+    conf = {"type": "KvxferStoreTier", "module_path": "kvxfer.integrations.vllm.tier",
+            "store_path": _dir(tmp_path), "capacity_bytes": 1 << 20, "locality": "LOCAL"}
+    tier = SecondaryTierFactory.create_secondary_tier(conf, region.create_kv_memoryview(), SimpleNamespace())
+    assert isinstance(tier, KvxferStoreTier) and tier.store.slots == (1 << 20) // tier.store.geometry.stride
+    tier.shutdown()

@@ -31,7 +31,7 @@ import numpy as np
 import kvxfer
 from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.geometry import spec_from_pointers
-from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .guard import boundary
@@ -81,7 +81,7 @@ class KvxferStoreTier(SecondaryTierManager):
     """A ``SecondaryTierManager`` whose chunks are rows of a :class:`kvxfer.Store`.
 
     ``store_path``: the store's directory (created ``0700``). ``capacity_bytes``: bytes of
-    rows on disk. ``durable``: fdatasync before publishing (survives power loss). ``threads``:
+    rows on disk. ``locality``: vLLM's ``"LOCAL"``/``"REMOTE"`` tag. ``durable``: fdatasync before publishing (survives power loss). ``threads``:
     the store's I/O threads. ``namespace``: an extra string engines must share to share rows.
     """
 
@@ -89,8 +89,10 @@ class KvxferStoreTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
                  store_path: str, capacity_bytes: int, durable: bool = False, threads: int = 4,
-                 namespace: str = "", backpressure_detector: "BackpressureDetector | None" = None) -> None:
+                 namespace: str = "", locality: str | None = None,
+                 backpressure_detector: "BackpressureDetector | None" = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
         if primary_kv_view.ndim < 1 or not primary_kv_view.c_contiguous:
             raise InvalidArgumentError("the primary view must be C-contiguous rows, one per chunk")
         self._rows = np.frombuffer(primary_kv_view.cast("B"), dtype=np.uint8)  # alive as long as the tier
