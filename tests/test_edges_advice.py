@@ -112,7 +112,7 @@ def test_replicated_true_on_a_gqa_share_is_refused_without_kv_heads() -> None:
 def test_control_without_kv_heads_replicated_gqa_pairs_wrong_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the refusal matters: with the check off, kvxfer believes replicated=True and rank 0 gets rank 1's heads."""
     import kvxfer.geometry._discover as discover
-    monkeypatch.setattr(discover, "_replicated_heads", lambda *a: None)
+    monkeypatch.setattr(discover, "replicated_heads", lambda *a: None)
     got = _wrong_heads_read({"replicated": True, "tp_rank": 0}, [{"replicated": True, "tp_rank": 1}])
     X = logical(L, B, T, H, D)
     assert (got == X[0, 0][RB][:, :, H // 2:]).all()  # rank 1's heads 4..8 in rank 0's blocks
@@ -132,8 +132,8 @@ def test_tp_size_without_tp_rank_is_refused() -> None:
 def test_control_tp_rank_defaulting_to_zero_pairs_wrong_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The old default: rank 1 registered without tp_rank claims rank 0's heads, and rank 0 reads them."""
     import kvxfer.geometry._discover as discover
-    real = discover._tp
-    monkeypatch.setattr(discover, "_tp", lambda r, s: real(0 if r is None else r, s))
+    real = discover.check_tp
+    monkeypatch.setattr(discover, "check_tp", lambda r, s: real(0 if r is None else r, s))
     got = _wrong_heads_read({"tp_rank": 0, "kv_heads": H}, [{"kv_heads": H}])
     X = logical(L, B, T, H, D)
     assert (got == X[0, 0][RB][:, :, H // 2:]).all()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,12 @@ import numpy as np
 from ..errors import InvalidArgumentError, SpecError, UnknownOptionError
 from ._spec import KNOWN_LAYOUTS, MAX_ALLOCATIONS, MAX_MEMBERS, KVCacheSpec, Member, PackedLayout, Region
 from ..memory import Allocation, MemoryKind
+from ._options import (Replication, check_options, check_pointer_members, check_spans, check_tp, replicated_heads,
+                       replication)
 from ._pageformat import PageFormat, Shard
 
 __all__ = ["spec_from_tensors", "spec_from_arrays", "spec_from_pointers", "DIM_LETTERS", "DISCOVERY_OPTIONS"]
 
-Replication = bool | Iterable[str] | Callable[[str], bool]
 Dims = str | Mapping[str, str | Sequence[str]] | None
 
 #: The options :func:`spec_from_tensors` (and so ``Agent.register``) takes.
@@ -226,20 +227,6 @@ def _layer_of(name: str) -> int | None:
     return int(nums[0]) if len(nums) == 1 and len(nums[0]) <= 7 else None
 
 
-def _replication(replicated: Replication) -> Callable[[str], bool]:
-    if isinstance(replicated, (bool, np.bool_)):
-        return lambda _n: bool(replicated)
-    if callable(replicated):
-        return lambda n: bool(replicated(n))  # type: ignore[operator]
-    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
-        raise InvalidArgumentError(f"replicated is True/False, a set of member names or a predicate, "
-                                   f"got {type(replicated).__name__}")
-    names = {n for n in replicated if isinstance(n, str)}
-    if len(names) != sum(1 for _ in replicated):
-        raise InvalidArgumentError("replicated names members by strings")
-    return lambda n: n in names or n.rsplit(".", 1)[0] in names
-
-
 def _shard(p: _Piece, tp_rank: int, tp_size: int, kv_heads: int | None) -> Shard:
     """The KV heads this rank holds, assuming heads are dealt out to ranks in order."""
     h = p.page.extent("H")
@@ -254,73 +241,6 @@ def _shard(p: _Piece, tp_rank: int, tp_size: int, kv_heads: int | None) -> Shard
         raise SpecError(f"{p.name}: {h} heads per rank does not fit kv_heads={total} over TP size {tp_size}")
     first = tp_rank * total // tp_size
     return Shard(tp_rank, tp_size, (first, first + 1), total)
-
-
-def _replicated_heads(name: str, h: int | None, tp_size: int, kv_heads: int | None) -> None:
-    """Refuse a replicated page with a heads axis under TP when nothing says it holds every head.
-
-    If it were one rank's share, "identical on every rank" would pair ranks holding different
-    heads and move wrong heads without an error. ``kv_heads`` is the statement (checked against
-    the page by the caller), and a page whose dims name no heads axis is not split by heads.
-    """
-    if h is not None and tp_size > 1 and kv_heads is None:
-        raise SpecError(f"{name}: replicated=True with tp_size={tp_size}, but its page has a heads axis ({h} "
-                        "heads) and nothing says it holds every KV head; pass kv_heads= (the model's KV heads: "
-                        "accepted when the page holds all of them), or register GQA/MHA pages without "
-                        "replicated=True (replicated=True is for pages identical on every rank: MLA, indexer)")
-
-
-def _check_options(layout: object, block_tokens: object, kv_dim: object, dims: object, kv_heads: object) -> None:
-    """Types of the discovery options, before any of them is used."""
-    for name, v, hi in (("block_tokens", block_tokens, 1 << 24), ("kv_dim", kv_dim, 64), ("kv_heads", kv_heads, 1 << 16)):
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise InvalidArgumentError(f"{name} must be an integer or None, got {type(v).__name__}")
-        if not (0 if name == "kv_dim" else 1) <= v <= hi:
-            raise SpecError(f"{name}={v} is out of range")
-    if layout is not None and not isinstance(layout, str):
-        raise InvalidArgumentError(f"layout must be a string or None, got {type(layout).__name__}")
-    if dims is not None and not isinstance(dims, (str, Mapping)):
-        raise InvalidArgumentError(f"dims must be a string of letters or a mapping per entry, got {type(dims).__name__}")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _spans(spans: object) -> list[tuple[int, int, int]]:
-    """``(pointer, nbytes, device)`` spans, each three integers; at most a spec's allocations."""
-    if not isinstance(spans, (list, tuple)) or not 0 < len(spans) <= MAX_ALLOCATIONS or not all(
-            isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and 0 <= v < 1 << 64 for v in s)
-            for s in spans):
-        raise InvalidArgumentError(f"spans are (pointer, nbytes, device) tuples of integers, 1 to {MAX_ALLOCATIONS} "
-                                   f"of them, got {spans!r:.80}")
-    return [(int(s[0]), int(s[1]), int(s[2])) for s in spans]
-
-
-def _pointer_members(members: object) -> list[Member | tuple[str, int]]:
-    """Members as :class:`Member` objects or ``(name, size)`` pairs; at most a spec's members."""
-    if not isinstance(members, (list, tuple)) or not 0 < len(members) <= MAX_MEMBERS or not all(
-            isinstance(m, Member) or (isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], str)
-                                      and _is_int(m[1]) and 0 < m[1] < 1 << 63) for m in members):
-        raise InvalidArgumentError(f"members are Member objects or (name, size) pairs, 1 to {MAX_MEMBERS} of them, "
-                                   f"got {members!r:.80}")
-    return list(members)
-
-
-def _tp(tp_rank: object, tp_size: object) -> tuple[int, int]:
-    """``(tp_rank, tp_size)`` checked: a TP size above 1 without a rank would claim rank 0's heads."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or not 1 <= tp_size <= 1 << 16:
-        raise SpecError(f"tp_size must be an integer from 1 to 65536, got {tp_size!r}")
-    if tp_rank is None:
-        if tp_size > 1:
-            raise SpecError(f"tp_size={tp_size} needs tp_rank= (this worker's rank, 0 to {tp_size - 1}); without it "
-                            "the pages would be registered as rank 0's heads")
-        return 0, 1
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < tp_size:
-        raise SpecError(f"tp_rank must be an integer from 0 to {int(tp_size) - 1}, got {tp_rank!r}")
-    return int(tp_rank), int(tp_size)
 
 
 def _entries(name: str, x: Any, dims: Any) -> list[tuple[str, Any, str, str | None]]:
@@ -376,8 +296,8 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
         raise SpecError("kv_caches must be a non-empty mapping of name -> tensor")
     if len(kv_caches) > MAX_MEMBERS:  # each entry is at least one member: refused before walking them
         raise SpecError(f"kv_caches has {len(kv_caches)} entries; a spec holds at most {MAX_MEMBERS} members")
-    tp_rank, tp_size = _tp(tp_rank, tp_size)
-    _check_options(layout, block_tokens, kv_dim, dims, kv_heads)
+    tp_rank, tp_size = check_tp(tp_rank, tp_size)
+    check_options(layout, block_tokens, kv_dim, dims, kv_heads)
     pieces: list[_Piece] = []
     keep: list[Any] = []
     storages: set[tuple[MemoryKind, int, int]] = set()
@@ -406,7 +326,7 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
             pieces += _pieces(name, base, t, letters, role, kd)
             if len(pieces) > MAX_MEMBERS:
                 raise SpecError(f"{base}: more than {MAX_MEMBERS} members; a spec holds at most {MAX_MEMBERS}")
-    is_rep = _replication(replicated)
+    is_rep = replication(replicated)
     members_of = {p.name: p for p in pieces}
     if len(members_of) != len(pieces):
         raise SpecError("two tensors would give members the same name; rename the entries")
@@ -421,7 +341,7 @@ def _discover(kv_caches: Mapping[str, Any], replicated: Replication, tp_rank: in
                             "KV heads, so other TP ranks hold other heads; register GQA/MHA pages with tp_rank= "
                             "and tp_size= (replicated=True is for pages identical on every rank: MLA, indexer)")
         if rep and not heads_stated:
-            _replicated_heads(p.name, h, tp_size, kv_heads)
+            replicated_heads(p.name, h, tp_size, kv_heads)
         shard = None if rep else _shard(p, tp_rank, tp_size, kv_heads)
         return Member(p.name, p.page_bytes, offset, rep, p.page, p.role, shard, p.layer)
 
@@ -518,9 +438,9 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
     """
     if isinstance(spans, tuple) and len(spans) == 3 and all(isinstance(s, (int, np.integer)) for s in spans):
         spans = [spans]  # type: ignore[list-item]
-    tp_rank, tp_size = _tp(tp_rank, tp_size)
-    spans = _spans(spans)
-    members = _pointer_members(members)
+    tp_rank, tp_size = check_tp(tp_rank, tp_size)
+    spans = check_spans(spans)
+    members = check_pointer_members(members)
     for name, v in (("num_blocks", num_blocks), ("block_tokens", block_tokens), ("block_stride", block_stride)):
         if (v is not None or name != "block_stride") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
                                                           or v < 1):
@@ -529,7 +449,7 @@ def spec_from_pointers(spans: Sequence[tuple[int, int, int]] | tuple[int, int, i
         raise InvalidArgumentError(f"layout is a string and kind 'DRAM' or 'VRAM', got {layout!r:.60}, {kind!r:.60}")
     if layout not in KNOWN_LAYOUTS:
         raise SpecError(f"unknown layout {layout!r}; known: {', '.join(KNOWN_LAYOUTS)}")
-    is_rep = _replication(replicated)
+    is_rep = replication(replicated)
     ms: list[Member] = []
     cursor = 0
     for m in members:
