@@ -22,6 +22,9 @@ from doc_blocks import REPO, Block, Example, all_blocks, cli_examples, shape
 SKETCHES = {
     "fleet-etcd": "needs an etcd at the address shown; examples/fleet.py makes the same calls "
                   "(tests/test_etcd.py::test_fleet_example_moves_verified_requests)",
+    "vllm-tier": "an engine start (vLLM is not in this venv, and its worker side needs a GPU); "
+                 "tests/vllm/test_vllm_tier.py::test_selected_by_vllms_factory_from_the_extra_config builds the "
+                 "tier from the same extra config through vLLM's own factory",
     "store-api": "a summary of the store's calls over names it does not define; README's \"Offload to "
                  "host memory and NVMe\" block makes the same calls and runs",
 }
