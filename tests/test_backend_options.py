@@ -20,7 +20,7 @@ from kvxfer.plugin.registry import registry
 from test_cli import kvxfer_cmd
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
-IN_TREE = ("nixl", "ucx", "loopback")
+IN_TREE = ("nixl", "ucx", "loopback", "mooncake")  # mooncake: its own distribution, which make test installs
 
 
 def _loadable(name: str) -> type[Backend]:

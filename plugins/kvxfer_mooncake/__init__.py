@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from kvxfer.plugin import RegisterBackend, hookimpl
 
+from ._options import OPTIONS
+
 __all__ = ["kvxfer_register_backends"]
 
 INSTALL = "apt-get install -y libibverbs1 && pip install kvxfer-mooncake"
@@ -24,4 +26,5 @@ INSTALL = "apt-get install -y libibverbs1 && pip install kvxfer-mooncake"
 @hookimpl
 def kvxfer_register_backends(register: RegisterBackend) -> None:
     register("mooncake", "kvxfer_mooncake.backend:MooncakeBackend", requires=("mooncake.engine",), install=INSTALL,
-             summary="Mooncake Transfer Engine over TCP, DRAM, cross-process (needs trusted_network=True)")
+             summary="Mooncake Transfer Engine over TCP, DRAM, cross-process (needs trusted_network=True)",
+             options=OPTIONS)
