@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.testing import lines
+from kvxfer.testing.ports import free_port  # noqa: F401  # re-exported: the vLLM tests import it from here
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
