@@ -34,6 +34,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import logging
 import os
 import struct
 import sys
@@ -59,6 +60,8 @@ _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
 _shared: dict[tuple[str, str, float], "Prover"] = {}
 _shared_lock = threading.Lock()
 _NAME = struct.Struct("<H")
+_log = logging.getLogger("kvxfer.prove")
+_announced: set[str] = set()  # targets whose first helper start was logged (once per process)
 _retired: Counter[str] = Counter()  # collected provers' counters: health() never goes down
 _totals_lock = threading.Lock()
 
@@ -364,6 +367,7 @@ class Prover:
     def _start_one(self, epoch: int) -> None:
         child: Child | None = None
         why = ""
+        began = time.monotonic()
         try:
             child = Child("kvxfer.prove", [self.target], log=self.log)
             child.epoch = epoch
@@ -381,7 +385,9 @@ class Prover:
                         self._count("started")
                         self._backoff, self.last_start_error = 0.0, None
                     self._cond.notify_all()
-                if not current:  # close() was called while it started
+                if current:
+                    _announce(self.target, child.pid, time.monotonic() - began)
+                else:  # close() was called while it started
                     child.end()
                 return
             why = got[1].decode("utf-8", "replace") if isinstance(got, tuple) else \
@@ -400,6 +406,17 @@ class Prover:
             self._backoff = min(max(self.start_backoff[0], 2 * self._backoff), self.start_backoff[1])
             self._retry_at = time.monotonic() + self._backoff
             self._cond.notify_all()
+
+
+def _announce(target: str, pid: int, seconds: float) -> None:
+    """Say once per process and target, at INFO, what the first add_peer waited seconds for
+    (issue 33); later helpers start in the background, off any caller's path."""
+    with _totals_lock:
+        if target in _announced:
+            return
+        _announced.add(target)
+    _log.info("metadata prover started for %s in %.1f s (helper pid %d): new peers' metadata is loaded there "
+              "first (prove_metadata); this cost is paid once per process", target, seconds, pid)
 
 
 def _refusal(what: str, text: str) -> KvxferError:

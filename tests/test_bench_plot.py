@@ -33,9 +33,22 @@ def test_caption_explains_the_layouts_from_the_rows() -> None:
     text = caption(rows, "nixl")
     assert text.startswith("At 4,096 tokens, layers:packed carries 61x the descriptors of packed:packed and moves "
                            "at 0.25x its GB/s")
-    assert "pays per descriptor" in text and "min to max" in text
+    assert "pays per descriptor" in text and "moved slower" in text and "min to max" in text
     same = caption(_rows({"packed:packed": [8, 8, 8], "layers:packed": [8, 8, 8]}), "loopback")
     assert "1.00x its GB/s" in same and "memmove" in same  # why loopback shows no difference
+
+
+@pytest.mark.parametrize("layers, says, never", [
+    ([1, 1.5, 2], "moved slower", "faster"),           # 0.25x: the per-descriptor cost shows
+    ([5, 6, 8.2], "little or nothing", "moved slower"),  # 1.02x: it does not, and the caption must not claim it
+    ([5, 6, 12], "moved faster here", "moved slower"),   # 1.50x
+])
+def test_caption_follows_its_own_numbers(layers: list[float], says: str, never: str) -> None:
+    """Issue 33: a fixed "fewer descriptors move faster" sat under a run that showed otherwise. The
+    first case is the control: the same rows shape with a real slowdown still gets that sentence."""
+    text = caption(_rows({"packed:packed": [5, 6, 8], "layers:packed": layers}), "nixl")
+    assert says in text and never not in text, text
+    assert f"moves at {layers[-1] / 8:.2f}x its GB/s" in text
 
 
 def test_plot_draws_spread_with_room_above_the_top_marker(tmp_path: Path) -> None:

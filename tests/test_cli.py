@@ -161,11 +161,27 @@ def test_plan_tp_options() -> None:
     rows = as_json(kvxfer_cmd("plan", "--local", "glm5-mla", "--local-tp", "0/8", "--remote-tp", "5/8",
                               "--tokens", "640", "--json"))
     assert rows[0]["mode"] == "whole-row" and rows[0]["descriptors"] == 10
-    # Different TP sizes hold different heads: refused, with which heads each side holds.
-    rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", "--local-tp", "0/8", "--remote-tp", "0/4",
-                              "--tokens", "160", "--json"), code=1)
-    assert rows[0]["mode"] == "refused" and rows[0]["descriptors"] is None
-    assert "heads [0, 1) of 8 (TP rank 0 of 8) vs heads [0, 2) of 8 (TP rank 0 of 4)" in rows[0]["why"]
+
+
+
+@pytest.mark.parametrize("sides, peers", [
+    (("--local-tp", "0/8", "--remote-tp", "0/4"), {"tp0/4": 1}),         # one remote rank holds this rank's head
+    (("--local-tp", "0/4", "--remote-tp", "0/8"), {"tp0/8": 1, "tp1/8": 1}),  # two remote ranks do
+    (("--local-tp", "0/1", "--remote-tp", "0/2"), {"tp0/2": 4, "tp1/2": 4}),  # TP2 -> TP1: 4 heads each
+    (("--local-pp", "0/1", "--remote-pp", "0/2"), {"pp0/2": 8, "pp1/2": 8}),  # PP2 -> PP1: 40 layers each
+])
+def test_plan_shows_the_gather_read_many_runs(sides: tuple[str, ...], peers: dict[str, int]) -> None:
+    """Issue 33: other TP/PP sizes were refused although read_many runs them. The plan reads only the
+    ranks holding this rank's pages, each for the heads (x layers) it holds: bytes from the model's
+    arithmetic. The control is test_plan_tp_options: same-size sides on different ranks stay refused."""
+    rows = as_json(kvxfer_cmd("plan", "--local", "llama3-70b", *sides, "--tokens", "160", "--json"))
+    (row,) = rows
+    assert row["mode"] == "gather", row
+    assert {n.split()[-1]: d for n, d in row["peers"].items()} == {
+        rank: 10 * 80 * 2 // 2 ** ("pp" in rank) for rank in peers}  # blocks x layers x K,V per peer
+    head_bytes = 10 * 16 * 128 * 2  # blocks x tokens x head_dim x bf16, one layer's K or V of one head
+    layers = 80 // 2 ** ("pp" in next(iter(peers)))
+    assert row["bytes"] == sum(h * layers * 2 * head_bytes for h in peers.values())
 
 
 def test_plan_list() -> None:

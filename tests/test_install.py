@@ -160,3 +160,22 @@ def test_kit_extra_brings_pytest_and_its_timeout() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {r.split(">")[0] for r in extras["kit"]} == {"pytest", "pytest-timeout"}
     assert "'.[kit]'" in (REPO / "CONTRIBUTING.md").read_text()
+
+
+def test_the_readme_installs_one_nixl_build_at_the_version_nixl_pins() -> None:
+    """Issue 33: `nixl` pulls both CUDA builds; the README says how to install one. The versions it
+    names must be the ones the installed `nixl` pins, and `nixl` must still list both builds
+    unconditionally (else an extra could choose and this README paragraph is stale)."""
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("nixl") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("nixl is not installed")
+    version = metadata.version("nixl")
+    plain = sorted(r.replace(" ", "") for r in requires if ";" not in r)
+    assert plain == [f"nixl-cu12=={version}", f"nixl-cu13=={version}"], requires
+    install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert f"pip install --no-deps 'nixl=={version}'" in install
+    assert re.search(rf"pip install 'nixl-cu1[23]=={re.escape(version)}'", install)

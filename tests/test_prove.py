@@ -6,7 +6,9 @@ reached it, so each test sees both the verdict here and what the helper was give
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Iterator
@@ -139,3 +141,31 @@ def test_health_keeps_a_collected_provers_counts(tmp_path: Path) -> None:
     after = prove.health()
     assert after.get("proven", 0) >= before.get("proven", 0) >= 1
     assert after.get("cached", 0) >= before.get("cached", 0) >= 1
+
+
+def test_the_first_helper_start_is_announced_once_at_info_with_its_cost(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33: the first unauthenticated add_peer waits seconds for the helper; one INFO line says
+    so and how long. Control: with the once-per-process memory emptied, the next start is logged too,
+    so the count below can see a second line."""
+    from kvxfer import prove
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "kvxfer.prove" and r.levelno == logging.INFO]
+
+    monkeypatch.setattr(prove, "_announced", set())
+    caplog.set_level(logging.INFO, logger="kvxfer.prove")
+    first, second, third = (Prover(TARGET, {"log": str(tmp_path / n)}, timeout=20.0, helpers=1) for n in "abc")
+    try:
+        first.prove(b"genuine one")
+        second.prove(b"genuine two")
+        assert seen(tmp_path / "a") == [b"genuine one"] and seen(tmp_path / "b") == [b"genuine two"]
+        (line,) = lines()
+        assert re.search(rf"started for {re.escape(TARGET)} in \d+\.\d s \(helper pid {first.pid}\)", line), line
+        assert "prove_metadata" in line
+        monkeypatch.setattr(prove, "_announced", set())  # the control
+        third.prove(b"genuine three")
+        assert len(lines()) == 2
+    finally:
+        for p in (first, second, third):
+            p.close()

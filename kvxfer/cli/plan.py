@@ -128,6 +128,14 @@ def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[
         try:  # the verdict Agent.add_peer reaches: the same pair() on the same discovered specs
             p = plan(local, remote, lb, rb, pairing=pair(local, remote))
         except LayoutMismatchError as exc:
+            if _resharded(lg, rg):  # what read_many runs over every rank of the remote's TP x PP grid
+                try:
+                    row.update(_gather_row(lg, rg, local, pool, lb, rng))
+                except LayoutMismatchError as gexc:
+                    exc = gexc
+                else:
+                    rows.append(row)
+                    continue
             diff = ", ".join(f"{f}: {a} vs {b}" for f, a, b in exc.diff[:3])
             row.update(descriptors=None, bytes=None, mode="refused", why=f"{str(exc).splitlines()[0]} ({diff})",
                        plan_seconds=None, error=type(exc).__name__)
@@ -136,6 +144,32 @@ def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[
                        plan_seconds=time.perf_counter() - t0)
         rows.append(row)
     return rows
+
+
+def _resharded(lg: Any, rg: Any) -> bool:
+    """Sides of different TP or PP sizes: one remote rank rarely holds a rank's pages, read_many gathers them."""
+    return (lg.tp_size, lg.pp_size) != (rg.tp_size, rg.pp_size)
+
+
+def _gather_row(lg: Any, rg: Any, local: Any, pool: int, lb: Any, rng: Any) -> dict[str, Any]:
+    """The plan ``Agent.read_many`` makes reading one request from every remote rank: the same
+    ``cached_gather`` and ``plan_gather``; ranks that hold nothing this rank needs are not read."""
+    from ..pairing._reshard import cached_gather
+    from ..planner import plan_gather
+
+    ranks = {_label(g): g for t in range(rg.tp_size) for q in range(rg.pp_size)
+             for g in [rg.with_parallel((t, rg.tp_size), (q, rg.pp_size))]}
+    k = max(1, local.block_tokens // next(iter(ranks.values())).block_tokens)  # remote blocks per local block
+    specs = {n: g.spec(pool * k) for n, g in ranks.items()}
+    t0 = time.perf_counter()
+    gathered = cached_gather(local, specs)
+    blocks = {n: rng.permutation(pool * gathered.k)[:lb.shape[0] * gathered.k] for n in gathered.tables}
+    plans = plan_gather(gathered, local, specs, lb, blocks)
+    seconds = time.perf_counter() - t0
+    parts = ", ".join(f"{n}: {p.descriptors:,}" for n, p in plans.items())
+    return {"descriptors": sum(p.descriptors for p in plans.values()), "bytes": sum(p.nbytes for p in plans.values()),
+            "mode": "gather", "plan_seconds": seconds, "peers": {n: p.descriptors for n, p in plans.items()},
+            "why": f"read_many over {len(plans)} of {len(ranks)} remote ranks (descriptors {parts})"}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,6 +39,29 @@ def _skip_absent_rdma() -> None:
 
 _skip_absent_rdma()
 
+
+# Whether the user chose NIXL's log level, read before the default below is written.
+_USER_NIXL_LEVEL = bool(os.environ.get("NIXL_LOG_LEVEL"))
+
+
+def _quiet_native_logs() -> None:
+    """Keep NIXL's and UCX's native loggers to fatal lines unless the user chose a level.
+
+    A peer that dies makes both libraries print their own error lines on stderr beside the
+    :class:`~kvxfer.PeerDisconnectedError` that already says the same thing (issue 33). Every
+    failure they log also reaches the caller as a typed error through :func:`map_error`, so
+    by default the lines are noise. ``NIXL_LOG_LEVEL`` or ``UCX_LOG_LEVEL`` set by the user
+    (e.g. ``ERROR`` / ``error`` to debug) is left alone. Both libraries read them when they
+    load, so this must run before this module imports NIXL.
+    """
+    if not _USER_NIXL_LEVEL:
+        os.environ["NIXL_LOG_LEVEL"] = "FATAL"
+    if not os.environ.get("UCX_LOG_LEVEL"):
+        os.environ["UCX_LOG_LEVEL"] = "fatal"
+
+
+_quiet_native_logs()
+
 import nixl._api as nx  # noqa: E402  (UCX reads UCX_MODULES when NIXL loads it)
 import nixl._bindings as _nb  # noqa: E402
 from kvxfer import Allocation, MemoryKind
@@ -60,10 +83,11 @@ def _quiet_logging() -> None:
     """NIXL's Python logger prints INFO lines to *stdout*; peers speak JSON over stdout.
 
     Unless the user asked for a level with ``NIXL_LOG_LEVEL``, keep warnings only, and send
-    them to stderr so that a process's stdout stays its own.
+    them to stderr so that a process's stdout stays its own. (The native default set by
+    :func:`_quiet_native_logs` does not count as the user's choice here.)
     """
     log = logging.getLogger("nixl")
-    if not os.environ.get("NIXL_LOG_LEVEL"):
+    if not _USER_NIXL_LEVEL:
         log.setLevel(logging.WARNING)
     for h in log.handlers:
         if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:

@@ -259,10 +259,22 @@ class Lib:
 _LIB: Lib | None = None
 
 
+def _quiet_native_logs() -> None:
+    """Keep UCX's native logger to fatal lines unless the user set ``UCX_LOG_LEVEL``.
+
+    A dead peer otherwise makes UCX print its own error lines on stderr beside the typed
+    error the backend raises for the same failure (issue 33). UCX reads the variable when
+    libucs loads, so this runs just before the first load.
+    """
+    if not os.environ.get("UCX_LOG_LEVEL"):
+        os.environ["UCX_LOG_LEVEL"] = "fatal"
+
+
 def load() -> Lib:
     """Load libucp once per process (raises OSError/RuntimeError if it cannot)."""
     global _LIB
     if _LIB is None:
+        _quiet_native_logs()
         path = find_libucp()
         if path is None:
             raise OSError("libucp.so not found: install the libucx wheel (pip install 'kvxfer[ucx]') "

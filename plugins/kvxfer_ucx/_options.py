@@ -29,7 +29,8 @@ OPTIONS = (
            "longer over slow links"),
     Option("prove_metadata", '"auto"',
            "load an unauthenticated peer's blob (token=NO_AUTH) in a helper process first; True proves "
-           "signed blobs too, False none", "as for nixl"),
+           "signed blobs too, False none; starting the helper costs a few seconds once, logged at INFO "
+           "by kvxfer.prove with the seconds it took", "as for nixl"),
     Option("prove_timeout", "30.0", "seconds of CPU time the helper may spend on one blob",
            "raise it on a heavily loaded machine"),
 )
