@@ -4,7 +4,13 @@ One READ request per iteration, decode pulling blocks from prefill over Mooncake
 transport (two engines in this process; the bytes cross the loopback interface). Raw
 Mooncake is done as well as its API allows: one ``batch_transfer_sync_read`` per request,
 address lists built once outside the timed loop. kvxfer does ``Agent.read(...).wait()``:
-planning, bounds checks, the worker thread and the same batch call.
+planning, bounds checks, the worker thread and the same batch call. For the same request,
+kvxfer on NIXL and on raw UCX, both over UCX's TCP transport (``UCX_TLS=tcp``, set here before
+either loads; UCX with ``trusted_network``), so every column crosses loopback TCP. Each runs in a
+child process of its own (NIXL's bundled UCX and the libucx wheel never share a process), both
+agents in that child: NIXL with its progress thread, UCX with a thread progressing the serving
+agent (its target is progressed only by its owner). NIXL over TCP fences its READs through a
+bounce area (docs/design.md section 7); that copy is in its column.
 
 Shapes: ``packed`` rows (every layer of a block contiguous: one descriptor per block),
 ``layers`` (one array per layer: one descriptor per layer and block), and ``one-block`` (one
@@ -18,6 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 import statistics
 from typing import Any
 
@@ -31,7 +42,13 @@ try:
 except ImportError:  # run as a module
     from benchmarks._timing import Column, print_table, samples
 
+os.environ.setdefault("UCX_TLS", "tcp")  # read when UCX loads: NIXL and raw UCX over TCP, like Mooncake here
+
 OPTS: dict[str, Any] = {"trusted_network": True}
+#: kvxfer on the other real backends for the same request: (column, backend, options).
+OTHERS: list[tuple[str, str, dict[str, Any]]] = [
+    ("nixl", "nixl", {"progress_thread": True}),
+    ("ucx", "ucx", {"trusted_network": True, "same_host_copy": False, "tls": "self,tcp"})]
 SHAPES = {"packed": ("packed", 16, 64 << 10, 64, 32), "layers": ("layers", 16, 64 << 10, 64, 32),
           "one-block": ("packed", 1, 4096, 64, 1)}
 
@@ -44,9 +61,41 @@ def _rows(cache: Any, blocks: list[int]) -> tuple[list[int], list[int]]:
     return [s[b].ctypes.data for s in cache.storages for b in blocks], [cache.page] * (len(blocks) * cache.num_layers)
 
 
-def run_shape(name: str, iters: int) -> dict[str, Any]:
-    from mooncake.engine import TransferEngine
+def _kvxfer(backend: str, opts: dict[str, Any], src: Any, dst: Any, src_ids: list[int], dst_ids: list[int],
+            want: np.ndarray, iters: int) -> float:
+    """Median seconds of ``Agent.read(...).wait()`` on ``backend``, after a verified warm-up."""
+    for s in dst.storages:
+        s[...] = 0xAA
+    with Agent("prefill", backend=backend, **opts) as a, Agent("decode", backend=backend, **opts) as d:
+        a.register(src.views, replicated=True)
+        d.register(dst.views, replicated=True)
+        peer = d.add_peer(a.metadata())
+        stop = threading.Event()
 
+        def serve() -> None:  # what the serving process's own loop would do
+            while not stop.is_set():
+                a.progress()
+                time.sleep(0)
+
+        server = threading.Thread(target=serve, daemon=True)
+        if a.backend.capabilities.needs_progress:
+            server.start()
+
+        def kv() -> None:
+            d.read(peer, dst_ids, src_ids).wait()
+
+        try:
+            kv()
+            assert np.array_equal(dst.layer_pages(), want), f"kvxfer on {backend} moved the wrong bytes"
+            return statistics.median(samples(kv, iters))
+        finally:
+            stop.set()
+            if server.is_alive():
+                server.join()
+
+
+def _setup(name: str) -> tuple[Any, Any, list[int], list[int], np.ndarray]:
+    """The shape's caches, block ids and the numpy reference of the destination after the READ."""
     kind, layers, page, nblocks, n = SHAPES[name]
     rng = np.random.default_rng(1)
     src_ids = [int(x) for x in rng.permutation(nblocks)[:n]]
@@ -55,6 +104,23 @@ def run_shape(name: str, iters: int) -> dict[str, Any]:
     dst = make_cache(kind, num_blocks=nblocks, num_layers=layers, page=page)
     want = dst.layer_pages().copy()
     want[:, dst_ids] = src.layer_pages()[:, src_ids]  # the independent reference
+    return src, dst, src_ids, dst_ids, want
+
+
+def column(col: str, shapes: list[str], iters: int) -> dict[str, float]:
+    """One other backend's medians per shape (run in a child process of its own)."""
+    _, backend, opts = next(o for o in OTHERS if o[0] == col)
+    out = {}
+    for name in shapes:
+        src, dst, src_ids, dst_ids, want = _setup(name)
+        out[name] = _kvxfer(backend, opts, src, dst, src_ids, dst_ids, want, iters)
+    return out
+
+
+def run_shape(name: str, iters: int) -> dict[str, Any]:
+    from mooncake.engine import TransferEngine
+
+    src, dst, src_ids, dst_ids, want = _setup(name)
 
     raw_t, raw_d = TransferEngine(), TransferEngine()
     for e in (raw_t, raw_d):
@@ -73,19 +139,7 @@ def run_shape(name: str, iters: int) -> dict[str, Any]:
     raw()
     assert np.array_equal(dst.layer_pages(), want), "raw Mooncake moved the wrong bytes"
     out["raw_s"] = statistics.median(samples(raw, iters))
-    for s in dst.storages:
-        s[...] = 0xAA
-    with Agent("prefill", backend="mooncake", **OPTS) as a, Agent("decode", backend="mooncake", **OPTS) as d:
-        a.register(src.views, replicated=True)
-        d.register(dst.views, replicated=True)
-        peer = d.add_peer(a.metadata())
-
-        def kv() -> None:
-            d.read(peer, dst_ids, src_ids).wait()
-
-        kv()
-        assert np.array_equal(dst.layer_pages(), want), "kvxfer moved the wrong bytes"
-        out["kvxfer_s"] = statistics.median(samples(kv, iters))
+    out["kvxfer_s"] = _kvxfer("mooncake", OPTS, src, dst, src_ids, dst_ids, want, iters)
     out["ratio"] = out["raw_s"] / out["kvxfer_s"]
     out["added_us"] = (out["kvxfer_s"] - out["raw_s"]) * 1e6
     out["raw_gbs"] = out["bytes"] / out["raw_s"] / 1e9
@@ -97,9 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--no-others", action="store_true", help="skip the NIXL and UCX columns")
+    ap.add_argument("--column", help=argparse.SUPPRESS)  # child mode: one other backend, JSON out
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rows = [run_shape(s, args.iters) for s in args.shapes.split(",")]
+    shapes = args.shapes.split(",")
+    if args.column:
+        print(json.dumps(column(args.column, shapes, args.iters)))
+        return 0
+    rows = [run_shape(s, args.iters) for s in shapes]
+    for col, _, _ in OTHERS:
+        got: dict[str, float] = {}
+        if not args.no_others:
+            r = subprocess.run([sys.executable, __file__, "--column", col, "--shapes", args.shapes, "--iters",
+                                str(args.iters)], capture_output=True, text=True, check=True)
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+        for row in rows:
+            row[f"{col}_s"] = got.get(row["shape"])
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -109,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                        Column("raw_gbs", "raw GB/s", fmt=lambda v: f"{v:.2f}"),
                        Column("kvxfer_gbs", "kvxfer GB/s", fmt=lambda v: f"{v:.2f}"),
                        Column("ratio", "kvxfer/raw speed", fmt=lambda v: f"{v:.3f}x"),
-                       Column("added_us", "added per request", fmt=lambda v: f"{v:+.0f} us")])
+                       Column("added_us", "added per request", fmt=lambda v: f"{v:+.0f} us"),
+                       *[Column(f"{c}_s", f"kvxfer on {c} (TCP)",
+                                fmt=lambda v: "-" if v is None else f"{v * 1e3:.3f} ms") for c, _, _ in OTHERS]])
     return 0
 
 

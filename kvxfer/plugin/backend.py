@@ -40,7 +40,10 @@ class Capabilities:
     planner does not coalesce. ``cheap_prepare``: preparing a list costs about as much as
     storing it, so the core may prepare a fresh (coalesced) list per transfer.
     ``max_descriptors``: the most descriptors one post takes (the core splits larger
-    plans). ``cross_process``: peers may live in other processes or hosts.
+    plans). ``cross_process``: peers may live in other processes or hosts. ``fence``: once a
+    transfer has reported its end, nothing more lands in its destination, even from a peer that
+    stopped mid-transfer and resumes (docs/design.md, promise 5). A backend whose transport can
+    outlive its end says False, and the conformance kit skips the stopped-peer case with that reason.
     """
 
     memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.DRAM})
@@ -52,6 +55,7 @@ class Capabilities:
     max_descriptors: int | None = None
     needs_progress: bool = False
     cross_process: bool = True
+    fence: bool = True
 
 
 class Backend(abc.ABC):

@@ -73,7 +73,8 @@ class _Base:
                 caps = _CAPS[key] = probe.backend.capabilities
         return caps
 
-    def require(self, *, op: str | None = None, notifications: bool = False, cross_process: bool = False) -> None:
+    def require(self, *, op: str | None = None, notifications: bool = False, cross_process: bool = False,
+                fence: bool = False) -> None:
         """Skip the calling test unless the backend claims what it exercises."""
         caps = self.capabilities()
         if op is not None and Op(op) not in caps.ops:
@@ -82,6 +83,9 @@ class _Base:
             pytest.skip(f"backend {self.backend!r} does not claim notifications")
         if cross_process and not caps.cross_process:
             pytest.skip(f"backend {self.backend!r} does not claim peers in other processes")
+        if fence and not caps.fence:
+            pytest.skip(f"backend {self.backend!r} does not claim the fence against a stopped peer (its capabilities "
+                        "say fence=False; its README says why)")
 
 
 class _Snapshot:

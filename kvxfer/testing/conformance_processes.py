@@ -261,6 +261,7 @@ class TwoProcessConformance(_Base):
         """The peer stops (SIGSTOP) with our READ in flight; the READ times out or is cancelled;
         the peer resumes (SIGCONT). Once the READ has reported its end, not one more byte may
         land in its destination: the engine has already reused those blocks."""
+        self.require(fence=True)
         peer = self._spawn("packed", seed=41, name="stopped")
         stopped = False
         try:

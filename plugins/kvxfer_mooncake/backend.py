@@ -2,10 +2,13 @@
 
 Each post is one ``batch_transfer_sync_read``/``_write`` call on a worker thread (the calls
 release the GIL). The async forms are not used: a second status query of a finished batch
-crashes this Mooncake release. The fence: a transfer's end is reported only once its call
-has returned, because until then Mooncake may still write. ``release`` of a running post
+crashes this Mooncake release. A transfer's end is reported only once its call has
+returned, because until then Mooncake may still write. ``release`` of a running post
 therefore waits for the call, which Mooncake ends within ``progress_timeout`` seconds when the
 peer stops answering (``MC_TCP_PROGRESS_TIMEOUT_SEC``); a post not yet started is dropped.
+That is not the whole fence: a call fails at its first failed slice, while slices queued
+behind the peer's lanes stay queued inside Mooncake and land once a stopped peer resumes.
+No call of this Python API waits for or drops them, so ``fence`` is not claimed.
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ class MooncakeBackend(Backend):
     name = "mooncake"
     # TCP only in this wheel: host memory. Notifications: Mooncake's Python API can receive
     # (get_notifies) but not attach one to a TCP batch, so none are claimed. Cancel: a batch
-    # call cannot be stopped once running; release waits for it (the fence, see above).
+    # call cannot be stopped once running; release waits for it. Fence: not claimed (above).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
-                                notifications=False, cross_process=True)
+                                notifications=False, cross_process=True, fence=False)
 
     def __init__(self, agent_name: str, *, trusted_network: bool = False, host: str = "127.0.0.1",
                  progress_timeout: float = 5.0, workers: int = 2) -> None:
@@ -212,7 +215,8 @@ class MooncakeBackend(Backend):
         return True
 
     def release(self, xfer: Post) -> None:
-        """Cancel: a post not started is dropped; a running call is waited for, so nothing lands later."""
+        """Cancel: a post not started is dropped; a running call is waited for (its slices in
+        flight end with it; slices Mooncake still queues do not, see the module docstring)."""
         f = xfer.future
         if f is None or f.cancel():
             return

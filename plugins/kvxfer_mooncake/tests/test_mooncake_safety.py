@@ -2,7 +2,8 @@
 
 * no ``trusted_network``: refused (Mooncake's ports authenticate nobody);
 * a remote descriptor outside the peer's blob: refused before any byte moves;
-* the fence: a READ from a stopped peer that is released moves nothing afterwards;
+* the fence, as far as it goes: a one-span READ from a stopped peer that is released moves
+  nothing afterwards; the spans Mooncake queues behind a failed batch do (``fence=False``);
 * mutated blobs: typed errors only (a campaign in a child process, and at the seam).
 """
 
@@ -101,20 +102,24 @@ def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
         p.wait()
 
 
-def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any,
-                       progress_timeout: float = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Post a 16 MiB READ from a stopped peer, release it, resume the peer; the destination after."""
+def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, progress_timeout: float = 1,
+                       slices: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Post a READ from a stopped peer, release it, resume the peer; the destination at the end
+    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (one batch call)."""
     p, blob = peer
     dst = np.full(16 << 20, SENT, np.uint8)
+    offsets, lengths = ([0], [dst.nbytes]) if not slices else ([i << 12 for i in range(slices)], [384] * slices)
     be = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=progress_timeout)
     try:
         be.register([Allocation(dst.ctypes.data, dst.nbytes)])
         be.add_remote("peer", blob)
         base = _blob.decode(blob, "peer").regions[0][0]
-        local = be.prepare(None, descs(dst.ctypes.data, [0], [dst.nbytes]))
-        remote = be.prepare("peer", descs(base, [0], [dst.nbytes]))
+        local = be.prepare(None, descs(dst.ctypes.data, offsets, lengths))
+        remote = be.prepare("peer", descs(base, offsets, lengths))
         os.kill(p.pid, signal.SIGSTOP)  # after add_remote's handshake: stopped mid-READ
-        x = be.post(Op.READ, local, np.arange(1), remote, np.arange(1), None)
+        x = be.post(Op.READ, local, np.arange(len(offsets)), remote, np.arange(len(offsets)), None)
+        while not (x.future.running() or x.future.done()):  # in flight, not merely queued with us
+            time.sleep(0.001)
         time.sleep(0.2)
         release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
         ended = dst.copy()
@@ -130,6 +135,17 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any,
 def test_released_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any) -> None:
     ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release)
     np.testing.assert_array_equal(later, ended, err_msg="bytes landed after release() returned")
+
+
+def test_queued_slices_of_a_failed_call_land_after_it_ended(stopped_peer: Any) -> None:
+    """Why ``fence`` is not claimed: a batch of 30 spans from a stopped peer. The call fails once
+    the spans on the peer's lanes make no progress, and ``release`` waits for that; the spans
+    Mooncake still queues land once the peer resumes. If a Mooncake release ever drops them,
+    this fails: then claim the fence and let the kit's stopped-peer case run."""
+    assert mb.MooncakeBackend.capabilities.fence is False
+    ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release, slices=30)
+    assert (ended == SENT).all(), "the stopped peer answered before the release"
+    assert not np.array_equal(later, ended), "queued spans no longer land after the end: claim the fence"
 
 
 def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any) -> None:
