@@ -131,8 +131,8 @@ def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[
             if _resharded(lg, rg):  # what read_many runs over every rank of the remote's TP x PP grid
                 try:
                     row.update(_gather_row(lg, rg, local, pool, lb, rng))
-                except LayoutMismatchError as gexc:
-                    exc = gexc
+                except LayoutMismatchError:
+                    pass  # no gather either: report the direct pair's refusal, the one add_peer gives
                 else:
                     rows.append(row)
                     continue
