@@ -27,7 +27,7 @@ from ucx_attacker import fixed_page
 from ucx_helpers import SENT, descs, drive, pattern
 
 from kvxfer import Allocation, Op
-from kvxfer.errors import IdentityError, StalePeerError
+from kvxfer.errors import IdentityError, PeerDisconnectedError, StalePeerError
 from kvxfer_ucx import _hostpage, _paths, backend as ucx_backend
 from kvxfer_ucx._hostpage import Proof
 from kvxfer_ucx.backend import UcxBackend
@@ -87,7 +87,15 @@ def test_a_replayed_blob_of_a_restarted_agent_moves_nothing(mode: bool | None, p
         assert (dst == SENT).all() and (new == 0x11).all()
 
         monkeypatch.setattr(ucx_backend, "prove", _no_proof)  # control
-        d.add_remote("prefill", blob)
+        try:
+            d.add_remote("prefill", blob)
+        except PeerDisconnectedError:
+            # ``freed``: the closed worker's address resolves only while UCX reuses it
+            # for the new agent's worker; when it does not, the replay reaches nothing at all
+            # (CI saw both). The ``kept`` cases show the bytes moving without the check.
+            if page == "freed":
+                return
+            raise
         _read_and_write(d, (a2,), old.ctypes.data, dst, out)
         np.testing.assert_array_equal(dst, kept)  # READ: DONE with the unregistered buffer's bytes
         np.testing.assert_array_equal(old, out)  # WRITE: landed there
