@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .deadlines import check_timeout, deadline_scope
+from .deadlines import Deadline, check_timeout, deadline_scope
 from .fdlimit import limit_error, raise_soft_limit
 from .errors import (
     AgentClosedError,
@@ -42,7 +42,7 @@ from .posts import Chunk, plan_chunks
 from .pairing._reshard import Gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer, TransferStats, _Post
-from . import _checks, _many, lifecycle
+from . import _checks, _hot, _many, lifecycle
 
 __all__ = ["Agent", "Peer"]
 
@@ -118,6 +118,7 @@ class Agent:
         self._local_prepared: dict[Any, Any] = {}
         self._peers: dict[str, Peer] = {}
         self._inflight: set[Transfer] = set()
+        self._hot: dict[tuple[str, Op], Any] = {}  # shapes the hot path repeats (kvxfer._hot)
         self._adding_source = False
         self._closed = False
         plugin_manager().hook.kvxfer_agent_created(agent=self)
@@ -170,6 +171,7 @@ class Agent:
         self._registered_before = True
         self.spec = spec
         self._held = kv
+        self._hot.clear()
         for peer in self._peers.values():
             peer.pairing = None  # planned against the previous local spec
         lifecycle.registered(self, spec)
@@ -185,6 +187,7 @@ class Agent:
         for h in self._local_prepared.values():
             self.backend.release_prepared(h)
         self._local_prepared.clear()
+        self._hot.clear()
         self.backend.deregister(self._reg_handle)
         self.spec = None
         self._held = None
@@ -314,6 +317,8 @@ class Agent:
 
     def _drop_peer(self, peer: Peer) -> None:
         self._peers.pop(peer.name, None)
+        for op in Op:
+            self._hot.pop((peer.name, op), None)
         for h in peer.prepared.values():
             try:
                 self.backend.release_prepared(h)
@@ -366,7 +371,14 @@ class Agent:
 
     def _transfer(self, op: Op, peer_name: str, local_blocks: Any, remote_blocks: Any,
                   notify: bytes | None, deadline: float | None = None, expect: Any = None) -> Transfer:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        hot = self._hot.get((peer_name, op)) if (type(peer_name) is str and expect is None
+                                                 and (notify is None or type(notify) is bytes)) else None
+        if hot is not None:  # a shape posted before: checked and posted in a few calls (kvxfer._hot)
+            t = hot.post(self, local_blocks, remote_blocks, notify, deadline)
+            if t is not None:
+                return t
         caps = self.backend.capabilities
         if op not in caps.ops:
             raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
@@ -377,15 +389,17 @@ class Agent:
                 raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
         if deadline is None:  # an Owner passes the one it started at submission
-            deadline = time.monotonic() + self.timeout  # planning and posting count against it too
+            deadline = Deadline.within(self.timeout)  # planning and posting count against it too
         peer = self._peer(peer_name)
         p = self._plan(peer, local_blocks, remote_blocks, op)
         check = _checks.for_read(self, peer, local_blocks, remote_blocks, expect) if op is Op.READ else None
-        return self._post(op, peer, p, notify, t0, deadline, verify=check)
+        t = self._post(op, peer, p, notify, t0, deadline, verify=check, learn=check is None)
+        return t
 
     def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
-              deadline: float, planned: float = 0.0, verify: Any = None) -> Transfer:
-        """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``."""
+              deadline: float, planned: float = 0.0, verify: Any = None, learn: bool = False) -> Transfer:
+        """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``.
+        ``learn``: a request the hot path may repeat (:func:`kvxfer._hot.learn` decides)."""
         chunks: list[Chunk] = []
         posts: list[_Post] = []
         try:
@@ -406,6 +420,8 @@ class Agent:
                 for fn in cleanup:
                     fn()
             raise
+        if learn and (peer.name, op) not in self._hot:
+            _hot.learn(self, peer, op, p, chunks)
         stats.post_seconds = time.perf_counter() - started
         if posts:
             stats.path = self.backend.data_path(posts[0].handle)

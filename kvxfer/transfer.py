@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .deadlines import check_timeout
+from .deadlines import Backoff, Deadline, check_timeout
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
 from .plugin.backend import Backend
@@ -50,12 +50,12 @@ class Transfer:
                  plan: Any = None, verify: Callable[[], None] | None = None):
         self._backend = backend
         self._posts = posts
-        self.plan = plan  # what was posted (its run count is computed on request), or None
+        self._plan = plan  # what was posted, or how to plan it again (the hot path: kvxfer._hot)
         self.stats = stats
-        self._default_timeout = check_timeout(default_timeout)
-        # Absolute (time.monotonic) deadline of a plain wait(); the agent passes the one it
-        # started before planning.
-        self._deadline = time.monotonic() + self._default_timeout if deadline is None else deadline
+        self._default_timeout = default_timeout if type(default_timeout) is float and deadline is not None \
+            else check_timeout(default_timeout)
+        # The deadline of a plain wait(); the agent passes the one it started before planning.
+        self._deadline = Deadline.within(self._default_timeout) if deadline is None else deadline
         self._on_done = on_done
         self._on_finish = on_finish
         self._verify = verify  # runs after the data is in, before DONE is reported (kvxfer.integrity)
@@ -67,6 +67,15 @@ class Transfer:
 
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} {self.stats.descriptors} descriptors {self.stats.nbytes} bytes>"
+
+    @property
+    def plan(self) -> Any:
+        """What was posted (its run count is computed on request), or None. The hot path
+        posts without a plan object; it is built here only when someone asks."""
+        p = self._plan
+        if callable(p):
+            p = self._plan = p()
+        return p
 
     # -- state machine --------------------------------------------------------------------
     def done(self) -> bool:
@@ -118,18 +127,19 @@ class Transfer:
             limit, deadline = self._default_timeout, self._deadline
         else:
             limit = check_timeout(timeout, "wait timeout")
-            deadline = time.monotonic() + limit
-        spins = 0
+            deadline = Deadline.within(limit)
+        # Spin first (GPU and shm transfers finish in microseconds), then back off so a
+        # slow network transfer does not burn a core the peer may need. A backend that
+        # needs someone to drive progress gets no sleeps: this loop *is* its progress
+        # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
+        backoff = None if self._spin else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
         while not self.done():
             if self.expire(time.monotonic(), deadline, limit):
                 self._raise()
-            spins += 1
-            # Spin first (GPU and shm transfers finish in microseconds), then back off so a
-            # slow network transfer does not burn a core the peer may need. A backend that
-            # needs someone to drive progress gets no sleeps: this loop *is* its progress
-            # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
-            if spins > 64 and not self._spin:
-                time.sleep(min(1e-3, 1e-6 * (spins - 64)))
+            if backoff is not None:
+                d = backoff.next()
+                if d:
+                    time.sleep(d)
         return self
 
     def expire(self, now: float, deadline: float | None = None, limit: float | None = None) -> bool:

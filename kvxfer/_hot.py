@@ -1,0 +1,163 @@
+"""The hot path: a small READ or WRITE of a shape already posted once, in a few calls.
+
+Layer-wise connectors post dozens of one-block transfers per request, so the fixed Python cost
+between :meth:`kvxfer.Agent.read` and the transport's post is what they pay (issue 37: about
+110 calls on ``main``). Once a request of a few whole-row blocks has gone the general way
+(plan, legs, prepared lists), the agent remembers its shape here: per leg, the prepared lists
+and the base of its indices. A later request to the same peer, over the same pairing, with at
+most :data:`~kvxfer.planner.FEW_BLOCKS` ids given as lists of ints, is then checked (types,
+bounds, duplicates: every call) and posted straight away; anything else, or anything the
+checks refuse, returns None and takes the general path, whose typed errors stay the only ones.
+
+What keeps it safe: an entry is only valid for the very spec, peer and pairing objects it was
+built from (registering again, a peer's restart or removal replaces one of them); the remote
+list is looked up in the peer's own cache on every call, so a list released with the peer is
+never posted; the backend's ``post`` checks its lists as on every path.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .deadlines import Deadline
+from .errors import TransferTimeoutError
+from .memory import Op
+from .pairing._templates import Pairing
+from .planner import FEW_BLOCKS, TransferPlan, plan
+from .stats import TransferStats
+from .transfer import Transfer, _Post
+
+if TYPE_CHECKING:
+    from .agent import Agent, Peer
+    from .posts import Chunk
+
+__all__ = ["Shape", "learn"]
+
+
+class Shape:
+    """What a request of this shape posts: per leg ``(local list, remote key, local base,
+    remote base, dtype)``, and the counts its stats report per block."""
+
+    __slots__ = ("spec", "peer", "pairing", "op", "legs", "local_n", "remote_n", "per_block", "bytes_per_block",
+                 "mode", "limit", "notifies", "opname")
+
+    def __init__(self, agent: "Agent", peer: "Peer", op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
+        pairing = peer.pairing
+        assert isinstance(pairing, Pairing) and agent.spec is not None and peer.spec is not None
+        self.spec, self.peer, self.pairing, self.op = agent.spec, peer, pairing, op
+        self.local_n, self.remote_n = agent.spec.num_blocks, peer.spec.num_blocks
+        n = p.legs[0].blocks
+        self.per_block, self.bytes_per_block = p.descriptors // n, p.nbytes // n
+        self.mode, self.opname = p.mode, op.value
+        caps = agent.backend.capabilities
+        self.limit, self.notifies = min(caps.max_descriptors or FEW_BLOCKS, FEW_BLOCKS), caps.notifications
+        rkeys = {id(h): k for k, h in peer.prepared.items()}
+        # Per leg of whole rows, every block's index into the two prepared lists, made once and
+        # read-only: a one-block request takes a slice (a view), a few blocks index it. A leg of
+        # several pieces per block (one per layer tensor) adds the block to the pieces' bases.
+        self.legs = [(c.local, rkeys[id(c.remote)], _ids(g.lbase, self.local_n, g.dtype),
+                      _ids(g.rbase, self.remote_n, g.dtype), g) for c, g in zip(chunks, pairing.groups)]
+
+    def post(self, agent: "Agent", local: Any, remote: Any, notify: bytes | None, deadline: float | None) -> Any:
+        """The transfer, or None when this request is not of this shape (the general path decides)."""
+        t0 = time.perf_counter()
+        peer = self.peer
+        if agent.spec is not self.spec or agent._peers.get(peer.name) is not peer or peer.pairing is not self.pairing:
+            return None  # registered again, or the peer restarted, was removed or re-paired
+        if type(local) is not list or type(remote) is not list or (notify is not None and not self.notifies):
+            return None
+        n = len(local)
+        if not 0 < n <= self.limit or len(remote) != n:
+            return None
+        # Types and bounds on every call: an id past either validated spec never reaches the backend.
+        if n == 1:
+            lv, rv = local[0], remote[0]
+            if type(lv) is not int or type(rv) is not int or not (0 <= lv < self.local_n and 0 <= rv < self.remote_n):
+                return None
+        else:
+            for v in local:
+                if type(v) is not int:
+                    return None
+            for v in remote:
+                if type(v) is not int:
+                    return None
+            if min(local) < 0 or max(local) >= self.local_n or min(remote) < 0 or max(remote) >= self.remote_n:
+                return None
+            if len(set(local if self.op is Op.READ else remote)) != n:
+                return None
+        prepared, backend = peer.prepared, agent.backend
+        if deadline is None:
+            deadline = Deadline.within(agent.timeout)
+        posts: list[_Post] = []
+        last = len(self.legs) - 1
+        started = time.perf_counter()
+        try:
+            for lp, rkey, lids, rids, g in self.legs:
+                rp = prepared.get(rkey)  # the peer's cache: gone with the peer, then the general path
+                if rp is None:
+                    return None
+                if lids is not None:
+                    li, ri = (lids[lv:lv + 1], rids[rv:rv + 1]) if n == 1 else (lids[local], rids[remote])
+                elif n == 1:
+                    li, ri = g.lbase + lv, g.rbase + rv
+                else:
+                    li, ri = _pieces(g, local, remote)
+                posts.append(_Post(backend.post(self.op, lp, li, rp, ri, notify if not last else None), cleanup=[]))
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"posting {n * self.per_block} descriptors ran past the {agent.timeout:g} s deadline; nothing "
+                    "was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
+        except BaseException:
+            for post in posts:
+                backend.release(post.handle)
+            raise
+        end = time.perf_counter()
+        path = backend.data_path(posts[0].handle)
+        # Positional: a dataclass called with keywords costs three times as much.
+        stats = TransferStats(n * self.per_block, n * self.bytes_per_block, len(posts), started - t0, None, path,
+                              end - started, agent.backend_name, self.opname, peer.name, self.mode)
+        on_done = None
+        if notify is not None and last:  # several posts end in any order: notify once all are done
+            msg, key = bytes(notify), peer.name
+            on_done = lambda: backend.notify(key, msg)  # noqa: E731
+        t = Transfer(backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, started=started,
+                     on_finish=agent._finished, on_done=on_done,
+                     plan=partial(plan, self.spec, peer.spec, local[:], remote[:], self.op, pairing=self.pairing))
+        agent._inflight.add(t)
+        return t
+
+
+def _ids(bases: np.ndarray, n: int, dtype: type) -> np.ndarray | None:
+    if bases.shape[0] != 1:
+        return None
+    a = np.arange(int(bases[0]), int(bases[0]) + n, dtype=dtype)
+    a.flags.writeable = False  # handed to backends as views: nobody may change them
+    return a
+
+
+def _pieces(g: Any, local: list[int], remote: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kvxfer.planner._legs`'s indices for a leg of several pieces per block."""
+    lb, rb = np.array(local, dtype=g.dtype), np.array(remote, dtype=g.dtype)
+    if g.member_major:
+        return (g.lbase[:, None] + lb[None, :]).reshape(-1), (g.rbase[:, None] + rb[None, :]).reshape(-1)
+    return (lb[:, None] + g.lbase[None, :]).reshape(-1), (rb[:, None] + g.rbase[None, :]).reshape(-1)
+
+
+def learn(agent: "Agent", peer: "Peer", op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
+    """Remember ``p``'s shape when it is one the hot path can repeat: whole rows of a checked
+    pairing, one post per leg over lists kept in the caches, no integrity check."""
+    pairing = peer.pairing
+    if (agent.verify or agent._coalesce or not isinstance(pairing, Pairing) or not p.legs
+            or len(chunks) != len(p.legs) != len(pairing.groups) or len(chunks) != len(pairing.groups)
+            or any(c.cleanup for c in chunks)
+            or p.legs[0].blocks <= 0 or p.descriptors % p.legs[0].blocks):
+        return
+    remote = {id(h) for h in peer.prepared.values()}
+    if any(id(c.remote) not in remote for c in chunks) or any(c.local not in agent._local_prepared.values()
+                                                                for c in chunks):
+        return
+    agent._hot[(peer.name, op)] = Shape(agent, peer, op, p, chunks)
