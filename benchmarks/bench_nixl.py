@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _nixl_buffers import SENTINEL, Buffers  # noqa: E402
 
+from kvxfer.deadlines import Backoff, Deadline
 from kvxfer.testing import lines  # noqa: E402
 
 EXTRA = 8  # destination blocks never written: must keep the sentinel
@@ -218,16 +219,17 @@ def timed(fn: Callable[[], Any], iters: int, warmup: int = 1) -> list[float]:
 
 def raw_wait(agent: Any, handles: list[Any], timeout: float, backoff: bool = True) -> None:
     """Poll until DONE; with ``backoff`` exactly like ``kvxfer.Transfer.wait`` (spin 64, then sleep)."""
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.within(timeout)
     pending = list(handles)
-    spins = 0
+    rhythm = Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64) if backoff else None  # Transfer.wait's
     while pending:
         pending = [h for h in pending if agent.check_xfer_state(h) != "DONE"]
-        if pending and time.monotonic() > deadline:
+        if pending and deadline.expired():
             raise TimeoutError("raw NIXL transfer did not finish")
-        spins += 1
-        if pending and backoff and spins > 64:
-            time.sleep(min(1e-3, 1e-6 * (spins - 64)))
+        if pending and rhythm is not None:
+            d = rhythm.next()
+            if d:
+                time.sleep(d)
     for h in handles:
         agent.release_xfer_handle(h)
 

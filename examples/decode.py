@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from kvxfer.deadlines import Deadline
 import kvxfer
 from kvxfer.integrity import Digests
 from kvxfer.sidechannel import exchange
@@ -49,7 +50,7 @@ def main() -> int:
     for c in caches.values():
         c.view(np.uint8)[...] = SENTINEL  # so a block nobody wrote is visible in a dump
     agent.register(caches, tp_rank=0, tp_size=1, kv_heads=HEADS)
-    deadline = time.monotonic() + args.timeout
+    deadline = Deadline.within(args.timeout)
     local_of: dict[int, int] = {}  # our block -> prefill's block
     free = list(range(args.blocks - 1, -1, -1))  # an engine's free list: blocks in another order than prefill's
     try:

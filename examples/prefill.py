@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.deadlines import Deadline
 import kvxfer
 from kvxfer.sidechannel import MetadataServer
 
@@ -91,7 +92,7 @@ def main() -> int:
     caches = kv_caches(args.blocks)
     agent.register(caches, tp_rank=0, tp_size=1, kv_heads=HEADS)
     arrivals: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # on_peer runs on the server's thread
-    deadline = time.monotonic() + args.timeout
+    deadline = Deadline.within(args.timeout)
     try:
         with MetadataServer(agent.metadata(), args.host, args.port, token=secret, on_peer=arrivals.put) as server:
             host, port = server.address
@@ -120,7 +121,7 @@ def main() -> int:
                         print(f"prefill: request {done} done; its blocks are free", flush=True)
                 time.sleep(0.01)
             agent.notify(decode, json.dumps({"bye": True}).encode())
-            linger = time.monotonic() + 1.0
+            linger = Deadline.within(1.0)
             while time.monotonic() < linger:  # a notification leaves while the worker progresses
                 agent.notifications()
                 time.sleep(0.01)

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from .deadlines import readable, writable
+from .deadlines import Deadline, readable, writable
 
 __all__ = ["Child", "Clock", "MAX_INPUT", "NATIVE_FAULTS", "PINNING_ENV", "ask", "end", "read_exact", "serve",
            "unpin_self"]
@@ -257,7 +257,7 @@ def ask(proc: subprocess.Popen[bytes], op: bytes, payload: bytes, timeout: float
         proc.stdin.flush()
     except (BrokenPipeError, OSError):
         return "crash"
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.within(timeout)
 
     def turn() -> float | str:
         left = deadline - time.monotonic()

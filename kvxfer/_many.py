@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+from .deadlines import Deadline
 from . import _checks
 from .errors import InvalidArgumentError, SpecError, UnsupportedError
 from .group import TransferGroup
@@ -25,7 +26,7 @@ def post_many(agent: Any, op: Op, local_blocks: Any, remote_blocks: Mapping[str,
               notify: bytes | None, expect: Mapping[str, Any] | None) -> TransferGroup:
     """Plan every peer's part of one request, then post them; a failed post cancels the rest."""
     t0 = time.perf_counter()
-    deadline = time.monotonic() + agent.timeout
+    deadline = Deadline.within(agent.timeout)
     if op not in agent.backend.capabilities.ops:
         raise UnsupportedError(f"backend {agent.backend_name!r} does not support {op.value}")
     if notify is not None and not isinstance(notify, (bytes, bytearray)):

@@ -23,7 +23,6 @@ from .errors import (
     MetadataError,
     SpecError,
     StalePeerError,
-    TransferTimeoutError,
     UnknownOptionError,
     UnknownPeerError,
     UnsupportedError,
@@ -38,11 +37,10 @@ from .pairing._templates import Pairing, pair
 from .planner import TransferPlan, plan
 from .plugin.backend import Backend, check_options
 from .plugin.registry import get_backend_class, plugin_manager
-from .posts import Chunk, plan_chunks
 from .pairing._reshard import Gather, pair_source
 from .tokens import token_key
-from .transfer import Transfer, TransferStats, _Post
-from . import _checks, _hot, _many, lifecycle
+from .transfer import Transfer
+from . import _args, _checks, _many, _posting, lifecycle
 
 __all__ = ["Agent", "Peer"]
 
@@ -382,11 +380,8 @@ class Agent:
         caps = self.backend.capabilities
         if op not in caps.ops:
             raise UnsupportedError(f"backend {self.backend_name!r} does not support {op.value}")
-        if notify is not None:
-            if not isinstance(notify, (bytes, bytearray)):
-                raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
-            if not caps.notifications:
-                raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
+        if _args.notify_bytes(notify) is not None and not caps.notifications:
+            raise UnsupportedError(f"backend {self.backend_name!r} does not support notifications")
         t0 = time.perf_counter()
         if deadline is None:  # an Owner passes the one it started at submission
             deadline = Deadline.within(self.timeout)  # planning and posting count against it too
@@ -398,51 +393,8 @@ class Agent:
 
     def _post(self, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
               deadline: float, planned: float = 0.0, verify: Any = None, learn: bool = False) -> Transfer:
-        """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``.
-        ``learn``: a request the hot path may repeat (:func:`kvxfer._hot.learn` decides)."""
-        chunks: list[Chunk] = []
-        posts: list[_Post] = []
-        try:
-            plan_chunks(self.backend, p, peer.name, self._local_prepared, peer.prepared, chunks)
-            stats = TransferStats(p.descriptors, p.nbytes, len(chunks), planned + time.perf_counter() - t0,
-                                  backend=self.backend_name, op=op.value, peer=peer.name, mode=p.mode)
-            single = len(chunks) == 1
-            started = time.perf_counter()
-            self._check_deadline(deadline, p, "planning")
-            for lp, li, rp, ri, cleanup in chunks:
-                handle = self.backend.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
-                posts.append(_Post(handle, cleanup=cleanup))
-                self._check_deadline(deadline, p, "posting")
-        except BaseException:
-            for post in posts:
-                self.backend.release(post.handle)
-            for _, _, _, _, cleanup in chunks:
-                for fn in cleanup:
-                    fn()
-            raise
-        if learn and (peer.name, op) not in self._hot:
-            _hot.learn(self, peer, op, p, chunks)
-        stats.post_seconds = time.perf_counter() - started
-        if posts:
-            stats.path = self.backend.data_path(posts[0].handle)
-        if not chunks and notify is not None:
-            single = False
-        on_done = None
-        if notify is not None and not single:
-            # Several posts may complete in any order: notify only once all data is visible.
-            msg, key = bytes(notify), peer.name
-            on_done = lambda: self.backend.notify(key, msg)  # noqa: E731
-        t = Transfer(self.backend, posts, stats, default_timeout=self.timeout, deadline=deadline, on_done=on_done,
-                     started=started, on_finish=self._finished, plan=p, verify=verify)
-        self._inflight.add(t)
-        return t
-
-    def _check_deadline(self, deadline: float, p: TransferPlan, what: str) -> None:
-        late = time.monotonic() - deadline
-        if late > 0:
-            raise TransferTimeoutError(
-                f"{what} {p.descriptors} descriptors ran {late:.3g} s past the {self.timeout:g} s deadline; "
-                "nothing was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
+        """Prepare and post one plan (:func:`kvxfer._posting.post`)."""
+        return _posting.post(self, op, peer, p, notify, t0, deadline, planned, verify, learn)
 
     def _finished(self, t: Transfer) -> None:
         self._inflight.discard(t)
@@ -483,9 +435,7 @@ class Agent:
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         self._check_open()
-        if not isinstance(message, (bytes, bytearray)):
-            raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
-        self.backend.notify(self._peer(peer).name, bytes(message))
+        self.backend.notify(self._peer(peer).name, _args.message_bytes(message))
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, keyed by the sending agent's name."""

@@ -93,10 +93,10 @@ class Backoff:
     def __init__(self, first: float = 20e-6, cap: float = 1e-3, *, factor: float = 2.0, step: float = 0.0,
                  spins: int = 0) -> None:
         self.first, self.cap, self.factor, self.step, self.spins = first, cap, factor, step, spins
-        self.delay, self._n = first, 0
+        self.delay, self._n = min(first, cap), 0
 
     def reset(self) -> None:
-        self.delay, self._n = self.first, 0
+        self.delay, self._n = min(self.first, self.cap), 0
 
     def next(self) -> float:
         """The next nap in seconds (0.0 while spinning), advancing the rhythm."""

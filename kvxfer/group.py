@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
+from .deadlines import Deadline
 from .errors import TransferTimeoutError
 from .transfer import Status, Transfer, TransferStats
 
@@ -76,7 +77,7 @@ class TransferGroup:
     def wait(self, timeout: float | None = None) -> "TransferGroup":
         """Block until every part is done, at most ``timeout`` seconds for all of them together."""
         limit = self._default_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        deadline = Deadline.within(limit)
         spins = 0
         while not self.done():
             if time.monotonic() >= deadline:

@@ -30,15 +30,14 @@ import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
+from . import _args, _handshake
 from .agent import Agent
-from .deadlines import check_timeout
+from .deadlines import Backoff, Deadline, check_timeout
 from .errors import (
     AgentClosedError,
     BackPressureError,
-    HandshakeError,
     InvalidArgumentError,
     KvxferError,
-    MetadataError,
     TransferCancelledError,
     TransferTimeoutError,
     UnknownPeerError,
@@ -60,24 +59,6 @@ _SPIN_S = 2e-3
 _MIN_NAP = 20e-6
 
 
-def _without_frames(exc: BaseException) -> BaseException:
-    """``exc`` (and what it was raised from) without tracebacks: their frames hold the fetched
-    metadata (``add_peer``'s argument), which would live as long as any transfer's error."""
-    e: BaseException | None = exc
-    for _ in range(8):
-        if e is None:
-            break
-        e.__traceback__ = None
-        e = e.__cause__ or e.__context__
-    return exc
-
-
-def _check_key(key: object) -> None:
-    if not isinstance(key, str):
-        raise InvalidArgumentError(f"a peer is named by a string (a route's key or a peer's name), "
-                                   f"got {type(key).__name__}")
-
-
 class Owner:
     """Owns ``agent`` on a thread of its own; see the module docstring.
 
@@ -96,7 +77,13 @@ class Owner:
         self.max_pending, self.max_pending_per_peer, self.burst = max_pending, max_pending_per_peer, burst
         self.add_peer_timeout = None if add_peer_timeout is None else check_timeout(add_peer_timeout)
         self._close_agent = close_agent
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # admission counts, routes, closing: never held while waiting
+        # The loop sleeps on a lock used as a binary semaphore: a submitter releases it only
+        # when the loop said it sleeps, so a busy loop costs submitters no wake-up call, and a
+        # sleeping one is woken by one futex, not a Condition's lock per waiter.
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._sleeping = False
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._routes: dict[str, Route] = {}
         self._held = 0
@@ -132,14 +119,12 @@ class Owner:
 
     def _submit(self, op: Op, key: str, local: Any, remote: Any, notify: bytes | None,
                 timeout: float | None, expect: Any = None) -> OwnedTransfer:
-        if notify is not None and not isinstance(notify, (bytes, bytearray)):
-            raise InvalidArgumentError(f"notify must be bytes (notify=b\"req-17\"), got {type(notify).__name__}")
-        _check_key(key)
-        limit = self.agent.timeout if timeout is None else check_timeout(timeout)
-        t = OwnedTransfer(self, op, key, local, remote, None if notify is None else bytes(notify),
-                          time.monotonic() + limit, limit)
+        msg = _args.notify_bytes(notify)
+        _args.peer_key(key)
+        limit = _args.timeout_or(self.agent.timeout, timeout)
+        t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
         t.expect = expect
-        with self._cond:
+        with self._lock:
             self._check_open()
             route = self._routes.get(key)
             if route is None:  # a peer added directly: its name is its route
@@ -155,7 +140,8 @@ class Owner:
             self._held += 1
             route.held += 1
             self._inbox.append(("transfer", t))
-            self._cond.notify()
+        if self._sleeping:
+            self._kick()
         return t
 
     def route(self, key: str, fetch: Callable[[], bytes], *, expect: str | None = None) -> None:
@@ -167,7 +153,7 @@ class Owner:
         """
         if not isinstance(key, str) or not callable(fetch) or not isinstance(expect, (str, type(None))):
             raise InvalidArgumentError("route(key: str, fetch: a callable returning metadata bytes, expect: str | None)")
-        with self._cond:
+        with self._lock:
             self._check_open()
             r = self._routes.get(key)
             if r is None:
@@ -177,12 +163,12 @@ class Owner:
 
     def connect(self, key: str) -> OwnedFuture[str]:
         """Fetch and add the route's peer now (if not already); the future holds its name."""
-        _check_key(key)  # checked here: on the loop, an unhashable key would end it
+        _args.peer_key(key)  # checked here: on the loop, an unhashable key would end it
         return self._enqueue("connect", key)
 
     def refresh(self, key: str) -> None:
         """Fetch the route's metadata again before its next transfer (a restart was seen)."""
-        _check_key(key)
+        _args.peer_key(key)
         self._enqueue("refresh", key)
 
     def add_peer(self, metadata: bytes, *, timeout: float | None = None) -> OwnedFuture[str]:
@@ -194,10 +180,8 @@ class Owner:
         return self._enqueue("call", fn)
 
     def notify(self, peer: str, message: bytes) -> OwnedFuture[None]:
-        _check_key(peer)
-        if not isinstance(message, (bytes, bytearray)):  # bytes(5) would be five zero bytes
-            raise InvalidArgumentError(f"a notification is bytes (b\"req-17\"), got {type(message).__name__}")
-        msg = bytes(message)
+        _args.peer_key(peer)
+        msg = _args.message_bytes(message)
         return self._enqueue("call", lambda a: a.notify(self._peer_name(peer), msg))
 
     def notifications(self, timeout: float | None = None) -> dict[str, list[bytes]]:
@@ -209,22 +193,29 @@ class Owner:
         if threading.current_thread() is self._thread:  # from a callback: run in place
             self._apply((kind, arg, fut))
             return fut
-        with self._cond:
+        with self._lock:
             self._check_open()
             self._inbox.append((kind, arg, fut))
-            self._cond.notify()
+            self._kick()
         return fut
 
     def _cancel(self, t: OwnedTransfer) -> None:
         if threading.current_thread() is self._thread:
             self._cancel_now(t)
             return
-        with self._cond:
+        with self._lock:
             self._inbox.append(("cancel", t))
-            self._cond.notify()
+            self._kick()
         while not t._event.wait(0.5):
             if not self._thread.is_alive():
                 break
+
+    def _kick(self) -> None:
+        """Wake the loop (a no-op when a wake is already pending)."""
+        try:
+            self._wake.release()
+        except RuntimeError:  # already released: the loop will see it
+            pass
 
     def _check_open(self) -> None:
         if self._closing:
@@ -237,7 +228,7 @@ class Owner:
     @property
     def pending(self) -> int:
         """Transfers held now (queued or in flight)."""
-        with self._cond:
+        with self._lock:
             return self._held
 
     # -- closing ---------------------------------------------------------------------------
@@ -245,11 +236,11 @@ class Owner:
         """Stop: transfers not yet posted fail with :class:`AgentClosedError`; those in flight
         get ``drain`` seconds to finish, then are cancelled (:class:`TransferCancelledError`).
         Every one ends DONE or with a typed error. Then the agent is closed. Idempotent."""
-        with self._cond:
+        with self._lock:
             if not self._closing:
                 self._closing = True
-                self._drain_until = time.monotonic() + max(0.0, drain)
-            self._cond.notify()
+                self._drain_until = Deadline.within(max(0.0, drain))
+            self._kick()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -263,22 +254,23 @@ class Owner:
             self._loop()
         except BaseException:  # a bug here must not leave callers waiting forever
             log.exception("kvxfer: the owner's loop of %r failed", self.agent.name)
-            with self._cond:
+            with self._lock:
                 self._closing = True
         finally:
             self._shutdown()
 
     def _loop(self) -> None:
-        delay, busy_since = _MIN_NAP, time.monotonic()
+        naps, busy_since = Backoff(_MIN_NAP, self._max_sleep), time.monotonic()
         while True:
             spinning = bool(self._inflight) and time.monotonic() - busy_since < _SPIN_S
-            with self._cond:
-                if not self._inbox and not self._closing and not spinning:
-                    self._cond.wait(self._idle_wait(delay))
-                ops, self._inbox = self._inbox, deque()
-                closing = self._closing
-            had_ops = bool(ops)
-            self._apply_all(ops)
+            if not self._inbox and not self._closing and not spinning:
+                self._sleeping = True  # then look again: a submitter that missed the flag appended first
+                if not self._inbox and not self._closing:
+                    self._wake.acquire(timeout=self._idle_wait(naps.delay))
+                self._sleeping = False
+            closing = self._closing  # read before draining: all that came before closing is applied
+            had_ops = bool(self._inbox)
+            self._apply_all(self._inbox)
             if closing:
                 return
             moved = self._post_ready()
@@ -286,11 +278,12 @@ class Owner:
             moved |= self._poll(now)
             self._expire_queued(now)
             if moved or had_ops:
-                delay, busy_since = _MIN_NAP, now
+                busy_since = now
+                naps.reset()
             elif spinning:
                 time.sleep(0)  # yields the GIL: a model thread never waits a switch interval for us
             else:
-                delay = min(delay * 2, self._max_sleep)
+                naps.next()  # the next wait (for the queue, or between polls) is twice as long
 
     def _idle_wait(self, delay: float) -> float:
         if self._inflight:
@@ -300,9 +293,14 @@ class Owner:
 
     def _apply_all(self, ops: deque[tuple[Any, ...]]) -> None:
         """Apply and drop each op: none stays referenced while the loop waits (a fetched
-        peer's metadata can be hundreds of MB)."""
-        while ops:
-            self._apply(ops.popleft())
+        peer's metadata can be hundreds of MB). Submitters append to the same deque meanwhile
+        (``deque`` appends and pops are atomic): what they add now is applied now."""
+        while True:
+            try:
+                op = ops.popleft()
+            except IndexError:
+                return
+            self._apply(op)
 
     def _apply(self, op: tuple[Any, ...]) -> None:
         kind = op[0]
@@ -341,7 +339,7 @@ class Owner:
             self._fetched(*op[1:])
 
     def _added(self, name: str) -> str:
-        with self._cond:
+        with self._lock:
             r = self._routes.get(name)
             if r is None:
                 self._routes[name] = Route(name, peer=name)
@@ -353,49 +351,12 @@ class Owner:
         r = self._routes.get(key)
         return r.peer if r is not None and r.peer is not None else key
 
-    # -- handshakes --------------------------------------------------------------------------
+    # -- handshakes (kvxfer._handshake) --------------------------------------------------------
     def _handshake(self, route: Route) -> None:
-        """Fetch on a thread of its own: a peer that does not answer holds nobody else."""
-        if route.fetch is None:
-            return
-        route.fetching = True
-        route.generation += 1
-        gen, fetch = route.generation, route.fetch
-
-        def run() -> None:
-            try:
-                md, err = fetch(), None
-            except BaseException as exc:
-                md, err = None, exc
-            with self._cond:
-                self._inbox.append(("fetched", route, gen, md, err))
-                self._cond.notify()
-
-        threading.Thread(target=run, name=f"kvxfer-fetch:{route.key}", daemon=True).start()
+        _handshake.start(self, route)
 
     def _fetched(self, route: Route, gen: int, md: bytes | None, err: BaseException | None) -> None:
-        if gen != route.generation:
-            return
-        route.fetching = False
-        if err is None:
-            try:
-                assert md is not None
-                name = self.agent.add_peer(md, timeout=self.add_peer_timeout)
-                if route.expect is not None and name != route.expect:
-                    raise MetadataError(f"route {route.key!r} serves agent {name!r}, not {route.expect!r}")
-                route.peer = name
-            except BaseException as exc:
-                err = _without_frames(exc)
-            md = None
-        if err is not None:
-            if not isinstance(err, KvxferError):
-                err = HandshakeError(f"fetching metadata of {route.key!r} failed: {type(err).__name__}: {err}")
-            route.peer = None
-            while route.queue:
-                self._end(route.queue.popleft(), err)
-        for w in route.waiters:
-            w._finish(Status.DONE, route.peer) if err is None else w._finish(Status.FAILED, None, err)
-        route.waiters.clear()
+        _handshake.fetched(self, route, gen, md, err)
 
     # -- posting and polling -------------------------------------------------------------------
     def _post_ready(self) -> bool:
@@ -463,7 +424,7 @@ class Owner:
             if route is not None and t in route.queue:
                 route.queue.remove(t)
             else:  # still in the inbox: drop it there
-                with self._cond:
+                with self._lock:
                     try:
                         self._inbox.remove(("transfer", t))
                     except ValueError:
@@ -480,7 +441,7 @@ class Owner:
         if t._event.is_set():
             return
         self._inflight.pop(t, None)
-        with self._cond:
+        with self._lock:
             self._held -= 1
             route = self._routes[t.route]
             route.held -= 1
@@ -502,7 +463,7 @@ class Owner:
 
     def _shutdown(self) -> None:
         """Everything held ends DONE or typed; then the agent closes (see :meth:`close`)."""
-        with self._cond:
+        with self._lock:
             ops = list(self._inbox)
             self._inbox.clear()
         for op in ops:

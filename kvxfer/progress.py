@@ -13,9 +13,9 @@ spinning) until they finish. The thread exists only while such a transfer is pen
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Generic, TypeVar
 
+from .deadlines import Backoff
 from .errors import KvxferError
 
 __all__ = ["Pump"]
@@ -39,7 +39,7 @@ class Pump(Generic[T]):
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._min, self._max = min_sleep, max_sleep
+        self._min, self._max = min_sleep, max_sleep  # the Backoff of each run of the thread
 
     def add(self, handle: T) -> None:
         with self._cond:
@@ -70,7 +70,7 @@ class Pump(Generic[T]):
             t.join(timeout=timeout)
 
     def _run(self) -> None:
-        delay = self._min
+        backoff = Backoff(self._min, self._max)
         while True:
             with self._cond:
                 if not self._pending and not self._stopped:
@@ -88,5 +88,4 @@ class Pump(Generic[T]):
                     finished = True
                 if finished:
                     self.discard(h)
-            time.sleep(delay)
-            delay = min(delay * 2, self._max)
+            backoff.pause()

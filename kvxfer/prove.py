@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 
 from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact, serve
 from . import errors
-from .deadlines import check_timeout, current_deadline
+from .deadlines import Backoff, Deadline, check_timeout, current_deadline
 from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
 
 __all__ = ["Prover", "DEFAULT_TIMEOUT", "DEFAULT_START_TIMEOUT", "MAX_INPUT", "ask", "backend_probe", "health",
@@ -116,7 +116,9 @@ class Prover:
         self._waiting = 0  # callers in _checkout
         self._started: set[Child] = set()  # helpers still starting (close() ends them too)
         self._epoch = 0  # close() ends every helper of earlier epochs as it comes back
-        self._backoff = self._retry_at = 0.0
+        # Between failed starts: from the first pause, doubling, to the last (start_backoff).
+        self._backoff = Backoff(self.start_backoff[0], self.start_backoff[1])
+        self._retry_at = 0.0
         _live.add(self)
 
     def __repr__(self) -> str:
@@ -147,7 +149,7 @@ class Prover:
         if deadline is None:
             deadline = current_deadline()
         if deadline is None:
-            deadline = time.monotonic() + self.start_timeout + 2 * self.timeout
+            deadline = Deadline.within(self.start_timeout + 2 * self.timeout)
         with self._cond:
             pending = self._await_same(digest, what, deadline)
             if pending is None:
@@ -247,7 +249,7 @@ class Prover:
     def _finish(self, child: Child, clock: Clock, digest: bytes, what: str, pending: _Pending) -> None:
         """Wait on for a late probe's answer, so that its verdict is remembered for the next caller."""
         try:
-            until = time.monotonic() + 4 * self.timeout
+            until = Deadline.within(4 * self.timeout)
             sent = child.send_rest(until)  # the part of the frame the caller's deadline left unwritten
             got = child.reply(self.timeout, until, clock=clock) if sent is True else "late" if sent == "late" \
                 else "crash"
@@ -265,7 +267,7 @@ class Prover:
 
     def start(self, deadline: float | None = None) -> None:
         """Have a helper ready now rather than at the first :meth:`prove`."""
-        d = deadline if deadline is not None else time.monotonic() + 2 * self.start_timeout
+        d = deadline if deadline is not None else Deadline.within(2 * self.start_timeout)
         self._checkin(self._checkout("peer metadata", d), used=False)
 
     def start_soon(self) -> None:
@@ -373,7 +375,7 @@ class Prover:
             child.epoch = epoch
             with self._cond:
                 self._started.add(child)
-            got = child.reply(self.start_timeout, time.monotonic() + 4 * self.start_timeout) \
+            got = child.reply(self.start_timeout, Deadline.within(4 * self.start_timeout)) \
                 if child.send(b"I", self.options) else "crash"
             if isinstance(got, tuple) and got[0] == b"K":
                 with self._cond:
@@ -383,7 +385,8 @@ class Prover:
                     if current:
                         self._idle.append(child)
                         self._count("started")
-                        self._backoff, self.last_start_error = 0.0, None
+                        self.last_start_error = None
+                        self._backoff.reset()
                     self._cond.notify_all()
                 if current:
                     _announce(self.target, child.pid, time.monotonic() - began)
@@ -403,8 +406,7 @@ class Prover:
             self._starting -= 1
             self._count("start_failures")
             self.last_start_error = why
-            self._backoff = min(max(self.start_backoff[0], 2 * self._backoff), self.start_backoff[1])
-            self._retry_at = time.monotonic() + self._backoff
+            self._retry_at = Deadline.within(self._backoff.next())
             self._cond.notify_all()
 
 

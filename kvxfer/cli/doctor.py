@@ -122,10 +122,11 @@ def check_nixl() -> list[Check]:
 _PROVER_PROBE = """
 import json, time
 from kvxfer import prove
+from kvxfer.deadlines import Deadline
 p = prove.Prover({target!r}, {options!r}, start_backoff=(0.01, 0.01))
 t, err = time.monotonic(), None
 try:
-    p.start(deadline=time.monotonic() + {seconds!r})
+    p.start(deadline=Deadline.within({seconds!r}))
 except Exception as exc:
     err = f"{{type(exc).__name__}}: {{exc}}"
 print({mark!r} + json.dumps({{"seconds": time.monotonic() - t, "error": err, "health": prove.health()}}))

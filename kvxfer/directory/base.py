@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..deadlines import Deadline, check_timeout
 from ..errors import MetadataError
 from ..metadata import AgentMetadata
 from .codec import check_token, encode_value
@@ -91,13 +92,6 @@ class Store(ABC):
         """Release connections; the default has none."""
 
 
-def _check_timeout(timeout: float, what: str = "timeout") -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout <= 0:
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {timeout!r}")
-    return float(timeout)
-
-
 @dataclass
 class _Publication:
     key: str
@@ -118,8 +112,8 @@ class Directory:
         self.store = store
         self.cluster = cluster
         self.prefix = cluster_prefix(cluster)
-        self.ttl = max(1, math.ceil(_check_timeout(ttl, "ttl")))
-        self.timeout = _check_timeout(timeout)
+        self.ttl = max(1, math.ceil(check_timeout(ttl, "ttl")))
+        self.timeout = check_timeout(timeout)
         self._token = check_token(token)
         self._lock = threading.RLock()  # publications and the lease
         self._lease: int | None = None
@@ -147,7 +141,7 @@ class Directory:
         return self._token is not None
 
     def _deadline(self, timeout: float | None) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else _check_timeout(timeout))
+        return Deadline.within(self.timeout) if timeout is None else Deadline.after(timeout)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -243,7 +237,7 @@ class Directory:
             with self._lock:
                 if self._lease is None or not (self._published or self._orphans) or self._closed:
                     continue
-                deadline = time.monotonic() + min(self.timeout, interval)
+                deadline = Deadline.within(min(self.timeout, interval))
                 try:
                     if not self.store.keepalive(self._lease, deadline):
                         self._republish(deadline)
@@ -315,7 +309,7 @@ class Directory:
                         return found
                 except DirectoryUnavailableError as exc:
                     last_error = exc
-            if time.monotonic() + pause >= deadline:
+            if pause >= deadline - time.monotonic():
                 what = f"name={name!r} role={role!r} tp={tp_rank} pp={pp_rank}"
                 if last_error is not None:
                     raise DirectoryUnavailableError(f"directory unreachable while waiting for {what}: "

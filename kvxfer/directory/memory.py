@@ -13,6 +13,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from ..deadlines import Deadline
 from .base import Directory, OnChange, Store, StoredItem
 from .entry import DirectoryUnavailableError, LeaseLostError, ResyncNeeded
 
@@ -144,7 +145,7 @@ class MemoryStore(Store):
     def watch(self, prefix: str, start_revision: int, on_change: OnChange, stop: threading.Event,
               idle: float, connect_deadline: float) -> int:
         rev = start_revision
-        quiet_until = time.monotonic() + idle
+        quiet_until = Deadline.within(idle)
         while not stop.is_set():
             with self._cond:
                 self._check()
@@ -168,7 +169,7 @@ class MemoryStore(Store):
                     kind, value = "delete", None
                 on_change(kind, key, value, r)
             rev = next_rev
-            quiet_until = time.monotonic() + idle
+            quiet_until = Deadline.within(idle)
         return rev
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..deadlines import Backoff, Deadline
 from ..errors import MetadataError
 from .entry import DirectoryError, DirectoryUnavailableError, Entry, Event, EventKind, ResyncNeeded
 
@@ -125,26 +126,26 @@ class Watcher:
     def _run(self) -> None:
         d, store = self._dir, self._dir.store
         rev: int | None = None
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)  # between attempts to reach a lost store
         while not self._stop.is_set():
             try:
                 if rev is None:
-                    items, revision = store.range(d.prefix, time.monotonic() + d.timeout)
+                    items, revision = store.range(d.prefix, Deadline.within(d.timeout))
                     self._apply_listing(items)
                     rev = revision + 1
                     if not self.connected and self.last_error is not None:
                         log.info("directory %s: watch resynchronised", d.cluster)
-                    self.connected, self.last_error, backoff = True, None, 0.1
+                    self.connected, self.last_error = True, None
+                    backoff.reset()
                     self._synced.set()
                 rev = store.watch(d.prefix, rev, self._on_change, self._stop, self.idle,
-                                  time.monotonic() + d.timeout)
+                                  Deadline.within(d.timeout))
             except DirectoryError as exc:
                 if not isinstance(exc, ResyncNeeded):
                     if self.connected:
                         log.warning("directory %s: watch lost the store: %s", d.cluster, exc)
                     self.connected, self.last_error = False, exc
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    self._stop.wait(backoff.next())
                 rev = None
             except Exception as exc:  # never let the thread die: a dead watch would hide departures
                 log.exception("directory %s: unexpected error in the watch", d.cluster)

@@ -11,7 +11,7 @@ import secrets
 import socket
 import time
 
-from kvxfer.deadlines import check_timeout
+from kvxfer.deadlines import Deadline, check_timeout
 from kvxfer.errors import HandshakeError
 
 from . import auth
@@ -123,7 +123,7 @@ def _request(host: str, port: int, msg_type: int, ours: bytes, token: object, ti
     key = auth.require_key(token)
     timeout = check_timeout(timeout)
     check_size(ours, max_message)
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.within(timeout)
     peer = f"server {host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from kvxfer.errors import HandshakeError
 
+from ..deadlines import Deadline
 from .frames import (
     ERROR, EXCHANGE, FETCH, HEADER_SIZE, TYPE_NAMES, HandshakeProtocolError, HandshakeTimeoutError, ServerBusyError, decode_header,
     error_frame, remote_error,
@@ -134,7 +135,7 @@ class ConnectionLoop:
         self._deliver()
         if self._closed.is_set() and not self._stopping:
             self._stopping = True
-            self._grace_end = time.monotonic() + self._grace
+            self._grace_end = Deadline.within(self._grace)
             self._sel.unregister(self._listener)
             self._listener.close()
             for c in list(self._pending):  # nothing promised to these yet
@@ -156,7 +157,7 @@ class ConnectionLoop:
             if len(self._pending) >= self._max_pending:
                 self._evict()
             sock.setblocking(False)
-            c = Client(sock, f"client {addr[0]}:{addr[1]}", time.monotonic() + self._timeout)
+            c = Client(sock, f"client {addr[0]}:{addr[1]}", Deadline.within(self._timeout))
             self._conns.add(c)
             self._pending[c] = None
             self._interest(c)
@@ -291,7 +292,7 @@ class ConnectionLoop:
             return
         c.state = CLOSING
         c.out.clear()
-        c.deadline = time.monotonic() + LINGER
+        c.deadline = Deadline.within(LINGER)
         self._arm(c)
         self._send(c, error_frame(error))
 

@@ -45,6 +45,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
+from ..deadlines import Deadline
 from .. import Agent, AgentMetadata, KVCacheSpec
 from ..errors import (
     AgentClosedError,
@@ -208,7 +209,7 @@ class BackendConformance(_Base):
         import time
 
         got: dict[str, list[bytes]] = {}
-        deadline = time.monotonic() + (self.notify_timeout if timeout is None else timeout)
+        deadline = Deadline.within(self.notify_timeout if timeout is None else timeout)
         while sum(map(len, got.values())) < count and time.monotonic() < deadline:
             for k, v in agent.notifications().items():
                 got.setdefault(k, []).extend(v)
@@ -242,7 +243,7 @@ class BackendConformance(_Base):
         import time
 
         got: dict[str, list[bytes]] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline.within(self.timeout)
         while not got and time.monotonic() < deadline:
             for k, v in agent.notifications().items():
                 got.setdefault(k, []).extend(v)

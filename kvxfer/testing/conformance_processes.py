@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ..deadlines import Deadline
 from ..errors import KvxferError, PeerDisconnectedError, TransferTimeoutError
 from .buffers import SENTINEL, Cache, expected_after, make_cache
 from .conformance_base import DST_BLOCKS, GEOM, SRC_BLOCKS, _Base
@@ -74,7 +75,7 @@ class TwoProcessConformance(_Base):
                 want = expected_after(before, src_before, DST_BLOCKS, SRC_BLOCKS)
                 t = agent.write(name, SRC_BLOCKS, DST_BLOCKS, notify=b"pushed")
                 notes: dict[str, list[str]] = {}
-                deadline = time.monotonic() + self.timeout  # the data or the notification, whichever is first;
+                deadline = Deadline.within(self.timeout)  # the data or the notification, whichever is first;
                 while not notes and time.monotonic() < deadline:  # then the other soon after
                     notes = peer.call({"cmd": "notifications", "timeout": 0, "count": 1})["notifications"]
                     if notes or np.array_equal(peer.pages(), want):
@@ -211,7 +212,7 @@ class TwoProcessConformance(_Base):
                 with tempfile.TemporaryDirectory() as tmp:  # the peer watches before we post
                     ready = os.path.join(tmp, "watching")
                     peer.send({"cmd": "die_mid_transfer", "timeout": self.timeout, "ready_file": ready})
-                    deadline = time.monotonic() + self.peer_timeout
+                    deadline = Deadline.within(self.peer_timeout)
                     while not os.path.exists(ready) and peer.proc.poll() is None and time.monotonic() < deadline:
                         time.sleep(0.001)
                 try:
@@ -295,7 +296,7 @@ class TwoProcessConformance(_Base):
                     agent.remove_peer(name)
                     name = agent.add_peer(peer.metadata)
                     agent.read(name, [14], [2]).wait(self.timeout)
-                deadline = time.monotonic() + self.stop_watch
+                deadline = Deadline.within(self.stop_watch)
                 while time.monotonic() < deadline and np.array_equal(dst.layer_pages()[:, :14], at_end[:, :14]):
                     agent.progress()
                     time.sleep(0.01)

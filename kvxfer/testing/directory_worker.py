@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..deadlines import Deadline
 from .. import Agent
 from ..directory import PeerTracker, open_directory
 from ..errors import KvxferError
@@ -86,7 +87,7 @@ def _handle(agent: Agent, cache: Any, tracker: PeerTracker | None, cmd: dict[str
         if tracker is None:
             raise ValueError("start the worker with --follow ROLE to track peers")
         name, newer, gone = str(cmd["name"]), int(cmd.get("newer_than", 0)), bool(cmd.get("gone", False))
-        deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
+        deadline = Deadline.within(float(cmd.get("timeout", 30.0)))
         while True:
             tracker.sync()
             p = agent.peers.get(name)

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..deadlines import Deadline
 from .ports import free_port
 
 __all__ = ["EtcdServer", "etcd_binary", "free_port", "INSTALL_HINT"]
@@ -78,7 +79,7 @@ class EtcdServer:
         self.base.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.within(timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}; log:\n{self.log_tail()}")

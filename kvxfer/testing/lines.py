@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from typing import IO, Any, Callable
+from ..deadlines import Deadline
 
 __all__ = ["Channel", "say", "serve"]
 
@@ -113,7 +114,7 @@ class Channel:
         ``idle`` runs about every ``idle_s`` seconds while waiting (a parent whose transport
         moves only while it is progressed drives it there; one that waits minutes for an
         engine looks at its health there, less often)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.within(timeout)
         while (line := self._lines.next()) is None:
             left = deadline - time.monotonic()
             if left <= 0:

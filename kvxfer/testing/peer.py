@@ -43,6 +43,7 @@ import tempfile
 import time
 from typing import Any, Callable, Sequence
 
+from ..deadlines import Deadline
 from .. import Agent
 from ..errors import KvxferError
 from . import lines
@@ -178,7 +179,7 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
     if c == "verify":
         return {"problem": cache.verify(cmd["dst"], cmd["src"], int(cmd["seed"]))}
     if c == "notifications":
-        deadline = time.monotonic() + float(cmd.get("timeout", 5.0))
+        deadline = Deadline.within(float(cmd.get("timeout", 5.0)))
         want = int(cmd.get("count", 1))
         while True:
             for k, v in agent.notifications().items():
@@ -192,7 +193,7 @@ def handle(agent: Agent, cache: Any, cmd: dict[str, Any], notes: dict[str, list[
     if c == "die_mid_transfer":  # the conformance kit's peer killed while a WRITE lands here
         import signal
 
-        deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
+        deadline = Deadline.within(float(cmd.get("timeout", 30.0)))
         total = cache.num_layers * cache.num_blocks
         last = 0.0
         if cmd.get("ready_file"):  # tells the driver we watch, before it posts the transfer

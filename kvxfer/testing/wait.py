@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from typing import Any, Callable
+from ..deadlines import Deadline
 
 __all__ = ["wait_until"]
 
@@ -23,7 +24,7 @@ def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "cond
     loaded VM. A predicate that drives a transfer (``poll``) passes ``interval=0``: it only
     yields the processor between polls.
     """
-    deadline = time.monotonic() + timeout
+    deadline = Deadline.within(timeout)
     while True:
         v = pred()
         if v:

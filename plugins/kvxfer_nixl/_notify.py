@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from kvxfer.deadlines import Deadline
 from kvxfer.errors import KvxferError
 from kvxfer.progress import Pump
 
@@ -88,7 +89,7 @@ class Notifications:
 
     def _flush_soon(self) -> None:
         if self._notify_thread:
-            self._flush.until = time.monotonic() + NOTIF_FLUSH_S
+            self._flush.until = Deadline.within(NOTIF_FLUSH_S)
             self._pump.add(self._flush)
 
 

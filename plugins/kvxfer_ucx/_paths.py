@@ -10,11 +10,11 @@ peer's liveness was checked once more. Each path drives its job under the backen
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Op
 from kvxfer.errors import BackendError, KvxferError, PeerDisconnectedError
 from kvxfer.spans import merge_runs
@@ -100,7 +100,7 @@ class CopyPath(_Row):
 
     def poll(self, h: PathJob) -> bool:
         p = h.peer
-        if not guarded(p, h.job.step, time.monotonic() + self._b._budget):
+        if not guarded(p, h.job.step, Deadline.within(self._b._budget)):
             return False
         assert p.page is not None and self._b._libc is not None
         guarded(p, p.page.recheck, self._b._libc)  # still the peer, still registered
@@ -143,7 +143,7 @@ class RmaPath(_Row):
                               lambda st, call: b._fail(p, st, call)), p)
 
     def poll(self, h: PathJob) -> bool:
-        if not h.job.step(time.monotonic() + self._b._budget):
+        if not h.job.step(Deadline.within(self._b._budget)):
             return False
         _still_registered(h.peer)
         return True
@@ -156,7 +156,7 @@ class RmaPath(_Row):
         if b._closed:
             return
         alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
-        if not h.job.cancel(time.monotonic() + b._cancel_timeout, alive) and alive():
+        if not h.job.cancel(Deadline.within(b._cancel_timeout), alive) and alive():
             peer.failed = L.UCS_ERR_CANCELED
             peer.why = (f"did not settle a cancelled transfer within cancel_timeout={b._cancel_timeout:g} s, "
                         "so its connection was closed (nothing can arrive late)")

@@ -21,6 +21,7 @@ import ctypes
 import time
 from typing import Any, Callable
 
+from kvxfer.deadlines import Deadline
 from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
 
 from . import _libucp as L
@@ -290,7 +291,7 @@ class Worker:
         p = L.RequestParam(op_attr_mask=L.UCP_OP_ATTR_FIELD_FLAGS, flags=L.UCP_EP_CLOSE_FLAG_FORCE if force else 0)
         req = self.lib.ucp_ep_close_nbx(ep, ctypes.byref(p))
         if L.status_of_ptr(req) == L.UCS_INPROGRESS:
-            self.drain([req], time.monotonic() + timeout, lambda: True)
+            self.drain([req], Deadline.within(timeout), lambda: True)
 
     def send_am(self, ep: int, header: bytes, body: bytes) -> tuple[int | None, tuple[Any, ...]]:
         """Start an eager active message; returns ``(request or None, buffers to keep alive)``."""

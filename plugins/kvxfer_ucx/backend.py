@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
 from kvxfer.errors import (BackendClosedError, BackendError, IdentityError, KvxferError, MetadataError,
                            OutOfRegistrationError,
@@ -401,7 +402,7 @@ class UcxBackend(Backend):
                 return
             peer = x.peer
             alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
-            (peer.w or self._w).drain([x.am], time.monotonic() + self._cancel_timeout, alive)
+            (peer.w or self._w).drain([x.am], Deadline.within(self._cancel_timeout), alive)
             x.am = None
 
     def data_path(self, xfer: Any) -> str | None:
@@ -475,7 +476,7 @@ class UcxBackend(Backend):
         with self._lock:
             if self._closed:
                 return
-            deadline = time.monotonic() + 1.0
+            deadline = Deadline.within(1.0)
             while self._notes.pending and time.monotonic() < deadline:  # let queued notifications leave
                 self._w.progress()
                 self._notes.reap()

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
+from kvxfer.deadlines import Deadline
 from kvxfer import DescriptorList, MemoryKind, Op
 from kvxfer.errors import BackendUnavailableError, MetadataError, StalePeerError, UnknownPeerError
 from kvxfer.testing.seam import finish, joined
@@ -196,7 +197,7 @@ def test_write_notification_is_sent_without_the_initiator_polling(pair: Any) -> 
     lp, rp = a.prepare(None, _rows(src, True)), a.prepare("seam-b", _rows(dst, True))
     x = a.post(Op.WRITE, lp, np.array([1, 2], np.int32), rp, np.array([7, 8], np.int32), b"req-1")
     got: dict[str, list[bytes]] = {}
-    deadline = time.monotonic() + 20
+    deadline = Deadline.within(20)
     while not got and time.monotonic() < deadline:  # only the *target* is driven here
         got = b.drain_notifications()
         time.sleep(0.001)

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Agent, AgentMetadata, DescriptorList, MemoryKind, Op
 from kvxfer.errors import MetadataError, OutOfRegistrationError, StalePeerError
 from kvxfer.memory import Allocation
@@ -308,7 +309,7 @@ def test_peer_in_another_process_that_deregistered_is_detected() -> None:
             agent.read(peer, [1], [2]).wait(20)
             np.testing.assert_array_equal(dst[1], src[2])
             call({"cmd": "deregister"})
-            end = time.monotonic() + 60  # the notice travels asynchronously; reads until then are not caught
+            end = Deadline.within(60)  # the notice travels asynchronously; reads until then are not caught
             with pytest.raises(StalePeerError):
                 while time.monotonic() < end:
                     agent.read(peer, [3], [4]).wait(20)
@@ -350,7 +351,7 @@ def test_post_larger_than_one_request_moves_in_pieces(notify: bytes | None) -> N
         x = a.post(Op.WRITE, lp, np.arange(50, dtype=np.int32), rp, order.astype(np.int32), notify)
         assert x.h.next == 4, "post() must post the first piece only"
         got: dict[str, list[bytes]] = {}
-        end = time.monotonic() + 30
+        end = Deadline.within(30)
         while not a.poll(x):
             assert time.monotonic() < end
             for k, v in b.drain_notifications().items():

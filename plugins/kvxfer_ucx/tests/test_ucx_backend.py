@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from ucx_helpers import SENT, descs, drive
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.errors import (BackendError, MetadataError, OutOfRegistrationError, StalePeerError, UnknownPeerError,
                            UnsupportedError)
@@ -154,7 +155,7 @@ def test_notification_arrives_after_data(pair: Pair) -> None:
     rp = a.prepare("decode", descs(dst.ctypes.data, [0], [65536]))
     x = a.post(Op.WRITE, lp, np.arange(1), rp, np.arange(1), b"req-7 done")
     got: list[bytes] = []
-    deadline = time.monotonic() + 20
+    deadline = Deadline.within(20)
     done = False
     while not got:
         done = done or a.poll(x)
@@ -173,7 +174,7 @@ def test_standalone_notify(pair: Pair) -> None:
     b.notify("prefill", b"hello")
     b.notify("prefill", b"")
     got: list[bytes] = []
-    deadline = time.monotonic() + 10
+    deadline = Deadline.within(10)
     while len(got) < 2 and time.monotonic() < deadline:
         b.progress()  # the sender drives its own sends
         got += a.drain_notifications().get("decode", [])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from ucx_helpers import SENT, descs, drive, pattern
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Agent, Allocation, Op
 from kvxfer.errors import PeerDisconnectedError, UnknownPeerError
 from kvxfer.testing import lines
@@ -110,7 +111,7 @@ def test_two_processes_read_write_notify(path: str) -> None:
         dst[:] = SENT
         assert peer.cmd(local, cmd="write", peer="decode", pairs=[[64, dst.ctypes.data + 10, 1000]],
                         notify=base64.b64encode(b"pushed").decode())["ok"]
-        deadline = time.monotonic() + 10
+        deadline = Deadline.within(10)
         got: dict[str, list[bytes]] = {}
         while not got and time.monotonic() < deadline:
             got = local.drain_notifications()
@@ -144,7 +145,7 @@ def test_killed_peer_is_reported_within_deadline(when: str, path: str) -> None:
         if when == "mid-transfer":
             x = local.post(Op.READ, lp, idx, rp, idx, b"never")
         peer.kill()
-        deadline = time.monotonic() + 15
+        deadline = Deadline.within(15)
         with pytest.raises(PeerDisconnectedError):
             while True:
                 if x is None:

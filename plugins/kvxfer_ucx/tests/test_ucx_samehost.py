@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from ucx_helpers import SENT, descs, drive, pattern
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Allocation, Op
 from kvxfer.errors import (BackendError, IdentityError, MetadataError, OutOfRegistrationError, PeerDisconnectedError,
                            StalePeerError, TransferCancelledError)
@@ -126,7 +127,7 @@ def test_copy_path_splits_large_descriptors(copy_pair: Pair,
         rp = a2.prepare("decode", descs(dst.ctypes.data, [do], [n]))
         x, owner, target, sender = a2.post(op, lp, np.arange(1), rp, np.arange(1), b"big"), a2, b, "prefill2"
     got: list[bytes] = []
-    deadline = time.monotonic() + 20
+    deadline = Deadline.within(20)
     done = False
     while not (done and got):
         done = done or owner.poll(x)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from ucx_helpers import SENT, descs, pattern
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Allocation
 from kvxfer.errors import BackendError, OutOfRegistrationError, PeerDisconnectedError
 from kvxfer_ucx.backend import UcxBackend
@@ -163,7 +164,7 @@ def _attack(victim: UcxBackend, path: str, secret: np.ndarray, canary: np.ndarra
         fin.write(json.dumps(order) + "\n")
         fin.seek(0)
         proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, text=True)
-        deadline = time.monotonic() + 120
+        deadline = Deadline.within(120)
         while proc.poll() is None and time.monotonic() < deadline:
             victim.progress()
             time.sleep(0.0005)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer.deadlines import Deadline
 import kvxfer
 from kvxfer_ucx import _stuckslot
 
@@ -51,7 +52,7 @@ sys.stdin.read()
 
 
 def _progress_for(agent: kvxfer.Agent, seconds: float) -> None:
-    end = time.monotonic() + seconds
+    end = Deadline.within(seconds)
     while time.monotonic() < end:
         agent.progress()
         time.sleep(0.001)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.random  # noqa: F401 - its lazy imports need the standard library, which the user may not read
 
+from kvxfer.deadlines import Deadline
 from kvxfer_ucx import _libucp as L
 from kvxfer_ucx._blob import parse_blob
 from kvxfer_ucx._config import transport_config
@@ -67,7 +68,7 @@ def drop_to(user: str) -> None:
 def _wait(w: Worker, requests: list[int], seconds: float) -> list[int | None]:
     """Progress until every request settled or ``seconds`` passed; their final statuses."""
     out: list[int | None] = [None] * len(requests)
-    deadline = time.monotonic() + seconds
+    deadline = Deadline.within(seconds)
     while time.monotonic() < deadline and any(s is None for s in out):
         w.progress()
         for i, r in enumerate(requests):

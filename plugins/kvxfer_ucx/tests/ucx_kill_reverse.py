@@ -27,6 +27,7 @@ import numpy as np
 
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, pattern  # same directory
 
+from kvxfer.deadlines import Deadline
 from kvxfer_ucx import _stuckslot
 from kvxfer_ucx._stuckslot import _Queue
 
@@ -101,7 +102,7 @@ class Initiator:
     def reply(self, agent: Any, timeout: float) -> dict[str, Any]:
         """The peer's next line, progressing this (target) agent meanwhile: software RMA needs it."""
         assert self.proc.stdout is not None
-        end = time.monotonic() + timeout
+        end = Deadline.within(timeout)
         while time.monotonic() < end:
             agent.progress()
             if select.select([self.proc.stdout], [], [], 0.0005)[0]:

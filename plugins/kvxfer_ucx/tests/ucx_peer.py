@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from kvxfer.deadlines import Deadline
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.testing import lines
 
@@ -76,7 +77,7 @@ def main() -> None:
             idx = np.arange(len(pairs), dtype=np.int64)
             note = base64.b64decode(msg["notify"]) if msg.get("notify") else None
             x = be.post(Op.WRITE, local, idx, remote, idx, note)
-            deadline = time.monotonic() + 30
+            deadline = Deadline.within(30)
             while not be.poll(x):
                 if time.monotonic() > deadline:
                     raise TimeoutError("write did not finish")
