@@ -76,6 +76,19 @@ def _agent(tree: Path) -> list[dict[str, Any]]:
     return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []  # type: ignore[no-any-return]
 
 
+def _fixed(tree: Path) -> list[dict[str, Any]]:
+    """``bench_fixed_cost.py`` of the tree itself (its helpers import that tree's kvxfer):
+    one-block READs, raw NIXL beside kvxfer and the owner in the same process."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "f.json"
+        p = subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_fixed_cost.py"), "--sizes", "4KB,64KB",
+                            "--json", str(out)], env=_env(tree), capture_output=True, text=True, timeout=900)
+        if p.returncode or not out.exists():
+            print(f"bench_fixed_cost failed in {tree}: {p.stderr.strip()[-300:]}", file=sys.stderr)
+            return []
+        return [r for r in json.loads(out.read_text())["rows"] if "median_us" in r]  # type: ignore[no-any-return]
+
+
 def _which(tree: Path) -> str:
     code = "import kvxfer, kvxfer_ucx, kvxfer_nixl; print(kvxfer.__file__, kvxfer_ucx.__file__, kvxfer_nixl.__file__)"
     return subprocess.run([sys.executable, "-c", code], env=_env(tree), capture_output=True, text=True,
@@ -88,14 +101,15 @@ def main() -> None:
     ap.add_argument("--b", type=Path, required=True, help="tree B (after)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None, help="also write every sample here")
-    ap.add_argument("--benches", default="ucx,nixl", help="which of ucx, nixl (the bench scripts) and agent "
-                    "(loopback reads: the agent's own CPU time per transfer) to run")
+    ap.add_argument("--benches", default="ucx,nixl", help="which of ucx, nixl (the bench scripts), agent "
+                    "(loopback reads: the agent's own CPU time per transfer) and fixed (bench_fixed_cost) to run")
     a = ap.parse_args()
     trees = {"A": a.a.resolve(), "B": a.b.resolve()}
     for k, t in trees.items():
         print(f"{k}: {_which(t)}", flush=True)
     gbps: dict[tuple[str, str], list[float]] = defaultdict(list)
     cpu: dict[tuple[str, str], list[float]] = defaultdict(list)
+    fixed: dict[tuple[str, str], list[float]] = defaultdict(list)  # (size who, tree): medians in us
     for r in range(a.rounds):
         for k in ("AB" if r % 2 == 0 else "BA"):
             for rec in _ucx(trees[k]) if "ucx" in a.benches else []:
@@ -110,6 +124,9 @@ def main() -> None:
                 nbytes = rec["bytes"]
                 gbps[(name, k)].extend(nbytes / s / 1e9 for s in rec["samples_s"])
                 cpu[(name, k)].extend(1e3 * c for c in rec["cpu_s"])
+            for rec in _fixed(trees[k]) if "fixed" in a.benches else []:
+                fixed[(f"{rec['size']} {rec['who']}", k)].append(rec["median_us"])
+                fixed[(f"{rec['size']} {rec['who']} over raw", k)].append(rec["added_vs_raw_us"])
             print(f"round {r + 1} {k} done", flush=True)
     print("| benchmark | GB/s samples A / B | median GB/s A / B | CPU ms per transfer A / B (B/A) |")
     print("|---|---|---|---|")
@@ -120,9 +137,18 @@ def main() -> None:
         ma, mb = statistics.median(ca), statistics.median(cb)
         bw = f"{statistics.median(ga):.2f} / {statistics.median(gb):.2f}" if ga and gb else "-"
         print(f"| {name} | {len(ga)} / {len(gb)} | {bw} | {ma:.3f} / {mb:.3f} ({mb / ma:.2f}×) |", flush=True)
+    if fixed:
+        print("| bench_fixed_cost (one-block READ) | median of the rounds' medians, us, A / B | rounds' medians B |")
+        print("|---|---|---|")
+        for name in sorted({n for n, _ in fixed}):
+            fa, fb = fixed[(name, "A")], fixed[(name, "B")]
+            if fa and fb:
+                print(f"| {name} | {statistics.median(fa):.1f} / {statistics.median(fb):.1f} | "
+                      f"{', '.join(f'{v:.1f}' for v in fb)} |", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"gbps": {f"{n}|{k}": v for (n, k), v in gbps.items()},
-                                      "cpu_ms": {f"{n}|{k}": v for (n, k), v in cpu.items()}}))
+                                      "cpu_ms": {f"{n}|{k}": v for (n, k), v in cpu.items()},
+                                      "fixed_us": {f"{n}|{k}": v for (n, k), v in fixed.items()}}))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ from .stats import TransferStats
 from .transfer import Transfer, _Post
 
 if TYPE_CHECKING:
-    from .agent import Agent, Peer
     from .posts import Chunk
+
+#: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).
+Agent = Peer = Any
 
 __all__ = ["Shape", "learn"]
 
@@ -45,7 +47,7 @@ class Shape:
     __slots__ = ("spec", "peer", "pairing", "op", "legs", "local_n", "remote_n", "per_block", "bytes_per_block",
                  "mode", "limit", "notifies", "opname")
 
-    def __init__(self, agent: "Agent", peer: "Peer", op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
+    def __init__(self, agent: Agent, peer: Peer, op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
         pairing = peer.pairing
         assert isinstance(pairing, Pairing) and agent.spec is not None and peer.spec is not None
         self.spec, self.peer, self.pairing, self.op = agent.spec, peer, pairing, op
@@ -62,7 +64,7 @@ class Shape:
         self.legs = [(c.local, rkeys[id(c.remote)], _ids(g.lbase, self.local_n, g.dtype),
                       _ids(g.rbase, self.remote_n, g.dtype), g) for c, g in zip(chunks, pairing.groups)]
 
-    def post(self, agent: "Agent", local: Any, remote: Any, notify: bytes | None, deadline: float | None) -> Any:
+    def post(self, agent: Agent, local: Any, remote: Any, notify: bytes | None, deadline: float | None) -> Any:
         """The transfer, or None when this request is not of this shape (the general path decides)."""
         t0 = time.perf_counter()
         peer = self.peer
@@ -147,7 +149,7 @@ def _pieces(g: Any, local: list[int], remote: list[int]) -> tuple[np.ndarray, np
     return (lb[:, None] + g.lbase[None, :]).reshape(-1), (rb[:, None] + g.rbase[None, :]).reshape(-1)
 
 
-def learn(agent: "Agent", peer: "Peer", op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
+def learn(agent: Agent, peer: Peer, op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
     """Remember ``p``'s shape when it is one the hot path can repeat: whole rows of a checked
     pairing, one post per leg over lists kept in the caches, no integrity check."""
     pairing = peer.pairing

@@ -9,7 +9,7 @@ A request the hot path can repeat is remembered here (:func:`kvxfer._hot.learn`)
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _hot
 from .errors import TransferTimeoutError
@@ -18,8 +18,8 @@ from .planner import TransferPlan
 from .posts import Chunk, plan_chunks
 from .transfer import Transfer, TransferStats, _Post
 
-if TYPE_CHECKING:
-    from .agent import Agent, Peer
+#: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).
+Agent = Peer = Any
 
 __all__ = ["post"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import kvxfer.owner as owner
+from kvxfer import _args
 from kvxfer.testing.api_fuzz import run
 from kvxfer.testing.fuzz import available
 
@@ -31,6 +31,6 @@ def test_public_api_raises_only_typed_errors(backend: str) -> None:
 def test_control_an_unguarded_validator_lets_untyped_errors_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same campaign with the Owner's peer-name check off finds the leaks it stops (a list
     as a name is unhashable; on the loop's side it ended the loop, which ``intact`` sees)."""
-    monkeypatch.setattr(owner, "_check_key", lambda key: None)
+    monkeypatch.setattr(_args, "peer_key", lambda key: key)
     r = run("loopback", CALLS, seed=7)
     assert r.outcomes["untyped"] > 0 and not r.intact, dict(r.outcomes)

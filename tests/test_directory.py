@@ -24,7 +24,7 @@ from kvxfer import Agent
 from kvxfer.directory import (Directory, DirectoryError, DirectoryUnavailableError, Event, InProcessDirectory,
                               MemoryStore, NotPublishedError, PeerTracker, entry_key, parse_key)
 from kvxfer.directory.codec import decode_value, encode_value
-from kvxfer.errors import MetadataError, StalePeerError, UnknownPeerError
+from kvxfer.errors import InvalidTimeoutError, MetadataError, StalePeerError, UnknownPeerError
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.wait import wait_until
 
@@ -171,10 +171,11 @@ def test_signed_values_bind_the_key_and_the_token() -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1, True])
 def test_deadlines_must_be_finite_and_positive(bad: Any) -> None:
-    with pytest.raises(ValueError):
+    """The shared typed check (kvxfer.deadlines), not a plain ValueError of the directory's own."""
+    with pytest.raises(InvalidTimeoutError):
         InProcessDirectory("c", store=MemoryStore(), timeout=bad)
     d = InProcessDirectory("c", store=MemoryStore())
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidTimeoutError):
         d.entries(timeout=bad)
     d.close()
 

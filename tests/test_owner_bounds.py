@@ -73,7 +73,8 @@ def test_control_without_forgetting_every_name_stays(monkeypatch: pytest.MonkeyP
 def _fetched_blob_kept(monkeypatch: pytest.MonkeyPatch, control: bool) -> bool:
     if control:  # the loop as it was: the last op it applied stayed in a variable while it waited
         def keep_last(self: Owner, ops: Any) -> None:
-            for op in ops:
+            while ops:
+                op = ops.popleft()
                 self._apply(op)
                 self._last_op = op
         monkeypatch.setattr(Owner, "_apply_all", keep_last)
