@@ -375,7 +375,8 @@ class NixlBackend(Notifications, Files, Backend):
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None) -> Xfer:
         """Check the lists are current, pick the data path, start it."""
-        self._check_open()
+        if self._closed:  # checks inlined: a small READ's post is the hot path (issue 37)
+            self._check_open()
         if not isinstance(local, Prepared) or not isinstance(remote, Prepared):
             raise BackendError("post() needs lists returned by this backend's prepare()")
         if local.peer is not None:
@@ -388,10 +389,13 @@ class NixlBackend(Notifications, Files, Backend):
                                  "since; prepare it again")
         if rem.stale:
             raise StalePeerError(rem.stale)
-        li, ri = as_int32(local_idx), as_int32(remote_idx)
+        li = local_idx if local_idx.dtype == np.int32 and local_idx.flags.c_contiguous else as_int32(local_idx)
+        ri = remote_idx if remote_idx.dtype == np.int32 and remote_idx.flags.c_contiguous else as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        path = choose(self._paths, local, remote)
+        # choose() in short: no device list on a side means the device path cannot serve the pair.
+        path = self._nixl_path if (local.device is None or remote.device is None) and local.nixl is not None \
+            and remote.nixl is not None else choose(self._paths, local, remote)
         fence = path is self._nixl_path and rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
         h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True) if fence else \
             path.start(op, local, li, remote, ri, rem.name, notification)
