@@ -41,8 +41,9 @@ __all__ = ["Shape", "learn"]
 
 
 class Shape:
-    """What a request of this shape posts: per leg ``(local list, remote key, local base,
-    remote base, dtype)``, and the counts its stats report per block."""
+    """What a request of this shape posts: per leg ``(local list, key of the remote list in the
+    peer's cache, local ids, remote ids, group)`` (ids: None for a leg of several pieces per
+    block), and the counts its stats report per block."""
 
     __slots__ = ("spec", "peer", "pairing", "op", "legs", "local_n", "remote_n", "per_block", "bytes_per_block",
                  "mode", "limit", "notifies", "opname")
@@ -94,14 +95,16 @@ class Shape:
         prepared, backend = peer.prepared, agent.backend
         if deadline is None:
             deadline = Deadline.within(agent.timeout)
+        # The peer's cache, looked up first: a list gone with the peer means the general path,
+        # before anything was posted.
+        rps = [prepared.get(leg[1]) for leg in self.legs] if len(self.legs) > 1 else [prepared.get(self.legs[0][1])]
+        if None in rps:
+            return None
         posts: list[_Post] = []
         last = len(self.legs) - 1
         started = time.perf_counter()
         try:
-            for lp, rkey, lids, rids, g in self.legs:
-                rp = prepared.get(rkey)  # the peer's cache: gone with the peer, then the general path
-                if rp is None:
-                    return None
+            for (lp, _, lids, rids, g), rp in zip(self.legs, rps):
                 if lids is not None:
                     li, ri = (lids[lv:lv + 1], rids[rv:rv + 1]) if n == 1 else (lids[local], rids[remote])
                 elif n == 1:
