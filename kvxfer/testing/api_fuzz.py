@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -115,6 +116,13 @@ class _World:
         return bool((self.dst == want).all() and (owned == want).all())
 
 
+def _under(tmp: str, path: str | bytes) -> str | bytes:
+    """A hostile relative path ("x", "prefill") anchored in the campaign's temporary folder: with
+    a valid capacity and layout it makes a real store, which once landed in the caller's working
+    directory (the repository root, under pytest). Absolute paths and their bytes stay as drawn."""
+    return os.path.join(os.fsencode(tmp) if isinstance(path, bytes) else tmp, path)
+
+
 def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, ...]]]:
     """``(name, arity, call, valid arguments)``: each call gets each argument valid or hostile."""
     kv, b, a, o, s = w.kvxfer, w.b, w.a, w.owner, w.store
@@ -127,7 +135,7 @@ def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, .
         kv.Agent(name, backend=w.backend, timeout=timeout, token=token).close()
 
     def fresh_store(path: Any, capacity: Any, layout: Any) -> Any:
-        kv.Store(path if isinstance(path, (str, bytes)) and path else f"{w.tmp}/s{random.random()}",
+        kv.Store(_under(w.tmp, path) if isinstance(path, (str, bytes)) and path else f"{w.tmp}/s{random.random()}",
                  capacity=capacity, layout=layout).close()
 
     spec = b.spec
