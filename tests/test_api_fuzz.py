@@ -39,7 +39,7 @@ def test_control_an_unguarded_validator_lets_untyped_errors_out(monkeypatch: pyt
     """The same campaign with the Owner's peer-name check off finds the leaks it stops (a list
     as a name is unhashable; on the loop's side it ended the loop, which ``intact`` sees)."""
     monkeypatch.setattr(owner, "_check_key", lambda key: None)
-    r = run("loopback", CALLS, seed=7)
+    r = run("loopback", CALLS, seed=7, settle=1.0)  # the dead loop's future: 1 s, not 10
     assert r.outcomes["untyped"] > 0 and not r.intact, dict(r.outcomes)
 
 

@@ -177,16 +177,18 @@ def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, .
     ]
 
 
-def _settle(x: Any) -> None:
+def _settle(x: Any, timeout: float) -> None:
     """Wait for what a call returned, so that its failure is seen (and nothing outlives it)."""
     if hasattr(x, "wait") and hasattr(x, "status"):
-        x.wait(10)
+        x.wait(timeout)
     elif type(x).__name__ == "OwnedFuture":
-        x.result(10)
+        x.result(timeout)
 
 
-def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5) -> ApiResult:
-    """``count`` random calls on ``backend``; each argument is hostile with probability ``hostile``."""
+def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5, settle: float = 10.0) -> ApiResult:
+    """``count`` random calls on ``backend``; each argument is hostile with probability ``hostile``.
+    ``settle``: how long a returned transfer or owner future may take (a run that expects a dead
+    owner's loop waits that long for the first call it ends up with)."""
     res = ApiResult(backend)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -199,7 +201,7 @@ def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5) -> Api
                 args = tuple(rng.choice(VALUES) if rng.random() < hostile else valid[i] for i in range(arity))
                 res.calls += 1
                 try:
-                    _settle(call(*args))
+                    _settle(call(*args), settle)
                     res.outcomes["ok"] += 1
                 except KvxferError as exc:
                     res.outcomes["typed"] += 1
