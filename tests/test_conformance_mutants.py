@@ -54,7 +54,8 @@ def _pytest(tmp_path: Path, backend: str, k: str) -> subprocess.CompletedProcess
     path = os.pathsep.join([str(HERE), str(site), os.environ.get("PYTHONPATH", "")])
     # Without the plugins the kit does not use (half a second of each run's start-up).
     return subprocess.run([sys.executable, "-m", "pytest", str(module), "-q", "-p", "no:cacheprovider", "-p",
-                           "no:hypothesispytest", "-p", "no:benchmark", "-k", k, "--timeout", "120"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path},
+                           "no:hypothesispytest", "-p", "no:benchmark", "-k", k, "--timeout", "120"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path},
                           cwd=tmp_path, timeout=600)
 
 

