@@ -143,9 +143,16 @@ def write_dist(site: Path) -> Path:
     return site
 
 
+#: The kit's deadlines for these runs. A mutant that never notifies waits out ``notify_timeout``,
+#: one that never completes waits out ``timeout``; in-process copies and a local peer take
+#: milliseconds, and the unbroken backends pass the same kit with the same deadlines (the
+#: controls in test_conformance_mutants.py), so shorter ones still tell broken from right.
+DEADLINES = {"timeout": 10.0, "notify_timeout": 2.0}
+
+
 def suite_for(backend: str) -> type[BackendConformance]:
-    return type("TestMutant", (BackendConformance,), {"backend": backend})
+    return type("TestMutant", (BackendConformance,), {"backend": backend, **DEADLINES})
 
 
 def two_process_suite_for(backend: str) -> type[TwoProcessConformance]:
-    return type("TestMutantProcesses", (TwoProcessConformance,), {"backend": backend})
+    return type("TestMutantProcesses", (TwoProcessConformance,), {"backend": backend, **DEADLINES})

@@ -71,3 +71,12 @@ def private_site(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], d
         assert r.returncode == 0, r.stdout + r.stderr
         return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *sys.path])}
     return install
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvxfer's wheel with ``[nixl,kit]`` in a fresh virtualenv, built once for the whole session
+    (tests/wheel_venv.py): the install test and the doc test share it."""
+    import wheel_venv as wv
+
+    return wv.make(tmp_path_factory.mktemp("install"))

@@ -1,7 +1,8 @@
 """The fail-closed property over NIXL in DRAM, the peer in another process (a subset).
 
 Same random engine-shaped pairs and the same independent verdict as
-test_failclosed_property.py, fewer examples: each one starts a peer process. The remote
+test_failclosed_property.py, fewer examples: each one starts a peer process (about 4 s on
+CI), so the three explicit ones (a refusal, a read, a write) and one drawn. The remote
 cache is built in the peer process from the same description and read back as logical
 ``[block, layer, kv, token, head, dim]`` values to compute the expected destination.
 """
@@ -48,7 +49,7 @@ def _gqa(style: str, order: str, tp: int, rank: int, dtype: str = "float16", hea
 
 
 @pytest.mark.timeout(900)  # each example starts a NIXL peer process
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=engine_pairs(), data=st.data(), write=st.booleans())
 @example(pair=(_gqa("flash", "NHD", 2, 1), _gqa("cross", "NHD", 2, 1)), data=None, write=False)
 @example(pair=(_gqa("flash", "NHD", 2, 0), _gqa("flash", "NHD", 4, 2)), data=None, write=False)

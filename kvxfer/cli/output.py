@@ -92,5 +92,5 @@ def require_cuda(option: str) -> int:
             import torch  # noqa: F401
             why = "torch sees no CUDA device (a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them)"
         except ImportError:
-            why = "torch is not installed (pip install torch)"
+            why = "torch is not installed (pip install torch: a CUDA build, PyPI's default)"
     raise CliError(f"{option} needs a CUDA device that torch can see: {why}; use --memory DRAM")

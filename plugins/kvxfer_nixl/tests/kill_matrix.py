@@ -4,7 +4,9 @@ verified, or a typed error within the deadline; then a restarted peer must work.
 Each trial starts a READ (we pull the peer's blocks) or a WRITE (we push ours into the
 peer) while a timer SIGKILLs the peer process (``python -m kvxfer.testing.peer``) after a
 random delay drawn up to the transfer's measured duration, so the kill lands while the
-transfer is being posted (shared memory and TCP copy inside ``post``) or in flight:
+transfer is being posted (shared memory and TCP copy inside ``post``) or in flight. Trial
+``i`` of ``n`` draws its delay in the ``i``-th ``n``-th of that duration (stratified), so a few
+trials still spread their kills from the post's start to the transfer's end:
 
 * ``done``: DONE, and every requested block holds exactly the expected bytes while every
   other block holds what it held before. For a READ we check our own memory against the
@@ -145,8 +147,9 @@ class Matrix:
         return took
 
     # -- one trial ------------------------------------------------------------------------
-    def trial(self, op: str) -> dict[str, Any]:
-        """Kill the peer from a timer while the transfer is posted or in flight."""
+    def trial(self, op: str, stratum: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """Kill the peer from a timer while the transfer is posted or in flight, after a delay
+        drawn in the ``i``-th of ``n`` equal slices of a clean transfer's duration (``stratum``)."""
         from kvxfer.errors import KvxferError, TransferTimeoutError
 
         if self.peer is None or self.peer.proc.poll() is not None:
@@ -156,7 +159,8 @@ class Matrix:
         duration = self._verified_round(op)
         self._fill_local(op)
         a, b = self._ids()
-        delay = float(self.rng.uniform(0, duration))
+        i, n = stratum
+        delay = float(duration * (i + self.rng.uniform(0, 1)) / n)
         rec: dict[str, Any] = {"op": op, "blocks": int(len(a)), "delay_ms": round(delay * 1e3, 2),
                                "duration_ms": round(duration * 1e3, 2)}
         lock = threading.Lock()
@@ -215,7 +219,7 @@ def run(trials: int, ops: tuple[str, ...] = ("READ", "WRITE"), timeout: float = 
         m = Matrix(timeout)
         try:
             for i in range(trials):
-                rec = m.trial(op)
+                rec = m.trial(op, (i, trials))
                 out["records"].append(rec)
                 if log is not None:
                     log(f"{op} {i + 1}/{trials}: {rec}")

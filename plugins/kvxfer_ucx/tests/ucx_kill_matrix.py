@@ -53,6 +53,14 @@ PATHS: dict[str, dict[str, Any]] = {
 EXPECTED_PATH = {"copy": "same-host-copy", "rma": "ucx-rma", "rma-tcp": "ucx-rma"}
 
 
+def kill_delay(rng: random.Random, span: float, trial: int, trials: int) -> float:
+    """A kill delay for ``trial`` (READ on even trials, WRITE on odd ones), stratified per op:
+    that op's ``k``-th of ``n`` kills is drawn in the ``k``-th ``n``-th of ``span``, so a few
+    trials still reach from the transfer's start to its end for both ops."""
+    n = len(range(trial % 2, trials, 2))
+    return span * (trial // 2 + rng.uniform(0, 1)) / n
+
+
 def pattern(rows: int, seed: int) -> np.ndarray:
     """Cheap, position- and seed-dependent bytes: misplaced or stale rows do not match."""
     words = np.arange(rows * ROW // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed + 1)
@@ -171,7 +179,7 @@ def run_path(path: str, trials: int, rows: int, timeout: float, seed: int, workd
             else:
                 local[:] = pattern(rows, 10_000 + trial)
             sent = local.copy()
-            delay = rng.uniform(0, estimate)
+            delay = kill_delay(rng, estimate, trial, trials)
             killed_at: list[float] = []
 
             def kill(v: Peer = victim) -> None:

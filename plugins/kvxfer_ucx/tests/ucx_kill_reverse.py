@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, pattern  # same directory
+from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, kill_delay, pattern  # same directory
 
 from kvxfer.deadlines import Deadline
 from kvxfer_ucx import _stuckslot
@@ -153,7 +153,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
         for trial in range(trials):
             op = "READ" if trial % 2 == 0 else "WRITE"
             mine[:] = pattern(rows, 5)
-            delay = rng.uniform(0, duration)
+            delay = kill_delay(rng, duration, trial, trials)
             killed_at: list[float] = []
 
             def kill(v: Initiator = victim) -> None:
