@@ -110,6 +110,19 @@ def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
     return out
 
 
+_POOLS: dict[int, Any] = {}
+
+
+def _pool() -> Any:
+    """One shared pool of :data:`THREADS` hashing threads (made once: a pool per call costs more than a row)."""
+    p = _POOLS.get(THREADS)
+    if p is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        p = _POOLS[THREADS] = ThreadPoolExecutor(THREADS, thread_name_prefix="kvxfer-digest")
+    return p
+
+
 def _combine(values: np.ndarray) -> np.ndarray:
     """One digest per row from its cells' digests (odd weights: one changed cell always shows)."""
     w = fold_weights(values.shape[1])[:, 0]
@@ -164,7 +177,16 @@ def hash_rows(spans: Spans) -> np.ndarray:
     run = _in_place(spans)
     if run is not None:
         mv, offs, n = run
-        out[:] = [h(mv[o:o + n]) for o in offs.tolist()]
+        at = offs.tolist()
+        if THREADS > 1 and B > 1 and B * n >= 1 << 24:  # xxhash releases the GIL for large buffers
+            parts = np.array_split(np.arange(B), min(THREADS, B))
+
+            def part(ix: np.ndarray) -> None:
+                out[ix] = [h(mv[at[i]:at[i] + n]) for i in ix.tolist()]
+
+            list(_pool().map(part, parts))
+        else:
+            out[:] = [h(mv[o:o + n]) for o in at]
         return out
     vram = {}
     cols = np.flatnonzero([spans.allocations[int(a)].kind is MemoryKind.VRAM for a in spans.alloc])
