@@ -12,7 +12,7 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import IntegrityError, MetadataError
-from kvxfer.integrity import Digests, compute, local_spans, verify
+from kvxfer.integrity import Cells, Digests, compute, local_spans, verify
 from kvxfer.integrity.digests import _combine, hash_rows, hash_spans
 
 xxhash = pytest.importorskip("xxhash")
@@ -56,19 +56,15 @@ def test_row_digest_is_one_xxh3_of_the_row_in_place_or_gathered(shape: str) -> N
     assert not np.array_equal(old, got.values[:, 0])
 
 
-def test_row_digest_gathers_in_batches() -> None:
-    """A gather smaller than one row's worth per batch still hashes every row whole."""
-    import kvxfer.integrity.digests as dg
-
+def test_row_digest_streams_cells_that_are_not_one_run() -> None:
+    """Pages of one block in other allocations, and a packed row whose cells are listed out of
+    order: streamed, the value is still xxh3 of the cells in the digests' order."""
     X = _truth()
-    spec = kvxfer.spec_from_tensors(_cache("layers", X)[0])
-    spans = local_spans(spec, BLOCKS, compute(spec, BLOCKS, rows=True).cells)
-    keep = dg.GATHER_BYTES
-    dg.GATHER_BYTES = 1
-    try:
-        assert hash_rows(spans).tolist() == _reference(X, BLOCKS)
-    finally:
-        dg.GATHER_BYTES = keep
+    spec = kvxfer.spec_from_tensors(_cache("packed", X)[0])
+    cells = Cells.pages(spec, ["layer.2", "layer.0", "layer.1"])
+    got = hash_rows(local_spans(spec, BLOCKS, cells))
+    assert got.tolist() == _reference(X[[2, 0, 1]], BLOCKS)
+    assert got.tolist() != _reference(X, BLOCKS)  # control: the in-place order is another value
 
 
 @pytest.mark.parametrize("shape", ["packed", "layers"])

@@ -29,7 +29,7 @@ from ..errors import IntegrityError, MetadataError
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
-from .mm8 import CHUNK, COLS, _xxh3, finalize, fold_weights, sketch_matrix
+from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
 
 __all__ = ["ALGORITHMS", "Digests", "compute", "hash_rows", "hash_spans", "verify"]
 
@@ -41,8 +41,6 @@ THREADS = 1
 #: Wire version 2: xxh3 row digests hash the row (version 1 folded page digests; refused, typed).
 _MAGIC = b"KVXD2"
 _OLD_MAGIC = b"KVXD1"
-#: Bytes of gathered cells hashed at a time where a block's cells are not one run of memory.
-GATHER_BYTES = 32 << 20
 def _host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
 
@@ -132,7 +130,7 @@ def _combine(values: np.ndarray) -> np.ndarray:
 def _in_place(spans: Spans) -> tuple[memoryview, np.ndarray, int] | None:
     """Each block's cells as one run of one host allocation (cell ``c + 1`` starts where ``c``
     ends): the allocation's view, the runs' offsets and their length; else None."""
-    if len({int(a) for a in spans.alloc}) != 1:
+    if not (spans.alloc == spans.alloc[0]).all():
         return None
     a = spans.allocations[int(spans.alloc[0])]
     if a.kind is MemoryKind.VRAM:
@@ -143,31 +141,11 @@ def _in_place(spans: Spans) -> tuple[memoryview, np.ndarray, int] | None:
     return _host_view(a.address, a.nbytes), addr[:, 0] - a.address, int(spans.length.sum())
 
 
-def _gathered(spans: Spans, lo: int, hi: int, vram: dict[int, np.ndarray]) -> np.ndarray:
-    """``[hi - lo, n]`` uint8: blocks ``lo:hi``'s cells back to back, one vectorised copy per cell."""
-    n = int(spans.length.sum())
-    out = np.empty((hi - lo, n), np.uint8)
-    addr = spans.addresses()[lo:hi]
-    at = 0
-    for c in range(spans.base.shape[0]):
-        ln = int(spans.length[c])
-        if c in vram:
-            out[:, at:at + ln] = vram[c][lo:hi]
-        else:
-            a = spans.allocations[int(spans.alloc[c])]
-            mem = np.frombuffer(_host_view(a.address, a.nbytes), dtype=np.uint8)
-            # Row i of this read-only view is mem[i:i + ln]: one fancy index gathers every block's cell.
-            starts = np.lib.stride_tricks.as_strided(mem, (a.nbytes - ln + 1, ln), (1, 1), writeable=False)
-            out[:, at:at + ln] = starts[addr[:, c] - a.address]
-        at += ln
-    return out
-
-
 def hash_rows(spans: Spans) -> np.ndarray:
     """``[B]`` uint64 ``xxh3`` row digests: xxh3-64 of each block's cells back to back, in cell order.
 
-    Hashed in place when the cells of each block are one run of host memory; otherwise the
-    cells are gathered (VRAM ones copied to the host first) about :data:`GATHER_BYTES` at a time.
+    Hashed in place when the cells of each block are one run of host memory; otherwise
+    streamed cell by cell (the same value, no copy; VRAM cells are copied to the host first).
     """
     B = spans.block.shape[0]
     out = np.zeros(B, dtype=np.uint64)
@@ -188,16 +166,32 @@ def hash_rows(spans: Spans) -> np.ndarray:
         else:
             out[:] = [h(mv[o:o + n]) for o in at]
         return out
-    vram = {}
     cols = np.flatnonzero([spans.allocations[int(a)].kind is MemoryKind.VRAM for a in spans.alloc])
+    vram = {}
     if cols.size:
         from ._gpu import vram_cells
 
         vram = vram_cells(spans, cols)
-    per = max(1, GATHER_BYTES // max(1, int(spans.length.sum())))
-    for lo in range(0, B, per):
-        rows = _gathered(spans, lo, min(B, lo + per), vram)
-        out[lo:lo + rows.shape[0]] = [h(r) for r in rows]
+    # Streamed: xxh3 over the cells in order equals xxh3 of their concatenation, with no copy.
+    addr = spans.addresses()
+    views, starts = [], []
+    for c in range(spans.base.shape[0]):
+        if c in vram:
+            host = np.ascontiguousarray(vram[c])
+            views.append(memoryview(host.reshape(-1)))
+            starts.append((np.arange(B, dtype=np.int64) * host.shape[1]).tolist())
+        else:
+            al = spans.allocations[int(spans.alloc[c])]
+            views.append(_host_view(al.address, al.nbytes))
+            starts.append((addr[:, c] - al.address).tolist())
+    lengths = spans.length.tolist()
+    cells = list(zip(views, starts, lengths))
+    new = _xxh3_stream()
+    for i in range(B):
+        x = new()
+        for mv, st, n in cells:
+            x.update(mv[st[i]:st[i] + n])
+        out[i] = x.intdigest()
     return out
 
 
