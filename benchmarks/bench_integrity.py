@@ -7,7 +7,7 @@ the moved blocks). Shapes: whole rows (one block-outermost storage) and per-laye
 Also the digest alone (source side, GB/s) against a plain copy of the same bytes on the
 same memory (numpy copy on DRAM, ``torch.Tensor.copy_`` on VRAM).
 
-    python benchmarks/bench_integrity.py --memory DRAM --backends loopback,nixl
+    python benchmarks/bench_integrity.py --memory DRAM --backends loopback,nixl [--rows] [--threads 2]
     python benchmarks/bench_integrity.py --memory VRAM --backends loopback,nixl --blocks 256
 """
 
@@ -102,7 +102,7 @@ def run(backend: str, memory: str, shape: str, args: argparse.Namespace) -> dict
         d.register(dst_t)
         d.add_peer(p.metadata())
         mode = d.plan("src", lb, rb).mode
-        expect = p.digest(rb)
+        expect = p.digest(rb, rows=args.rows)
         d.read("src", lb, rb, expect=expect).wait()  # warm-up both ways
         d.read("src", lb, rb).wait()
         off, on, dig = [], [], []
@@ -116,14 +116,14 @@ def run(backend: str, memory: str, shape: str, args: argparse.Namespace) -> dict
             d.read("src", lb, rb, expect=expect).wait()
             on.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            p.digest(rb)
+            p.digest(rb, rows=args.rows)
             dig.append(time.perf_counter() - t0)
         seq = np.arange(n)
-        p.digest(seq)
+        p.digest(seq, rows=args.rows)
         contig = []
         for _ in range(args.iters):  # ascending blocks: dense rows are digested in place
             t0 = time.perf_counter()
-            p.digest(seq)
+            p.digest(seq, rows=args.rows)
             contig.append(time.perf_counter() - t0)
         ok = _equal(memory, shape, src, dst, lb, rb)
         algo = expect.algorithm
@@ -133,7 +133,7 @@ def run(backend: str, memory: str, shape: str, args: argparse.Namespace) -> dict
             "off_ms": 1e3 * m_off, "on_ms": 1e3 * m_on, "added": (m_on - m_off) / m_off,
             "xfer_GBps": nbytes / m_off / 1e9, "digest_GBps": nbytes / m_dig / 1e9, "bytes_ok": ok,
             "digest_seq_GBps": nbytes / statistics.median(contig) / 1e9,
-            "threads": args.threads}
+            "threads": args.threads, "rows": args.rows}
 
 
 def main() -> None:
@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=32768, help="bytes per layer page")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="kvxfer.integrity.digests.THREADS")
+    ap.add_argument("--rows", action="store_true", help="row digests (one per block, what vLLM params carry)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from kvxfer.integrity import digests

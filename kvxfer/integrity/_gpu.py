@@ -114,6 +114,22 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> Any:
     return mix(d ^ keys[None, :])  # still on the device: the caller copies all groups at once
 
 
+def vram_cells(spans: Spans, cols: np.ndarray) -> dict[int, np.ndarray]:
+    """Host copies ``[B, length]`` of VRAM columns ``cols`` (an ``xxh3`` row digest hashes bytes on the host)."""
+    import torch
+
+    out: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        for g in _groups(spans, cols):
+            host = _rows(torch, spans, g).cpu().numpy()
+            at = 0
+            for c in g:
+                ln = int(spans.length[c])
+                out[c] = host[:, at:at + ln]
+                at += ln
+    return out
+
+
 def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
     import torch
 

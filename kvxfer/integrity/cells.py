@@ -79,8 +79,15 @@ class Cells:
     @classmethod
     def pages(cls, spec: KVCacheSpec, members: Sequence[str] | None = None) -> "Cells":
         """One cell per member page: the default, and what names a block and member."""
+        if members is None:  # the default, asked per group of rows by the store: made once per spec
+            got = spec._cache.get(("integrity-pages",))
+            if got is None:
+                got = spec._cache[("integrity-pages",)] = cls.pages(spec, [m.name for m in spec.members])
+                got.offsets.setflags(write=False)
+                got.lengths.setflags(write=False)
+            return got
         by = {m.name: m for m in spec.members}
-        names = tuple(m.name for m in spec.members) if members is None else tuple(members)
+        names = tuple(members)
         missing = [n for n in names if n not in by]
         if missing:
             raise IntegrityError(f"no member {missing[0]!r} in this cache; cannot digest it", member=missing[0])
@@ -124,6 +131,21 @@ def _member_places(spec: KVCacheSpec) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _spans(spec: KVCacheSpec, cells: Cells, block: np.ndarray, sub: np.ndarray | None = None) -> Spans:
+    key = ("integrity-spans", cells)
+    arr = spec._cache.get(key)
+    if arr is None:
+        arr = _template(spec, cells)
+        if len(spec._cache) < 64:  # a few cell lists per cache (pages, a partial block's tokens)
+            spec._cache[key] = arr
+    b = np.asarray(block, dtype=np.int64).reshape(-1)
+    if b.size and (b.min() < 0 or b.max() >= spec.num_blocks):
+        raise IntegrityError(f"block id out of range for a cache of {spec.num_blocks} blocks")
+    s = np.zeros_like(b) if sub is None else np.asarray(sub, dtype=np.int64)
+    return Spans(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4], spec.allocations, b, s)
+
+
+def _template(spec: KVCacheSpec, cells: Cells) -> np.ndarray:
+    """``[C, 5]`` (address of block 0, block stride, 0, length, allocation) of each cell, checked."""
     places = _member_places(spec)
     rows = []
     for name, off, ln in zip(cells.members, cells.offsets.tolist(), cells.lengths.tolist()):
@@ -134,11 +156,8 @@ def _spans(spec: KVCacheSpec, cells: Cells, block: np.ndarray, sub: np.ndarray |
             raise IntegrityError(f"cell {off}+{ln} lies outside member {name!r} ({p[3]} bytes)", member=name)
         rows.append((p[1] + off, p[2], 0, ln, p[0]))
     arr = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    b = np.asarray(block, dtype=np.int64).reshape(-1)
-    if b.size and (b.min() < 0 or b.max() >= spec.num_blocks):
-        raise IntegrityError(f"block id out of range for a cache of {spec.num_blocks} blocks")
-    s = np.zeros_like(b) if sub is None else np.asarray(sub, dtype=np.int64)
-    return Spans(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4], spec.allocations, b, s)
+    arr.setflags(write=False)  # shared by every Spans made from it
+    return arr
 
 
 def source_spans(spec: KVCacheSpec, blocks: Any, cells: Cells) -> Spans:

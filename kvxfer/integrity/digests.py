@@ -1,7 +1,10 @@
 """The two digest functions, their wire form, and the comparison that names a block and member.
 
 ``xxh3``: xxh3-64 of each cell's bytes (the ``xxhash`` library): the fastest kept hash on a
-CPU core. ``mm8``: a linear sketch that a GPU computes with one int8 matrix product (tensor
+CPU core. An ``xxh3`` *row* digest is xxh3-64 of the block's cells back to back, in cell order
+(:func:`hash_rows`, the one definition): one hash per row, in place where the row is one run of
+memory (a packed row, the store's slab), so a row costs one call that releases the GIL rather
+than one per page. ``mm8``: a linear sketch that a GPU computes with one int8 matrix product (tensor
 cores), then folded and mixed to 64 bits; defined exactly over integers, so numpy and torch
 give identical values. docs/integrity.md compares them and says what each catches.
 
@@ -26,16 +29,18 @@ from ..errors import IntegrityError, MetadataError
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
-from .mm8 import CHUNK, COLS, _xxh3, finalize, fold_weights, sketch_matrix
+from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
 
-__all__ = ["ALGORITHMS", "Digests", "compute", "hash_spans", "verify"]
+__all__ = ["ALGORITHMS", "Digests", "compute", "hash_rows", "hash_spans", "verify"]
 
 ALGORITHMS = ("xxh3", "mm8")
 MAX_DIGEST_BLOCKS = 1 << 20
 #: Threads that hash host cells of one large digest set (1: the caller's thread only). Worth
 #: raising only where the hash library releases the GIL; BENCHMARKS.md has the measurement.
 THREADS = 1
-_MAGIC = b"KVXD1"
+#: Wire version 2: xxh3 row digests hash the row (version 1 folded page digests; refused, typed).
+_MAGIC = b"KVXD2"
+_OLD_MAGIC = b"KVXD1"
 def _host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
 
@@ -103,10 +108,91 @@ def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
     return out
 
 
+_POOLS: dict[int, Any] = {}
+
+
+def _pool() -> Any:
+    """One shared pool of :data:`THREADS` hashing threads (made once: a pool per call costs more than a row)."""
+    p = _POOLS.get(THREADS)
+    if p is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        p = _POOLS[THREADS] = ThreadPoolExecutor(THREADS, thread_name_prefix="kvxfer-digest")
+    return p
+
+
 def _combine(values: np.ndarray) -> np.ndarray:
     """One digest per row from its cells' digests (odd weights: one changed cell always shows)."""
     w = fold_weights(values.shape[1])[:, 0]
     return finalize((values.view(np.int64) * w[None, :]).sum(axis=1), values.shape[1]).view(np.uint64)[:, None]
+
+
+def _in_place(spans: Spans) -> tuple[memoryview, np.ndarray, int] | None:
+    """Each block's cells as one run of one host allocation (cell ``c + 1`` starts where ``c``
+    ends): the allocation's view, the runs' offsets and their length; else None."""
+    if not (spans.alloc == spans.alloc[0]).all():
+        return None
+    a = spans.allocations[int(spans.alloc[0])]
+    if a.kind is MemoryKind.VRAM:
+        return None
+    addr = spans.addresses()
+    if addr.shape[1] > 1 and not (addr[:, 1:] == addr[:, :-1] + spans.length[None, :-1]).all():
+        return None
+    return _host_view(a.address, a.nbytes), addr[:, 0] - a.address, int(spans.length.sum())
+
+
+def hash_rows(spans: Spans) -> np.ndarray:
+    """``[B]`` uint64 ``xxh3`` row digests: xxh3-64 of each block's cells back to back, in cell order.
+
+    Hashed in place when the cells of each block are one run of host memory; otherwise
+    streamed cell by cell (the same value, no copy; VRAM cells are copied to the host first).
+    """
+    B = spans.block.shape[0]
+    out = np.zeros(B, dtype=np.uint64)
+    if B == 0 or spans.base.shape[0] == 0:
+        return out
+    h = _xxh3()
+    run = _in_place(spans)
+    if run is not None:
+        mv, offs, n = run
+        at = offs.tolist()
+        if THREADS > 1 and B > 1 and B * n >= 1 << 24:  # xxhash releases the GIL for large buffers
+            parts = np.array_split(np.arange(B), min(THREADS, B))
+
+            def part(ix: np.ndarray) -> None:
+                out[ix] = [h(mv[at[i]:at[i] + n]) for i in ix.tolist()]
+
+            list(_pool().map(part, parts))
+        else:
+            out[:] = [h(mv[o:o + n]) for o in at]
+        return out
+    cols = np.flatnonzero([spans.allocations[int(a)].kind is MemoryKind.VRAM for a in spans.alloc])
+    vram = {}
+    if cols.size:
+        from ._gpu import vram_cells
+
+        vram = vram_cells(spans, cols)
+    # Streamed: xxh3 over the cells in order equals xxh3 of their concatenation, with no copy.
+    addr = spans.addresses()
+    views, starts = [], []
+    for c in range(spans.base.shape[0]):
+        if c in vram:
+            host = np.ascontiguousarray(vram[c])
+            views.append(memoryview(host.reshape(-1)))
+            starts.append((np.arange(B, dtype=np.int64) * host.shape[1]).tolist())
+        else:
+            al = spans.allocations[int(spans.alloc[c])]
+            views.append(_host_view(al.address, al.nbytes))
+            starts.append((addr[:, c] - al.address).tolist())
+    lengths = spans.length.tolist()
+    cells = list(zip(views, starts, lengths))
+    new = _xxh3_stream()
+    for i in range(B):
+        x = new()
+        for mv, st, n in cells:
+            x.update(mv[st[i]:st[i] + n])
+        out[i] = x.intdigest()
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +215,13 @@ class Digests:
         return Digests(self.algorithm, self.blocks[i], self.cells, self.values[i], self.row)
 
     def rows(self) -> "Digests":
-        return self if self.row else Digests(self.algorithm, self.blocks, self.cells, _combine(self.values), True)
+        """Row digests from cell digests: ``mm8`` only (an ``xxh3`` row digest hashes the row's
+        bytes, which cell digests do not hold: ask :func:`compute` with ``rows=True``)."""
+        if self.row:
+            return self
+        if self.algorithm == "xxh3":
+            raise IntegrityError("xxh3 row digests hash the rows' bytes; compute them with compute(..., rows=True)")
+        return Digests(self.algorithm, self.blocks, self.cells, _combine(self.values), True)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Digests) and (self.algorithm, self.row) == (other.algorithm, other.row)
@@ -160,6 +252,9 @@ class Digests:
     def decode(cls, raw: bytes) -> "Digests":
         """Parse untrusted bytes: every size bounded, every field typed, or a MetadataError."""
         try:
+            if isinstance(raw, (bytes, bytearray)) and raw[:5] == _OLD_MAGIC:
+                raise ValueError("version 1 digests (row digests folded from page digests), from an older "
+                                 "kvxfer: this side verifies version 2; upgrade the source")
             if not isinstance(raw, (bytes, bytearray)) or raw[:5] != _MAGIC or len(raw) < 9:
                 raise ValueError("not kvxfer digests")
             (n,) = struct.unpack_from("<I", raw, 5)
@@ -205,15 +300,20 @@ def compute(spec: KVCacheSpec, blocks: Any, *, cells: Cells | None = None, algor
         raise IntegrityError(f"{b.shape[0]} blocks: at most {MAX_DIGEST_BLOCKS} per digest set")
     cells = Cells.pages(spec) if cells is None else cells
     algo = default_algorithm(spec) if algorithm == "auto" else algorithm
-    d = Digests(algo, b.copy(), cells, hash_spans(source_spans(spec, b, cells), algo))
+    spans = source_spans(spec, b, cells)
+    if rows and algo == "xxh3":
+        return Digests(algo, b.copy(), cells, hash_rows(spans)[:, None], True)
+    d = Digests(algo, b.copy(), cells, hash_spans(spans, algo))
     return d.rows() if rows else d
 
 
 def verify(expected: Digests, spans: Spans, local_blocks: np.ndarray) -> None:
     """Recompute ``expected``'s cells where ``spans`` says our copy lives; raise on any difference."""
-    got = hash_spans(spans, expected.algorithm)
-    if expected.row:
-        got = _combine(got)
+    if expected.row and expected.algorithm == "xxh3":
+        got = hash_rows(spans)[:, None]
+    else:
+        got = hash_spans(spans, expected.algorithm)
+        got = _combine(got) if expected.row else got
     if got.shape != expected.values.shape:
         raise IntegrityError(f"digests cover {expected.values.shape} cells, this transfer {got.shape}")
     bad = got != expected.values

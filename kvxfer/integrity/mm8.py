@@ -82,3 +82,9 @@ def _xxh3() -> Any:
     return xxhash.xxh3_64_intdigest
 
 
+def _xxh3_stream() -> Any:
+    """The streaming xxh3-64 (``update`` per cell, then ``intdigest``): equal to one call over the concatenation."""
+    _xxh3()  # the same typed error when xxhash is missing
+    import xxhash
+
+    return xxhash.xxh3_64

@@ -2,24 +2,29 @@
 
 One implementation: a stored row's digest is exactly what ``kvxfer.integrity.compute(spec,
 blocks, rows=True)`` gives for the same logical block of any cache that pairs with the slab
-(xxh3-64 of each member page, folded into one value per row), because the slab is described
-to it as a host cache whose memory is the slab's read-only map. A source that already
-computed its digests (a verified transfer) and the store therefore agree.
+(xxh3-64 of the row's member pages back to back: one hash per slot, in place, since the slab
+is described to it as a host cache whose memory is the slab's read-only map). A source that
+already computed its digests (a verified transfer) and the store therefore agree.
 
-:data:`DIGEST_NAME` is written in the slab's header and the journal's header record: a slab
-or journal written with another digest is reused, its entries dropped (misses, never errors).
+:data:`DIGEST_NAME` is written in the slab's header and the journal's header record. A journal
+of :data:`LEGACY_NAME` (the page-wise digest of journal version 2) is migrated at open: each
+entry's row is checked against its old digest (:func:`legacy_row_digests`) and gets the new
+one, or is dropped (:mod:`.journal`, ``Store.__init__``). Any other digest: entries dropped.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..integrity import compute
 from ..geometry._spec import KVCacheSpec
+from ..integrity import compute
+from ..integrity.cells import Cells, source_spans
+from ..integrity.digests import _combine, hash_spans
 
-__all__ = ["row_digests", "DIGEST_NAME"]
+__all__ = ["row_digests", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
 
-DIGEST_NAME = "integrity-xxh3-rows"
+DIGEST_NAME = "integrity-xxh3-row2"
+LEGACY_NAME = "integrity-xxh3-rows"
 
 
 def row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
@@ -28,3 +33,10 @@ def row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
     if slots.shape[0] == 0:
         return np.zeros(0, dtype=np.uint64)
     return compute(mapped, slots, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
+
+
+def legacy_row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
+    """The version-2 journal's row digest (xxh3 per page, folded): read only to migrate a journal."""
+    if slots.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    return _combine(hash_spans(source_spans(mapped, slots, Cells.pages(mapped)), "xxh3"))[:, 0]

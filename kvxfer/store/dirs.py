@@ -20,10 +20,11 @@ import fcntl
 import os
 import secrets
 import stat
+from typing import Callable
 
 from ..errors import StoreBusyError, StoreError, StoreFullError, StorePermissionError
 
-__all__ = ["StoreDir", "typed"]
+__all__ = ["StoreDir", "typed", "run_all"]
 
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -172,3 +173,15 @@ class StoreDir:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def run_all(*steps: Callable[[], None]) -> None:
+    """Run every step, then raise the first error (so one failure leaks nothing else)."""
+    err: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:
+            err = err or exc
+    if err is not None:
+        raise err

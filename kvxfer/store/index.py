@@ -14,12 +14,30 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import StoreFullError
-from .journal import Record
+from ..errors import InvalidArgumentError, StoreError, StoreFullError
+from ..planner import MAX_BLOCK_IDS
+from .journal import MAX_KEY, Record
 
-__all__ = ["Entry", "Index"]
+__all__ = ["Entry", "Index", "check_keys"]
 
 FREE, RESERVED, LIVE = 0, 1, 2
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """Keys as a list of bounded bytes, or a typed error (a caller's input: nothing assumed)."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable) or \
+            getattr(keys, "ndim", 1) == 0:  # a 0-d array claims to be iterable and sized, and is neither
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, one per block, got {type(keys).__name__}")
+    if hasattr(keys, "__len__") and len(keys) > MAX_BLOCK_IDS:  # counted before walking (a lazy range)
+        raise InvalidArgumentError(f"{len(keys)} keys in one call; at most {MAX_BLOCK_IDS}")
+    try:
+        out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
+    except TypeError:  # an iterable that cannot be iterated (a 0-d array)
+        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, got {type(keys).__name__}") from None
+    for k in out:
+        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
+            raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
+    return out
 
 
 @dataclass(eq=False)

@@ -4,8 +4,10 @@ Record: ``<u32 payload length><u32 crc32 of payload><payload>``; payload byte 0 
 
 * ``H`` header: ``fingerprint`` (ASCII, 20 bytes), ``slots`` (u64): which slab this indexes;
   ``version`` (u16) and the digest's name (ASCII, 24 bytes): how its entries' digests were
-  computed. A journal of another version or digest (version 1 had neither field) is replayed
-  as empty: its entries become misses, never errors;
+  computed. A journal of version 2 (the page-wise row digest, :data:`~.digest.LEGACY_NAME`)
+  is replayed with ``legacy`` set, and the store migrates its entries (:mod:`.digest`); one of
+  any other version or digest (version 1 had neither field) is replayed as empty: its entries
+  become misses, never errors;
 * ``P`` put: ``generation`` (u64), ``slot`` (u64), ``digest`` (u64), ``key length`` (u16), key;
 * ``D`` drop: ``key length`` (u16), key.
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from ..errors import StoreError
-from .digest import DIGEST_NAME
+from .digest import DIGEST_NAME, LEGACY_NAME
 from .dirs import StoreDir, typed
 
 __all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "Reader", "replay", "records", "load", "rewrite",
@@ -40,7 +42,7 @@ _HEAD = struct.Struct("<II")
 _PUT = struct.Struct("<cQQQH")
 _DROP = struct.Struct("<cH")
 _MAX_PAYLOAD = _PUT.size + MAX_KEY
-VERSION = 2
+VERSION = 3  # 3: row digests hash whole rows (:mod:`.digest`); 2 is migrated at open
 _H1, _H2 = 29, 29 + 2 + 24  # header payload lengths of versions 1 and 2
 CHUNK = 1 << 20  # bytes read at a time when replaying a file
 
@@ -78,12 +80,14 @@ class Reader:
     ``at`` counts the bytes of valid records consumed; ``ended`` is set by the first record
     that is over-long, fails its checksum or points outside the slab (a torn tail), and by a
     header of another version or digest (replayed as empty). ``headed``: the header was read
-    before (a view reading on from where it stopped)."""
+    before (a view reading on from where it stopped). ``legacy``: the header is version 2's,
+    whose digests the store migrates."""
 
     def __init__(self, fingerprint: str, slots: int, headed: bool = False) -> None:
         self.fingerprint, self.slots, self.headed = fingerprint, slots, headed
         self.at = 0
         self.ended = False
+        self.legacy = False
         self.tail = b""  # the last bytes of the valid prefix (how a view tells an append from a new file)
         self._buf = b""
 
@@ -122,8 +126,10 @@ class Reader:
             (nslots,) = struct.unpack_from("<Q", payload, 21)
             if fp != self.fingerprint or nslots != self.slots:
                 raise StoreError(f"the index journal belongs to another slab ({fp!r:.40}); move it away")
-            if len(payload) != _H2 or struct.unpack_from("<H", payload, _H1)[0] != VERSION \
-                    or payload[_H1 + 2:].rstrip(b"\0") != DIGEST_NAME.encode("ascii"):
+            version = struct.unpack_from("<H", payload, _H1)[0] if len(payload) == _H2 else 0
+            name = payload[_H1 + 2:].rstrip(b"\0")
+            self.legacy = (version, name) == (2, LEGACY_NAME.encode("ascii"))
+            if not self.legacy and (version, name) != (VERSION, DIGEST_NAME.encode("ascii")):
                 self.ended = True  # written by another version or digest
                 return False
             self.headed = True

@@ -9,13 +9,13 @@ accept the file: docs/storage.md). Per group of whole rows (at most one cell of
 * restore: the runs are read into the stage, then one batched copy scatters the pages.
 
 The same stage serves a host cache split over many regions (per layer) on a backend file
-path that does one I/O per descriptor (NIXL POSIX): the pages are gathered into rows with
-``memmove`` and each row run is one I/O, instead of one I/O per page.
+path that does one I/O per descriptor (NIXL POSIX): the pages are gathered into rows in one
+vectorised pass per page size and each row run is one I/O, instead of one I/O per page.
 
 Two stage buffers serve the worker threads, so one group's device copy overlaps another's
 file I/O. The copier is pluggable: :class:`DeviceCopies` (the core's CUDA copier,
 :mod:`kvxfer.cuda.copy`, one batch per group into pinned memory) for VRAM, and
-:class:`HostCopies` (``memmove``) for host memory, which is how the CPU suite covers every
+:class:`HostCopies` (numpy gathers) for host memory, which is how the CPU suite covers every
 part of this path but the CUDA calls. Digests stay as for the other paths (the slab's rows,
 right after writing, right before reading).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,13 @@ __all__ = ["HostCopies", "DeviceCopies", "Stage"]
 
 
 class HostCopies:
-    """Copies between host memory and the stage: ``memmove`` per descriptor (the planner merged runs)."""
+    """Copies between host memory and the stage: one numpy gather or scatter per page size.
+
+    Why not a ``memmove`` per descriptor: a per-layer cache has one descriptor per page
+    (160 per row of the benchmark's cache), and a Python call per page cost as much as the
+    I/O. Every descriptor is first checked to lie inside one of ``memory``'s ranges (the
+    local cache's allocations and the stage buffers): nothing outside them is read or written.
+    """
 
     name = "host"
 
@@ -48,10 +54,66 @@ class HostCopies:
     def free(self, keep: Any) -> None:
         pass
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
-        mm = ctypes.memmove
-        for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist()):
-            mm(d, s, n)
+    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, memory: Sequence[tuple[int, int]]) -> None:
+        dst, src, sizes = (np.asarray(x, dtype=np.int64) for x in (dst, src, sizes))
+        _inside(dst, sizes, memory)
+        _inside(src, sizes, memory)
+        for ln in np.unique(sizes).tolist():
+            sel = sizes == ln
+            d, s = (dst, src) if sel.all() else (dst[sel], src[sel])
+            if d.shape[0] > 1 and bool((d[1:] == d[:-1] + ln).all()):  # gather into one run (an offload's stage)
+                _gather(s, ln, _table(int(d[0]), d.shape[0], ln))
+            elif s.shape[0] > 1 and bool((s[1:] == s[:-1] + ln).all()):  # scatter one run (a restore's stage)
+                _scatter(d, ln, _table(int(s[0]), s.shape[0], ln))
+            else:
+                rows = np.empty((s.shape[0], ln), np.uint8)
+                _gather(s, ln, rows)
+                _scatter(d, ln, rows)
+
+
+def _inside(addr: np.ndarray, sizes: np.ndarray, memory: Sequence[tuple[int, int]]) -> None:
+    """Every ``[addr, addr + size)`` lies inside one ``(start, nbytes)`` range of ``memory``."""
+    ranges = sorted(memory)
+    starts = np.array([a for a, _ in ranges], dtype=np.int64)
+    ends = np.array([a + n for a, n in ranges], dtype=np.int64)
+    i = np.searchsorted(starts, addr, side="right") - 1
+    if (i < 0).any() or (addr + sizes > ends[np.maximum(i, 0)]).any():
+        raise StoreError("a staged copy leaves the cache's memory")  # the planner's bounds make this unreachable
+
+
+def _table(address: int, n: int, ln: int) -> np.ndarray:
+    """``[n, ln]`` uint8 over the bytes at ``address``: only the rows a caller indexes are touched
+    (the descriptors', checked by :func:`_inside`), never the gaps between allocations."""
+    return np.frombuffer((ctypes.c_uint8 * (n * ln)).from_address(address), dtype=np.uint8).reshape(n, ln)
+
+
+def _classes(addr: np.ndarray, ln: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Descriptors grouped by address modulo ``ln`` (one group for pages of aligned arrays):
+    per group its positions, a table whose rows start at those addresses, and the row numbers."""
+    lo = int(addr.min())
+    r = (addr - lo) % ln
+    out = []
+    for k in np.unique(r).tolist():
+        pos = np.flatnonzero(r == k)
+        rows = (addr[pos] - lo - k) // ln
+        out.append((pos, _table(lo + k, int(rows.max()) + 1, ln), rows))
+    return out
+
+
+def _gather(src: np.ndarray, ln: int, out: np.ndarray) -> None:
+    """``out[i] = bytes at src[i]``: one ``np.take`` (one pass, into ``out``) per address class."""
+    groups = _classes(src, ln)
+    if len(groups) == 1:
+        np.take(groups[0][1], groups[0][2], axis=0, out=out, mode="clip")
+        return
+    for pos, table, rows in groups:
+        out[pos] = table[rows]
+
+
+def _scatter(dst: np.ndarray, ln: int, rows: np.ndarray) -> None:
+    """``bytes at dst[i] = rows[i]``: one fancy assignment per address class."""
+    for pos, table, at in _classes(dst, ln):
+        table[at] = rows if pos.shape[0] == rows.shape[0] else rows[pos]
 
 
 class DeviceCopies:
@@ -114,16 +176,20 @@ class Stage:
         for b in self._all:
             self._free.put(b)
 
-    def mover(self) -> Mover:
-        return Mover(self.name, False, self._move)
+    def mover(self, allocations: Sequence[Allocation] = ()) -> Mover:
+        """The mover for a cache of ``allocations`` (the only local memory a host copy may touch)."""
+        memory = [(a.address, a.nbytes) for a in allocations] + [(a, self.unit) for a, _ in self._all]
+        return Mover(self.name, False, lambda w, p, c, h: self._move(w, p, c, h, memory))
 
-    def _copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, to_local: bool) -> None:
+    def _copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, to_local: bool,
+              memory: Sequence[tuple[int, int]]) -> None:
         if isinstance(self.copies, HostCopies):
-            self.copies.copy(dst, src, sizes)
+            self.copies.copy(dst, src, sizes, memory)
         else:
             self.copies.copy(dst, src, sizes, to_local)
 
-    def _move(self, write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook) -> None:
+    def _move(self, write: bool, part: Calls, cancelled: Callable[[], bool], hook: Hook,
+              memory: Sequence[tuple[int, int]] = ()) -> None:
         if cancelled():
             raise TransferCancelledError("store transfer was cancelled")
         local, off = descriptors(part)
@@ -142,11 +208,11 @@ class Stage:
             one = Calls(runs, np.arange(len(part)), np.ones(len(part), dtype=np.int64), part.offset, part.nbytes,
                         len(part))
             if write:
-                self._copy(stage, local[:, 0], local[:, 1], False)
+                self._copy(stage, local[:, 0], local[:, 1], False, memory)
                 self.io(True, one, cancelled, issue)
             else:
                 self.io(False, one, cancelled, issue)
-                self._copy(local[:, 0], stage, local[:, 1], True)
+                self._copy(local[:, 0], stage, local[:, 1], True, memory)
         finally:
             self._free.put((addr, keep))
         if hook is not None:

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -25,35 +25,20 @@ from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArg
 from ..geometry._spec import KVCacheSpec
 from ..memory import MemoryKind, Op
 from ..pairing._templates import Pairing, pair
-from ..planner import MAX_BLOCK_IDS, TransferPlan, as_block_ids, plan
+from ..planner import TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import row_digests
 from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
-from .index import Entry, Index
-from .dirs import StoreDir
-from .journal import MAX_KEY, encode_drop, encode_put
+from .index import Entry, Index, check_keys as _keys
+from .migrate import migrate
+from .dirs import StoreDir, run_all as _all
+from .journal import encode_drop, encode_put
 from .paths import Files, Mover, posix_mover
 from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
 
 __all__ = ["Store"]
-
-
-def _keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable) or \
-            getattr(keys, "ndim", 1) == 0:  # a 0-d array claims to be iterable and sized, and is neither
-        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, one per block, got {type(keys).__name__}")
-    if hasattr(keys, "__len__") and len(keys) > MAX_BLOCK_IDS:  # counted before walking (a lazy range)
-        raise InvalidArgumentError(f"{len(keys)} keys in one call; at most {MAX_BLOCK_IDS}")
-    try:
-        out = [bytes(k) if isinstance(k, (bytes, bytearray, memoryview)) else k for k in keys]
-    except TypeError:  # an iterable that cannot be iterated (a 0-d array)
-        raise InvalidArgumentError(f"keys must be a sequence of bytes objects, got {type(keys).__name__}") from None
-    for k in out:
-        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY:
-            raise StoreError(f"a key must be 1 to {MAX_KEY} bytes (opaque, e.g. a prefix hash), got {k!r:.60}")
-    return out
 
 
 class _Damaged(Exception):
@@ -98,10 +83,14 @@ class Store:
         try:
             name, r = self._slab.index_name, journal.Reader(g.fingerprint, slots)
             self._index = Index(slots, () if self._slab.created else journal.records(d, name, r))
+            if r.legacy:  # a version-2 journal: rows checked against their old digests, then re-digested
+                kept, lost = migrate(self._index, self._slab.mapped)
+                lifecycle.store_event("store_migrate", self.path, f"journal digests migrated: {kept} row(s) kept, "
+                                      f"{len(lost)} failed their old digest and were dropped", kept=kept, dropped=len(lost))
             try:
                 self._journal = journal.rewrite(d, name, g.fingerprint, slots, self._index.live(), durable)  # compact
             except StoreFullError:
-                if self._slab.created or not r.headed:
+                if self._slab.created or not r.headed or r.legacy:  # a migration must rewrite the journal
                     raise
                 self._journal = journal.reopen(d, name, r.at, durable)  # no room to compact: cut the torn tail only
         except BaseException:
@@ -322,12 +311,12 @@ class Store:
         with self._lock:
             mover = self._files.mover(fp, kind)
             if mover is None and (kind is MemoryKind.VRAM or self._stage_host):
-                mover = self._staged(kind, device)  # VRAM (no GDS): through the pinned host stage
+                mover = self._staged(spec, kind, device)  # VRAM (no GDS): through the pinned host stage
             elif mover is not None and len(spec.regions) > 1:
-                mover = self._staged(kind, device, fp) or mover  # pages gathered: one I/O per row run
+                mover = self._staged(spec, kind, device, fp) or mover  # pages gathered: one I/O per row run
         return spec, mover or self._posix
 
-    def _staged(self, kind: MemoryKind, device: int, fp: Any = None) -> Mover | None:
+    def _staged(self, spec: KVCacheSpec, kind: MemoryKind, device: int, fp: Any = None) -> Mover | None:
         """The staged path for ``kind`` (under the lock), into ``pwritev`` or the file path
         ``fp``: created once, freed at close; None when ``fp`` takes no stage memory."""
         key = (kind, device, id(fp))
@@ -348,7 +337,7 @@ class Store:
                 except UnsupportedError:
                     return None
             self._stages[key] = st
-        return st.mover()
+        return st.mover(spec.allocations)
 
     def _pairing(self, spec: KVCacheSpec) -> Pairing:
         with self._lock:
@@ -488,14 +477,3 @@ class Store:
         lifecycle.store_event("store_close", self.path, f"closed with {len(self._index)} row(s)",
                               entries=len(self._index))
 
-
-def _all(*steps: Callable[[], None]) -> None:
-    """Run every step, then raise the first error (so one failure leaks nothing else)."""
-    err: BaseException | None = None
-    for step in steps:
-        try:
-            step()
-        except BaseException as exc:
-            err = err or exc
-    if err is not None:
-        raise err
