@@ -99,7 +99,8 @@ class PoolRows:
         """The host pages of ``n`` keys' token indices: whole, aligned, in-range, distinct pages,
         cross-checked against the pool's own page addresses."""
         if isinstance(host_indices, (list, tuple)) or not hasattr(host_indices, "shape"):
-            raise InvalidArgumentError(f"host_indices must be a tensor of token indices, got {type(host_indices).__name__}")
+            raise InvalidArgumentError("host_indices must be a tensor of token indices, got "
+                                       f"{type(host_indices).__name__}")
         arr = host_indices.cpu().numpy() if hasattr(host_indices, "cpu") else np.asarray(host_indices)
         page = int(self.pool.page_size)
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.shape[0] != n * page:
