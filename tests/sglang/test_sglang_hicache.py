@@ -74,6 +74,26 @@ def test_flat_page_path_reads_what_the_zero_copy_path_wrote(tmp_path: Path) -> N
     b.close()
 
 
+def test_each_tp_rank_gets_its_own_slab(tmp_path: Path) -> None:
+    """``tp_rank``/``tp_size`` of SGLang's storage config choose the slab: another rank's pages
+    (other heads, same keys) are never served. Control: the same rank, reopened, serves them."""
+    d = _dir(tmp_path)
+    p0 = pool()
+    b0 = backend(p0, config(d, tp_rank=0, tp_size=2))
+    ks = keys("r", 2)
+    fill(p0, ks, [0, 1])
+    assert b0.batch_set_v1(ks, indices([0, 1])) == [True, True]
+    b1 = backend(pool(), config(d, tp_rank=1, tp_size=2))
+    assert b1.store.path != b0.store.path and b1.batch_exists(ks) == 0
+    b0.close()
+    b1.close()
+    p = pool()
+    again = backend(p, config(d, tp_rank=0, tp_size=2))
+    assert again.batch_get_v1(ks, indices([2, 3])) == [True, True]
+    assert np.array_equal(raw(p), expected(p, ks, [2, 3]))
+    again.close()
+
+
 def _flip_every_row(b: KvxferHiCache, offset: int = 777) -> None:
     st = b.store
     with open(st.path, "r+b") as f:
