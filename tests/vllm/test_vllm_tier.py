@@ -160,12 +160,47 @@ def test_hostile_jobs_and_keys_are_contained_and_fail(tmp_path: Path, load: bool
     done = {r.job_id: r.success for r in tier.get_finished_jobs()}
     assert done == {100 + i: False for i in range(len(HOSTILE))}  # each one reported, as a failure
     assert np.all(region.arr == SENTINEL) and sorted(tier.store.keys()) == before_keys
-    # a replayed job id while the first is in flight: the replay is refused, the first reports once
-    tier.submit_store(_job(500, [b"r1234567"], np.array([1])))
-    tier.submit_store(_job(500, [b"s1234567"], np.array([2])))
+    mgr.shutdown()
+
+
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """The tier's job table with the in-flight check bypassed: no job id is ever "in flight"."""
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["refused", "control-check-off"])
+def test_a_replayed_job_id_in_flight_is_refused(tmp_path: Path, checked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job id replayed while the first job is in flight is refused: the first job's bytes are
+    stored and reported once, the replay's never land. Control: without the check the replay
+    takes over the id, its bytes land in the slab and the first job's report is lost."""
+    mgr, tier, region = build(_dir(tmp_path))
+    first, replay = keys("first", 1)[0], keys("replay", 1)[0]
+    region.arr[1], region.arr[2] = pattern(first), pattern(replay)
+    if not checked:
+        monkeypatch.setattr(tier, "_jobs", _Forgetful())
+    tier.submit_store(_job(500, [first], np.array([1])))
+    t_first = tier._jobs.get(500)
+    tier.submit_store(_job(500, [replay], np.array([2])))
     tier.drain_jobs()
-    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(500, True)]
-    assert tier.lookup(b"s1234567", ReqContext(req_id="h")) is LookupResult.MISS
+    if t_first is not None and t_first.transfer is not None:
+        t_first.transfer.wait()  # the first job's worker has returned either way
+    done = [(r.job_id, r.success) for r in tier.get_finished_jobs()]
+    ctx = ReqContext(req_id="h")
+    if checked:
+        assert done == [(500, True)] and tier.errors == 1
+        assert tier.lookup(first, ctx) is LookupResult.HIT and tier.lookup(replay, ctx) is LookupResult.MISS
+        region.arr[:] = SENTINEL  # the first job's bytes, read back through the tier
+        tier.submit_load(_job(501, [first], np.array([5]), True))
+        tier.drain_jobs()
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(501, True)]
+        ref = np.full_like(region.arr, SENTINEL)
+        ref[5] = pattern(first)
+        assert np.array_equal(region.arr, ref)
+    else:  # what the check stops: the replay's bytes are stored under the replayed id
+        assert tier.lookup(replay, ctx) is LookupResult.HIT and tier.errors == 0
+        assert done == [(500, True)]  # one report for two jobs: the first job's is lost
     mgr.shutdown()
 
 
