@@ -16,10 +16,10 @@ import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any, Callable, TypeVar
 
-from ..errors import (InvalidArgumentError, MissingDependencyError, StoreError, StoreFullError, StoreMissError,
-                      StoreUnavailableError, TransferTimeoutError)
+from ..errors import (InvalidArgumentError, MissingDependencyError, StoreCorruptError, StoreError, StoreFullError,
+                      StoreMissError, StoreUnavailableError, TransferTimeoutError)
 
-__all__ = ["INSTALL", "Client", "parse_master", "probe", "typed", "MISSING", "LEASED", "UNREACHABLE", "GONE"]
+__all__ = ["INSTALL", "Client", "parse_master", "probe", "typed", "MISSING", "LEASED", "UNREACHABLE", "GONE", "SIZE"]
 
 INSTALL = "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1   (and: apt-get install -y libibverbs1)"
 
@@ -29,7 +29,7 @@ LEASED = -706  # a read's lease still holds the object: it cannot be removed yet
 GONE = -800  # the client holding the object's segment is gone (until its TTL expires)
 NO_SPACE = -200  # no segment can take the object
 UNREACHABLE = -900  # the master does not answer
-TOO_SMALL = -600  # the buffer is smaller than the object
+SIZE = -600  # the object's size is not the buffer's (not an object of ours)
 
 T = TypeVar("T")
 
@@ -66,6 +66,9 @@ def typed(code: int, what: str, keys: list[bytes]) -> StoreError:
         return StoreUnavailableError(f"{what}: the client holding {len(keys)} object(s) is gone", keys)
     if code == UNREACHABLE:
         return StoreUnavailableError(f"{what}: the Mooncake master does not answer", keys)
+    if code == SIZE:
+        return StoreCorruptError(f"{what}: {len(keys)} object(s) of another size than a row of this layout "
+                                 "(not ours): recompute those blocks", keys)
     if code == NO_SPACE:
         return StoreFullError(f"{what}: no segment of the cluster store can take {len(keys)} object(s) "
                               "(mount more segments, or offload less)")
