@@ -65,7 +65,7 @@ def main() -> None:
     src = cache(n, layers, 1)
     seg = max(256 << 20, 6 * nbytes)
     out: list[tuple[str, int, int, float, float, bool]] = []
-    with MooncakeMaster(lease_ms=50) as m:
+    with MooncakeMaster(lease_ms=1000) as m:  # a read's lease must outlast its transfer (-707)
         hold = subprocess.Popen([sys.executable, "-c", HOLD.format(seg=seg, master=m.address)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert hold.stdout.readline().strip() == "0"
@@ -77,9 +77,9 @@ def main() -> None:
             dspec = kvxfer.spec_from_arrays(dst)
 
             def clear(names: list[str]) -> None:
-                """Remove a repeat's objects (retried past the reads' 50 ms lease): no eviction mid-run."""
+                        """Remove a repeat's objects (retried past the reads' lease): no eviction mid-run."""
                 while names:
-                    time.sleep(0.06)
+                    time.sleep(0.1)
                     names = [x for x, rc in zip(names, st.batch_remove(names)) if rc == -706]
 
             # kvxfer's tier

@@ -26,6 +26,7 @@ INSTALL = "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1   (and: a
 # Mooncake Store's error codes met in practice (docs/storage.md, the cluster tier).
 MISSING = -704  # no such object (never written, evicted, lost with a master restart)
 LEASED = -706  # a read's lease still holds the object: it cannot be removed yet
+LEASE_EXPIRED = -707  # a read's lease ended before its transfer did (the lease is shorter than the read)
 GONE = -800  # the client holding the object's segment is gone (until its TTL expires)
 NO_SPACE = -200  # no segment can take the object
 UNREACHABLE = -900  # the master does not answer
@@ -64,6 +65,9 @@ def typed(code: int, what: str, keys: list[bytes]) -> StoreError:
                               "or lost with a master restart)", keys)
     if code == GONE:
         return StoreUnavailableError(f"{what}: the client holding {len(keys)} object(s) is gone", keys)
+    if code == LEASE_EXPIRED:
+        return StoreUnavailableError(f"{what}: the read's lease of {len(keys)} object(s) ended before the transfer "
+                                     "did (the master's default_kv_lease_ttl is shorter than this read)", keys)
     if code == UNREACHABLE:
         return StoreUnavailableError(f"{what}: the Mooncake master does not answer", keys)
     if code == SIZE:

@@ -145,9 +145,9 @@ class MooncakeTier:
                 if rc == 0:
                     removed += 1
                 if rc != _client.LEASED:
-                    names.pop(n)
+                    key = names.pop(n)
                     if rc not in (0, _client.MISSING):
-                        raise _client.typed(int(rc), "discard", [ks[0]])
+                        raise _client.typed(int(rc), "discard", [key])
             if names and time.monotonic() + self.LEASE_RETRY >= deadline:
                 raise StoreBusyError(f"{len(names)} object(s) are still leased by a read at the deadline; "
                                      f"{removed} removed; retry after the lease (Mooncake default_kv_lease_ttl)")
