@@ -77,7 +77,7 @@ def main() -> None:
             dspec = kvxfer.spec_from_arrays(dst)
 
             def clear(names: list[str]) -> None:
-                        """Remove a repeat's objects (retried past the reads' lease): no eviction mid-run."""
+                """Remove a repeat's objects (retried past the reads' lease): no eviction mid-run."""
                 while names:
                     time.sleep(0.1)
                     names = [x for x, rc in zip(names, st.batch_remove(names)) if rc == -706]
