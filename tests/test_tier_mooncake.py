@@ -215,3 +215,21 @@ def test_nothing_lands_after_a_cancel_or_a_deadline(t, end) -> None:
         return
     assert isinstance(job.future.exception(), TransferCancelledError)
     assert dst.untouched([])
+
+
+def test_import_loads_no_mooncake_and_a_missing_wheel_names_the_pip_command(master) -> None:  # noqa: F811
+    code = ("import sys, json\n"
+            "import kvxfer, kvxfer.tiers, numpy as np\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'mooncake')\n"
+            "sys.modules['mooncake'] = None  # the wheel absent\n"
+            "spec = kvxfer.spec_from_arrays({'x': np.zeros((4, 64), np.uint8)})\n"
+            "try:\n"
+            f"    kvxfer.tiers.MooncakeTier('{master.address}', layout=spec, timeout=5)\n"
+            "    err = None\n"
+            "except kvxfer.errors.MissingDependencyError as exc:\n"
+            "    err = str(exc)\n"
+            "print(json.dumps([loaded, err]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    loaded, err = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == []
+    assert err is not None and "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1" in err
