@@ -158,12 +158,12 @@ def test_the_master_absent_at_start_is_a_typed_error_not_a_90s_setup() -> None:
         MooncakeTier(f"127.0.0.1:{port}", layout=src.spec, timeout=2)
     with pytest.raises(InvalidArgumentError):
         MooncakeTier("127.0.0.1", layout=src.spec, timeout=2)
-    # Control: without the probe, the client's own setup() has not returned after 3 s (it holds
+    # Control: without the probe, the client's own setup() has not returned after 2 s (it holds
     # the GIL meanwhile: no thread of that process could even time it out).
     code = ("from mooncake.store import MooncakeDistributedStore as S;"
             f"print(S().setup('127.0.0.1','P2PHANDSHAKE',0,1<<20,'tcp','','127.0.0.1:{port}'))")
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=3)
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=2)
 
 
 def test_a_leased_object_is_retried_or_a_typed_busy_never_a_hang(t) -> None:
