@@ -11,6 +11,7 @@ connection: a client's ``setup()`` against a master that is not listening blocks
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -71,6 +72,7 @@ class MooncakeMaster:
         self.base = Path(tempfile.mkdtemp(prefix="kvxfer-mooncake-"))
         self.log_path = self.base / "master.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        atexit.register(self.kill)  # a test process that ends without closing leaves no master behind
 
     @property
     def address(self) -> str:
