@@ -43,7 +43,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
 	# The Mooncake backend is its own distribution (plugins/kvxfer_mooncake); wheel users get
-	# it as the `mooncake` extra, this tree installs it from its folder.
+	# it as the `mooncake` extra, this tree installs it from its folder. Its dependency, the
+	# mooncake-transfer-engine-non-cuda wheel, also carries Mooncake Store's client and the
+	# mooncake_master binary: kvxfer.tiers' tests start that master themselves (loopback).
 	$(PIP) install -q -e plugins/kvxfer_mooncake
 	touch $(STAMP)
 

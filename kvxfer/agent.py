@@ -71,11 +71,14 @@ class Peer:
 
 
 def _store(store: Any) -> Any:
-    """``store`` if it is a :class:`kvxfer.Store` (imported here: the store is optional)."""
+    """``store`` if it is a tier: a :class:`kvxfer.Store` or a :class:`kvxfer.tiers.Tier` such
+    as the cluster tier (imported here: both are optional)."""
     from .store import Store
+    from .tiers import Tier
 
-    if not isinstance(store, Store):
-        raise InvalidArgumentError(f"offload/restore take a kvxfer.Store, got {type(store).__name__}")
+    if not isinstance(store, (Store, Tier)):
+        raise InvalidArgumentError(f"offload/restore take a kvxfer.Store or a kvxfer.tiers tier, "
+                                   f"got {type(store).__name__}")
     return store
 
 
@@ -360,7 +363,7 @@ class Agent:
         return self._transfer(Op.WRITE, peer, local_blocks, remote_blocks, notify)
 
     def offload(self, store: Any, local_blocks: Any, keys: Sequence[bytes]) -> Transfer:
-        """Write ``local_blocks`` to a :class:`kvxfer.Store` under ``keys`` (docs/storage.md)."""
+        """Write ``local_blocks`` to a :class:`kvxfer.Store` or another tier under ``keys`` (docs/storage.md)."""
         return _store(store).offload(self, local_blocks, keys)
 
     def restore(self, store: Any, keys: Sequence[bytes], local_blocks: Any) -> Transfer:

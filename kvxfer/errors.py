@@ -43,6 +43,7 @@ __all__ = [
     "StoreError",
     "StoreMissError",
     "StoreCorruptError",
+    "StoreUnavailableError",
     "StoreFullError",
     "StoreBusyError",
     "StorePermissionError",
@@ -254,6 +255,12 @@ class StoreCorruptError(StoreMissError):
 
     The rows were not copied and their entries were dropped: the next lookup is a miss.
     """
+
+
+class StoreUnavailableError(StoreMissError):
+    """A cluster tier's service cannot serve the rows now: its master is unreachable or
+    restarting, or the client holding them is gone. A miss for the caller (recompute); the
+    message says which, and a later request may succeed."""
 
 
 class StoreFullError(StoreError, OSError):

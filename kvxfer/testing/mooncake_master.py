@@ -1,0 +1,141 @@
+"""A throwaway Mooncake Store master for tests and examples: loopback, free ports, stopped by PID.
+
+The ``mooncake_master`` binary ships in the ``mooncake-transfer-engine-non-cuda`` wheel (the
+Makefile's ``venv`` installs it). The master is started on 127.0.0.1 with ports from
+:func:`~.ports.free_port` (optionally inside a network namespace, on that namespace's
+address), and :meth:`MooncakeMaster.start` returns only once its RPC port accepts a
+connection: a client's ``setup()`` against a master that is not listening blocks for about
+90 s. It can be killed and started again on the same ports, to rehearse a master restart
+(which loses every object: the master keeps its metadata in memory).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from .ports import free_port
+
+__all__ = ["MooncakeMaster", "master_binary", "INSTALL_HINT"]
+
+INSTALL_HINT = "install Mooncake Store with: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 " \
+               "and apt-get install -y libibverbs1   (or: make venv deps)"
+
+
+def master_binary() -> str | None:
+    """Path of ``mooncake_master`` (in the wheel's package directory, or on PATH), or None.
+    ``KVXFER_MOONCAKE_MASTER`` overrides the search."""
+    env = os.environ.get("KVXFER_MOONCAKE_MASTER")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        p = os.path.join(base, "mooncake", "mooncake_master")
+        if os.access(p, os.X_OK):
+            return p
+    return shutil.which("mooncake_master")
+
+
+def unavailable_reason() -> str | None:
+    """Why a master and its clients cannot run here, or None."""
+    if master_binary() is None:
+        return f"no mooncake_master binary; {INSTALL_HINT}"
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return f"the Mooncake Store client does not load ({exc}); {INSTALL_HINT}"
+    return None
+
+
+class MooncakeMaster:
+    """One master. ``lease_ms``: how long a read leases an object (Mooncake's default is
+    10 s; tests shorten it). ``client_ttl``: seconds before a silent client's segment is
+    dropped. With ``netns``, it runs inside that namespace (``ip netns exec``) on ``host``."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, lease_ms: int = 10000,
+                 client_ttl: int = 10, netns: str | None = None, binary: str | None = None) -> None:
+        self.binary = binary or master_binary()
+        if self.binary is None:
+            raise FileNotFoundError(f"no mooncake_master binary found; {INSTALL_HINT}")
+        self.host, self.netns = host, netns
+        self.port = port or free_port(host="127.0.0.1")
+        self.metrics_port = free_port(host="127.0.0.1")
+        self.lease_ms, self.client_ttl = lease_ms, client_ttl
+        self.base = Path(tempfile.mkdtemp(prefix="kvxfer-mooncake-"))
+        self.log_path = self.base / "master.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        atexit.register(self.kill)  # a test process that ends without closing leaves no master behind
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        argv = [self.binary or "mooncake_master", f"--rpc_address={self.host}", f"--rpc_port={self.port}",
+                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
+                f"--default_kv_lease_ttl={self.lease_ms}", f"--client_ttl={self.client_ttl}",
+                "--rpc_thread_num=2", "--enable_http_metadata_server=false", f"--log_dir={self.base}"]
+        return (["ip", "netns", "exec", self.netns] + argv) if self.netns else argv
+
+    def start(self, timeout: float = 30.0) -> "MooncakeMaster":
+        """Start (or start again, on the same ports) and wait until the RPC port accepts."""
+        if self.running:
+            return self
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=self.base)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            if self.listening():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"mooncake_master did not listen within {timeout}s; log:\n{self.log_tail()}")
+
+    def listening(self) -> bool:
+        if self.netns:
+            probe = f"import socket;socket.create_connection(('{self.host}',{self.port}),timeout=1).close()"
+            return subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", probe],
+                                  capture_output=True, timeout=10).returncode == 0
+        try:
+            socket.create_connection((self.host, self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL by PID: every object is lost with it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
