@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import lifecycle
-from ..deadlines import check_timeout
+from ..deadlines import Deadline, check_timeout
 from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArgumentError, SpecError,
                       StoreCorruptError, StoreError, StoreFullError, StoreMissError, UnsupportedError)
 from ..geometry._spec import KVCacheSpec
@@ -288,7 +288,7 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
-        return time.perf_counter(), time.monotonic() + limit, limit
+        return time.perf_counter(), Deadline.within(limit), limit
 
     def _check_local(self, spec: Any) -> tuple[KVCacheSpec, Mover]:
         """The local spec (a :class:`KVCacheSpec`, or an agent's registered one) and the data

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..deadlines import Deadline
 from .ports import free_port
 
 __all__ = ["MooncakeMaster", "master_binary", "INSTALL_HINT"]
@@ -92,8 +93,8 @@ class MooncakeMaster:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          cwd=self.base)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline.after(timeout)
+        while not deadline.expired():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             if self.listening():

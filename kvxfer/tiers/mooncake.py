@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..deadlines import check_timeout
+from ..deadlines import Deadline, check_timeout
 from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArgumentError, SpecError,
                       StoreBusyError, StoreCorruptError, StoreError, TransferCancelledError, TransferTimeoutError)
 from ..geometry._spec import KVCacheSpec
@@ -78,7 +78,7 @@ class MooncakeTier:
             raise InvalidArgumentError(f"namespace must be 1 to 64 characters without '/', got {namespace!r:.80}")
         self.namespace, self.master = namespace, master
         self._bounce = Bounce(g, max(buffer, 1))
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline.within(self.timeout)
         self._client = _client.Client(master, hostname, segment, local_buffer, protocol, device, metadata, deadline)
         self._store = self._client.store
         try:
@@ -148,7 +148,7 @@ class MooncakeTier:
                     key = names.pop(n)
                     if rc not in (0, _client.MISSING):
                         raise _client.typed(int(rc), "discard", [key])
-            if names and time.monotonic() + self.LEASE_RETRY >= deadline:
+            if names and Deadline.within(self.LEASE_RETRY) >= deadline:
                 raise StoreBusyError(f"{len(names)} object(s) are still leased by a read at the deadline; "
                                      f"{removed} removed; retry after the lease (Mooncake default_kv_lease_ttl)")
             if names:
@@ -247,7 +247,7 @@ class MooncakeTier:
         if self._closed:
             raise StoreError("the tier is closed")
         limit = self.timeout if timeout is None else check_timeout(timeout)
-        return time.perf_counter(), time.monotonic() + limit, limit
+        return time.perf_counter(), Deadline.within(limit), limit
 
     def _deadline(self, timeout: float | None) -> float:
         return self._begin(timeout)[1]

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 import kvxfer
 from kvxfer import prove
+from kvxfer.deadlines import Deadline
 from kvxfer.errors import HandshakeError, KvxferError
 from kvxfer.owned import OwnedTransfer
 from kvxfer.progress import Pump
@@ -356,7 +357,7 @@ class WorkerSide:
         for rid, lease in meta.sends.items():
             if rid not in self._sending:
                 self._wire[wire_id(rid)] = rid
-                self._sending[rid] = time.monotonic() + lease
+                self._sending[rid] = Deadline.within(lease)
         self._released.update(meta.released)
 
     def take_failed_blocks(self) -> set[int]:
