@@ -42,7 +42,7 @@ def test_control_the_guard_finds_a_planted_deadline(tmp_path: Path) -> None:
     (tmp_path / "kvxfer" / "late.py").write_text("import time\nend = time.monotonic() + 5\n")
     (tmp_path / "kvxfer" / "store").mkdir()
     (tmp_path / "kvxfer" / "store" / "ok.py").write_text("import time\nend = time.monotonic() + 5\n")
-    assert hand_made_deadlines(tmp_path) == ["kvxfer/late.py:2"]
+    assert hand_made_deadlines(tmp_path, allowed=("kvxfer/store/",)) == ["kvxfer/late.py:2"]
     assert len(hand_made_deadlines(tmp_path, allowed=())) == 2
 
 
