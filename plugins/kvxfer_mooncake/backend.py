@@ -2,13 +2,14 @@
 
 Each post is one ``batch_transfer_sync_read``/``_write`` call on a worker thread (the calls
 release the GIL). The async forms are not used: a second status query of a finished batch
-crashes this Mooncake release. A transfer's end is reported only once its call has
-returned, because until then Mooncake may still write. ``release`` of a running post
-therefore waits for the call, which Mooncake ends within ``progress_timeout`` seconds when the
-peer stops answering (``MC_TCP_PROGRESS_TIMEOUT_SEC``); a post not yet started is dropped.
-That is not the whole fence: a call fails at its first failed slice, while slices queued
-behind the peer's lanes stay queued inside Mooncake and land once a stopped peer resumes.
-No call of this Python API waits for or drops them, so ``fence`` is not claimed.
+crashes this Mooncake release. The fence (``kvxfer/plugin/backend.py``): a call fails at its
+first stalled span while the spans queued behind it stay queued inside Mooncake and land when a
+stopped peer resumes, and no call of this Python API waits for or drops them. So a READ lands
+in a private arena and is copied to its destination only once its call returned 0
+(:mod:`._bounce`); ``release`` of a running READ holds the arena and returns at once. A WRITE's
+destination is the peer's memory, which nothing here can recall: ``release`` of a running WRITE
+waits for its call (bounded by ``progress_timeout``), and its queued spans may still reach the
+peer after the end (the plugin README says what a caller does about it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvxfer.errors import (
 from kvxfer.spans import SpanIndex
 
 from . import _blob
+from ._bounce import Arena, Arenas, scatter
 from ._engine import start_engine
 
 __all__ = ["MooncakeBackend"]
@@ -56,19 +58,26 @@ class Listed:
 
 
 class Post:
-    __slots__ = ("future", "op", "session", "nbytes")
+    """One batch call; a fenced READ also has its landing ``arena`` and destination ``rows``."""
 
-    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int) -> None:
+    __slots__ = ("future", "op", "session", "nbytes", "arena", "rows")
+
+    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int,
+                 arena: Arena | None = None, rows: np.ndarray | None = None) -> None:
         self.future, self.op, self.session, self.nbytes = future, op, session, nbytes
+        self.arena, self.rows = arena, rows
 
 
 class MooncakeBackend(Backend):
     name = "mooncake"
     # TCP only in this wheel: host memory. Notifications: Mooncake's Python API can receive
     # (get_notifies) but not attach one to a TCP batch, so none are claimed. Cancel: a batch
-    # call cannot be stopped once running; release waits for it. Fence: not claimed (above).
+    # call cannot be stopped once running. Fence: READs land in an arena (above).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
-                                notifications=False, cross_process=True, fence=False)
+                                notifications=False, cross_process=True, fence=True)
+    #: READs land in a private arena copied out once DONE (the fence); False only in the tests'
+    #: controls, which show the late landing without it.
+    fence_reads = True
 
     def __init__(self, agent_name: str, *, trusted_network: bool = False, host: str = "127.0.0.1",
                  progress_timeout: float = 5.0, workers: int = 2) -> None:
@@ -82,6 +91,7 @@ class MooncakeBackend(Backend):
         if not isinstance(workers, int) or not 1 <= workers <= 64:
             raise BackendError(f"mooncake workers must be an int in 1..64, got {workers!r}")
         self._engine, self.session = start_engine(host, self.progress_timeout)
+        self._arenas = Arenas(self._engine)
         self._regs: dict[int, tuple[tuple[int, int], ...]] = {}
         self._local = SpanIndex()
         self._peers: dict[str, _Peer] = {}
@@ -192,10 +202,22 @@ class MooncakeBackend(Backend):
             raise BackendError("mooncake post: local and remote spans differ in count or length")
         if la.shape[0] == 0:
             return Post(None, op, epoch.session, 0)
-        call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
         lengths = la[:, 1].tolist()
+        nbytes = int(sum(lengths))
+        if op is Op.READ and self.fence_reads:
+            arena = self._arenas.take(nbytes)
+            lens = la[:, 1].astype(np.int64)
+            landing = (np.cumsum(lens) - lens + arena.base).tolist()
+            try:
+                future = self._pool.submit(self._engine.batch_transfer_sync_read, epoch.session, landing,
+                                           ra[:, 0].tolist(), lengths)
+            except BaseException:
+                self._arenas.give(arena)
+                raise
+            return Post(future, op, epoch.session, nbytes, arena, la)
+        call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
         future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
-        return Post(future, op, epoch.session, int(sum(lengths)))
+        return Post(future, op, epoch.session, nbytes)
 
     def poll(self, xfer: Post) -> bool:
         if xfer.future is None:
@@ -205,22 +227,47 @@ class MooncakeBackend(Backend):
         try:
             rc = xfer.future.result()
         except cf.CancelledError:
+            self._settle(xfer, deliver=False)
             raise BackendError("mooncake post was cancelled") from None
         except Exception as exc:  # the binding raised: typed here, the call has returned
+            self._settle(xfer, deliver=False)
             raise BackendError(f"mooncake {xfer.op.value} failed: {exc!r}") from None
+        self._settle(xfer, deliver=rc == 0)
         if rc != 0:
             raise PeerDisconnectedError(
                 f"mooncake {xfer.op.value} with {xfer.session} returned {rc}: the peer died, stopped answering for "
                 f"{self.progress_timeout:g} s, or no longer registers that memory")
         return True
 
-    def release(self, xfer: Post) -> None:
-        """Cancel: a post not started is dropped; a running call is waited for (its slices in
-        flight end with it; slices Mooncake still queues do not, see the module docstring)."""
-        f = xfer.future
-        if f is None or f.cancel():
+    def _settle(self, xfer: Post, deliver: bool) -> None:
+        """A READ's call returned: copy its arena out if it succeeded. A failed call's arena is
+        held: spans Mooncake queued behind the failure may still land in it."""
+        arena, xfer.arena = xfer.arena, None
+        if arena is None:
             return
-        cf.wait([f])  # bounded by Mooncake's progress timeout
+        if deliver:
+            scatter(arena, xfer.rows)  # type: ignore[arg-type]
+            self._arenas.give(arena)
+        else:
+            self._arenas.hold(arena)
+
+    def release(self, xfer: Post) -> None:
+        """Cancel. A post not started is dropped. A running READ keeps its arena held and
+        returns at once: nothing of it can reach the destination any more. A running WRITE is
+        waited for (bounded by ``progress_timeout``): its source stays ours until the call returns."""
+        f = xfer.future
+        if f is None:
+            return
+        if f.cancel():
+            if xfer.arena is not None:
+                arena, xfer.arena = xfer.arena, None
+                self._arenas.give(arena)  # never handed to Mooncake
+            return
+        if xfer.arena is not None:
+            arena, xfer.arena = xfer.arena, None
+            self._arenas.hold(arena)
+            return
+        cf.wait([f])  # a WRITE (or an unfenced READ): bounded by Mooncake's progress timeout
 
     def data_path(self, xfer: Post) -> str | None:
         return PATH
@@ -247,7 +294,13 @@ class MooncakeBackend(Backend):
         for regions in regs:
             self._unregister(regions)
         self._unregister([(self._scratch.ctypes.data, 0)])
+        held = self._arenas.close()
         engine, self._engine = [self._engine], None
-        # Mooncake's destructor joins its threads (about 1 s); nothing of ours is registered any
-        # more, so it may finish after close returns.
-        threading.Thread(target=engine.clear, name="kvxfer-mooncake-close", daemon=True).start()
+
+        def stop() -> None:
+            """Mooncake's destructor joins its threads (about 1 s); arenas of READs that ended
+            early stay alive until it returned, so a queued span still lands in memory we own."""
+            engine.clear()  # the last reference: the engine stops here, not in close
+            held.clear()
+
+        threading.Thread(target=stop, name="kvxfer-mooncake-close", daemon=True).start()

@@ -39,3 +39,20 @@ class TestMooncakeConformance(BackendConformance):
 class TestMooncakeTwoProcesses(TwoProcessConformance):
     backend = "mooncake"
     options = OPTIONS
+
+
+class _Unfenced(TwoProcessConformance):
+    backend = "mooncake"
+    options = OPTIONS
+
+
+def test_control_unfenced_reads_land_after_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control for the kit's stopped-peer case: with READs landing straight in the destination
+    (``fence_reads=False``, the plugin before the fence: release waits for the running call),
+    the spans Mooncake still queues land after the timeout and the case fails. The timeout end
+    only: a cancel may beat the worker thread to the call, and then nothing is sent at all."""
+    from kvxfer_mooncake.backend import MooncakeBackend
+
+    monkeypatch.setattr(MooncakeBackend, "fence_reads", False)
+    with pytest.raises(AssertionError, match="written after it reported"):
+        _Unfenced().test_stopped_peer_writes_nothing_after_the_end("timeout")

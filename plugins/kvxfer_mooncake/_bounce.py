@@ -1,0 +1,128 @@
+"""The fence for READs: Mooncake lands them in a private area, copied out only once DONE.
+
+Mooncake's TCP transport cannot recall what it has queued: a batch call fails at its first
+stalled span, and the spans still queued behind the peer's lanes land once a stopped peer
+resumes (RELIABILITY.md, "Mooncake: the kit's stopped-peer case"). No call of its Python API
+waits for or drops them. So a READ's spans land in an :class:`Arena` (DRAM this engine
+registered for itself, never advertised) and are copied to the caller's destination only
+after the call returned 0, in the caller's thread, before the end is reported. A READ that
+failed, timed out or was cancelled while running never copies; its arena is *held*, still
+registered, until the engine is gone, because nothing says when Mooncake is done with it.
+The caller's memory is then never written after the end, and ``release`` need not wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import BackendError
+
+__all__ = ["Arena", "Arenas", "scatter"]
+
+#: Arenas are sized in whole powers of two from this, so a few serve transfers of any size.
+_MIN_ARENA = 1 << 20
+#: Idle arenas kept for reuse; more are given back to Mooncake and freed.
+_IDLE_KEPT = 4
+#: Bytes held for READs that ended before Mooncake let go of them; past this, READs are refused
+#: (typed) rather than let a peer that keeps stalling grow this process without bound.
+HELD_LIMIT = 1 << 30
+
+
+class Arena:
+    """One registered landing area: ``buffer`` (uint8) at ``base``."""
+
+    __slots__ = ("buffer", "base", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = np.empty(nbytes, np.uint8)
+        self.base = int(self.buffer.ctypes.data)
+        self.nbytes = nbytes
+
+
+class Arenas:
+    """The engine's landing areas: idle ones reused, held ones kept until the engine is gone."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._idle: list[Arena] = []
+        self.held: list[Arena] = []
+
+    def take(self, nbytes: int) -> Arena:
+        """An idle arena of at least ``nbytes``, or a new one registered now."""
+        with self._lock:
+            if sum(a.nbytes for a in self.held) > HELD_LIMIT:
+                raise BackendError(
+                    f"mooncake: {len(self.held)} READs ended while Mooncake still had spans of them queued "
+                    f"(a peer that stalls); their landing areas exceed {HELD_LIMIT >> 20} MiB. Close this agent "
+                    "and start another to give them back")
+            fits = [a for a in self._idle if a.nbytes >= nbytes]
+            if fits:
+                a = min(fits, key=lambda x: x.nbytes)
+                self._idle.remove(a)
+                return a
+        a = Arena(max(_MIN_ARENA, 1 << (max(nbytes, 1) - 1).bit_length()))
+        rc = self._engine.register_memory(a.base, a.nbytes)
+        if rc != 0:
+            raise BackendError(f"mooncake register_memory of a {a.nbytes}-byte READ landing area returned {rc}")
+        return a
+
+    def give(self, a: Arena) -> None:
+        """Back to the idle list: only once no call can write into it (its call returned)."""
+        with self._lock:
+            self._idle.append(a)
+            if len(self._idle) <= _IDLE_KEPT:
+                return
+            self._idle.sort(key=lambda x: x.nbytes)
+            a = self._idle.pop(0)
+        self._engine.unregister_memory(a.base)
+
+    def hold(self, a: Arena) -> None:
+        """Its READ ended while Mooncake may still write into it: never reused."""
+        with self._lock:
+            self.held.append(a)
+
+    def close(self) -> list[Arena]:
+        """Unregister the idle arenas; return the held ones, to be dropped after the engine."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            held, self.held = self.held, []
+        for a in idle:
+            self._engine.unregister_memory(a.base)
+        return held
+
+
+def _view(lo: int, units: int, unit: int) -> np.ndarray:
+    """``units`` items of ``unit`` bytes at address ``lo``, without touching them."""
+    class _Mem:
+        __array_interface__ = {"data": (lo, False), "shape": (units,), "typestr": f"|V{unit}", "version": 3}
+
+    return np.asarray(_Mem())
+
+
+def scatter(arena: Arena, rows: np.ndarray) -> None:
+    """Copy the arena, packed in row order, to ``rows`` (``N x 2+``: address, nbytes).
+
+    One numpy fancy assignment, no loop per row: the rows are cut into units of the largest
+    size that divides every length and every address offset (a KV page, typically), and each
+    unit is one item of a void dtype, which numpy copies with ``memcpy``. The rows were bounded
+    by this agent's registrations in ``prepare``; only their bytes are written.
+    """
+    addr = rows[:, 0].astype(np.int64)
+    lens = rows[:, 1].astype(np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return
+    lo = int(addr.min())
+    unit = int(np.gcd.reduce(np.concatenate([lens, addr - lo])))
+    counts = lens // unit
+    n = int(counts.sum())
+    hi_units = int(((addr - lo + lens) // unit).max())
+    dst = _view(lo, hi_units, unit)
+    src = _view(arena.base, n, unit)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    idx = np.repeat((addr - lo) // unit, counts) + (np.arange(n, dtype=np.int64) - starts)
+    dst[idx] = src
