@@ -9,6 +9,11 @@ after the call returned 0, in the caller's thread, before the end is reported. A
 failed, timed out or was cancelled while running never copies; its arena is *held*, still
 registered, until the engine is gone, because nothing says when Mooncake is done with it.
 The caller's memory is then never written after the end, and ``release`` need not wait.
+
+A WRITE is sent from an arena too, filled from its source (:func:`gather`) at the post. Its
+destination is the peer's, which nothing here can recall; but a span Mooncake sends after the
+end then carries the bytes the WRITE was asked to move, not what the source holds by then,
+never reads memory the caller has since deregistered, and ``release`` need not wait for it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 
 from kvxfer.errors import BackendError
 
-__all__ = ["Arena", "Arenas", "scatter"]
+__all__ = ["Arena", "Arenas", "gather", "scatter"]
 
 #: Arenas are sized in whole powers of two from this, so a few serve transfers of any size.
 _MIN_ARENA = 1 << 20
@@ -103,26 +108,40 @@ def _view(lo: int, units: int, unit: int) -> np.ndarray:
     return np.asarray(_Mem())
 
 
-def scatter(arena: Arena, rows: np.ndarray) -> None:
-    """Copy the arena, packed in row order, to ``rows`` (``N x 2+``: address, nbytes).
+def _units(arena: Arena, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The rows and the arena (packed in row order) as items of one void dtype, and the index
+    of each arena item among the rows' items; None when there is nothing to copy.
 
-    One numpy fancy assignment, no loop per row: the rows are cut into units of the largest
-    size that divides every length and every address offset (a KV page, typically), and each
-    unit is one item of a void dtype, which numpy copies with ``memcpy``. The rows were bounded
-    by this agent's registrations in ``prepare``; only their bytes are written.
+    The unit is the largest size dividing every length and every address offset (a KV page,
+    typically), so numpy copies each item with one ``memcpy`` and the index stays small.
     """
     addr = rows[:, 0].astype(np.int64)
     lens = rows[:, 1].astype(np.int64)
-    total = int(lens.sum())
-    if total == 0:
-        return
+    if int(lens.sum()) == 0:
+        return None
     lo = int(addr.min())
     unit = int(np.gcd.reduce(np.concatenate([lens, addr - lo])))
     counts = lens // unit
     n = int(counts.sum())
-    hi_units = int(((addr - lo + lens) // unit).max())
-    dst = _view(lo, hi_units, unit)
-    src = _view(arena.base, n, unit)
+    mem = _view(lo, int(((addr - lo + lens) // unit).max()), unit)
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     idx = np.repeat((addr - lo) // unit, counts) + (np.arange(n, dtype=np.int64) - starts)
-    dst[idx] = src
+    return mem, _view(arena.base, n, unit), idx
+
+
+def scatter(arena: Arena, rows: np.ndarray) -> None:
+    """Copy the arena out to ``rows`` (``N x 2+``: address, nbytes) with one fancy assignment,
+    no loop per row. The rows were bounded by this agent's registrations in ``prepare``; only
+    their bytes are written."""
+    u = _units(arena, rows)
+    if u is not None:
+        mem, packed, idx = u
+        mem[idx] = packed
+
+
+def gather(arena: Arena, rows: np.ndarray) -> None:
+    """Copy ``rows`` into the arena, packed in row order: a WRITE's snapshot."""
+    u = _units(arena, rows)
+    if u is not None:
+        mem, packed, idx = u
+        packed[:] = mem[idx]

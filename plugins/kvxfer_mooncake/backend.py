@@ -6,10 +6,12 @@ crashes this Mooncake release. The fence (``kvxfer/plugin/backend.py``): a call 
 first stalled span while the spans queued behind it stay queued inside Mooncake and land when a
 stopped peer resumes, and no call of this Python API waits for or drops them. So a READ lands
 in a private arena and is copied to its destination only once its call returned 0
-(:mod:`._bounce`); ``release`` of a running READ holds the arena and returns at once. A WRITE's
-destination is the peer's memory, which nothing here can recall: ``release`` of a running WRITE
-waits for its call (bounded by ``progress_timeout``), and its queued spans may still reach the
-peer after the end (the plugin README says what a caller does about it).
+(:mod:`._bounce`). A WRITE is sent from a snapshot of its source in an arena: its destination
+is the peer's memory, which nothing here can recall, so its queued spans may still reach the
+peer after the end, but they carry the bytes it was asked to move (the plugin README says what
+a caller does about it). ``release`` of a running call holds its arena and returns at once, so
+every wait ends within the caller's deadline; ``progress_timeout`` bounds only how long a
+stopped peer keeps a worker thread.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvxfer.errors import (
 from kvxfer.spans import SpanIndex
 
 from . import _blob
-from ._bounce import Arena, Arenas, scatter
+from ._bounce import Arena, Arenas, gather, scatter
 from ._engine import start_engine
 
 __all__ = ["MooncakeBackend"]
@@ -75,9 +77,11 @@ class MooncakeBackend(Backend):
     # call cannot be stopped once running. Fence: READs land in an arena (above).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
                                 notifications=False, cross_process=True, fence=True)
-    #: READs land in a private arena copied out once DONE (the fence); False only in the tests'
-    #: controls, which show the late landing without it.
+    #: READs land in a private arena copied out once DONE (the fence); WRITEs are sent from a
+    #: snapshot of their source in one. False only in the tests' controls, which show the late
+    #: landing (READs) and the release that waits for a stopped peer (WRITEs) without them.
     fence_reads = True
+    snapshot_writes = True
 
     def __init__(self, agent_name: str, *, trusted_network: bool = False, host: str = "127.0.0.1",
                  progress_timeout: float = 5.0, workers: int = 2) -> None:
@@ -204,20 +208,23 @@ class MooncakeBackend(Backend):
             return Post(None, op, epoch.session, 0)
         lengths = la[:, 1].tolist()
         nbytes = int(sum(lengths))
-        if op is Op.READ and self.fence_reads:
-            arena = self._arenas.take(nbytes)
+        fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
+        if not fenced:
+            call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
+            future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
+            return Post(future, op, epoch.session, nbytes)
+        arena = self._arenas.take(nbytes)
+        try:
+            if op is Op.WRITE:
+                gather(arena, la)
             lens = la[:, 1].astype(np.int64)
-            landing = (np.cumsum(lens) - lens + arena.base).tolist()
-            try:
-                future = self._pool.submit(self._engine.batch_transfer_sync_read, epoch.session, landing,
-                                           ra[:, 0].tolist(), lengths)
-            except BaseException:
-                self._arenas.give(arena)
-                raise
-            return Post(future, op, epoch.session, nbytes, arena, la)
-        call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
-        future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
-        return Post(future, op, epoch.session, nbytes)
+            staged = (np.cumsum(lens) - lens + arena.base).tolist()
+            call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
+            future = self._pool.submit(call, epoch.session, staged, ra[:, 0].tolist(), lengths)
+        except BaseException:
+            self._arenas.give(arena)
+            raise
+        return Post(future, op, epoch.session, nbytes, arena, la)
 
     def poll(self, xfer: Post) -> bool:
         if xfer.future is None:
@@ -246,15 +253,16 @@ class MooncakeBackend(Backend):
         if arena is None:
             return
         if deliver:
-            scatter(arena, xfer.rows)  # type: ignore[arg-type]
+            if xfer.op is Op.READ:
+                scatter(arena, xfer.rows)  # type: ignore[arg-type]
             self._arenas.give(arena)
         else:
             self._arenas.hold(arena)
 
     def release(self, xfer: Post) -> None:
-        """Cancel. A post not started is dropped. A running READ keeps its arena held and
-        returns at once: nothing of it can reach the destination any more. A running WRITE is
-        waited for (bounded by ``progress_timeout``): its source stays ours until the call returns."""
+        """Cancel. A post not started is dropped. A running call keeps its arena held and
+        returns at once, within the caller's deadline whatever the peer does: nothing of a READ
+        can reach its destination any more, and a WRITE's late spans carry only its snapshot."""
         f = xfer.future
         if f is None:
             return
@@ -267,7 +275,7 @@ class MooncakeBackend(Backend):
             arena, xfer.arena = xfer.arena, None
             self._arenas.hold(arena)
             return
-        cf.wait([f])  # a WRITE (or an unfenced READ): bounded by Mooncake's progress timeout
+        cf.wait([f])  # the tests' controls only: bounded by Mooncake's progress timeout
 
     def data_path(self, xfer: Post) -> str | None:
         return PATH
