@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Sequence
@@ -31,11 +32,13 @@ from kvxfer.errors import (
 )
 from kvxfer.spans import SpanIndex
 
-from . import _blob
+from . import _blob, _notify
 from ._bounce import Arena, Arenas, gather, scatter
 from ._engine import start_engine
 
 __all__ = ["MooncakeBackend"]
+
+_log = logging.getLogger("kvxfer.mooncake")
 
 PATH = "mooncake-tcp"
 
@@ -43,10 +46,11 @@ PATH = "mooncake-tcp"
 class _Peer:
     """One ``add_remote``: a new object each time, so lists prepared before it go stale."""
 
-    __slots__ = ("session", "index")
+    __slots__ = ("session", "index", "regions")
 
     def __init__(self, blob: _blob.Blob) -> None:
         self.session = blob.session
+        self.regions = blob.regions
         self.index = SpanIndex(Allocation(a, n) for a, n in blob.regions)
 
 
@@ -72,11 +76,11 @@ class Post:
 
 class MooncakeBackend(Backend):
     name = "mooncake"
-    # TCP only in this wheel: host memory. Notifications: Mooncake's Python API can receive
-    # (get_notifies) but not attach one to a TCP batch, so none are claimed. Cancel: a batch
-    # call cannot be stopped once running. Fence: READs land in an arena (above).
+    # TCP only in this wheel: host memory. Notifications: Mooncake's own, attached to the batch
+    # (:mod:`._notify`). Cancel: a batch call cannot be stopped once running. Fence: READs land
+    # in an arena (above).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
-                                notifications=False, cross_process=True, fence=True)
+                                notifications=True, cross_process=True, fence=True)
     #: READs land in a private arena copied out once DONE (the fence); WRITEs are sent from a
     #: snapshot of their source in one. False only in the tests' controls, which show the late
     #: landing (READs) and the release that waits for a stopped peer (WRITEs) without them.
@@ -95,12 +99,16 @@ class MooncakeBackend(Backend):
         if not isinstance(workers, int) or not 1 <= workers <= 64:
             raise BackendError(f"mooncake workers must be an int in 1..64, got {workers!r}")
         self._engine, self.session = start_engine(host, self.progress_timeout)
+        from mooncake.engine import TransferNotify, TransferOpcode  # loaded now, after start_engine set its env
+
+        self._note_cls, self._ops = TransferNotify, {Op.READ: TransferOpcode.Read, Op.WRITE: TransferOpcode.Write}
         self._arenas = Arenas(self._engine)
         self._regs: dict[int, tuple[tuple[int, int], ...]] = {}
         self._local = SpanIndex()
         self._peers: dict[str, _Peer] = {}
         self._ids = itertools.count(1)
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"kvxfer-mooncake-{agent_name}")
+        self._notes = cf.ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-mooncake-notify-{agent_name}")
         self._lock = threading.Lock()
         self._closed = False
         # One byte of our own that add_remote's first contact reads into (never advertised).
@@ -192,8 +200,10 @@ class MooncakeBackend(Backend):
              notification: bytes | None) -> Post:
         if self._closed:
             raise BackendClosedError(f"mooncake backend of {self.agent_name!r} is closed")
+        note = None
         if notification is not None:
-            raise UnsupportedError("mooncake backend does not carry notifications")
+            _notify.check_size(notification)
+            note = self._note_cls(self.agent_name, _notify.encode(notification))
         if remote.peer is None or local.peer is not None:
             raise BackendError("post needs a local list and a peer's list")
         epoch = self._peers.get(remote.peer)
@@ -205,13 +215,16 @@ class MooncakeBackend(Backend):
         if la.shape[0] != ra.shape[0] or not np.array_equal(la[:, 1], ra[:, 1]):
             raise BackendError("mooncake post: local and remote spans differ in count or length")
         if la.shape[0] == 0:
+            if note is not None:
+                self.notify(remote.peer, notification)  # type: ignore[arg-type]
             return Post(None, op, epoch.session, 0)
         lengths = la[:, 1].tolist()
         nbytes = int(sum(lengths))
+        code = self._ops[op]
         fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
         if not fenced:
-            call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
-            future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
+            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, la[:, 0].tolist(),
+                                       ra[:, 0].tolist(), lengths, code, note)
             return Post(future, op, epoch.session, nbytes)
         arena = self._arenas.take(nbytes)
         try:
@@ -219,8 +232,8 @@ class MooncakeBackend(Backend):
                 gather(arena, la)
             lens = la[:, 1].astype(np.int64)
             staged = (np.cumsum(lens) - lens + arena.base).tolist()
-            call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
-            future = self._pool.submit(call, epoch.session, staged, ra[:, 0].tolist(), lengths)
+            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, staged, ra[:, 0].tolist(),
+                                       lengths, code, note)
         except BaseException:
             self._arenas.give(arena)
             raise
@@ -285,16 +298,37 @@ class MooncakeBackend(Backend):
 
     # notifications
     def notify(self, peer: str, message: bytes) -> None:
-        raise UnsupportedError("mooncake backend does not carry notifications")
+        """A standalone notification rides a one-byte READ of the peer's first region into our
+        scratch byte (Mooncake sends notifications only with a batch, and refuses an empty
+        one). One thread sends them, in order, so the caller never waits on the peer."""
+        if self._closed:
+            raise BackendClosedError(f"mooncake backend of {self.agent_name!r} is closed")
+        _notify.check_size(message)
+        epoch = self._peers.get(peer)
+        if epoch is None:
+            raise UnknownPeerError(peer)
+        if not epoch.regions:
+            raise UnsupportedError(f"mooncake notifications ride a transfer: peer {peer!r} registered no memory")
+        note = self._note_cls(self.agent_name, _notify.encode(message))
+        self._notes.submit(self._engine.batch_transfer_sync, epoch.session, [self._scratch.ctypes.data],
+                           [epoch.regions[0][0]], [1], self._ops[Op.READ], note)
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
-        return {}
+        if self._closed:
+            return {}
+        try:
+            notes = self._engine.get_notifies()
+        except Exception as exc:  # noqa: BLE001 - a sender's bytes the binding could not convert
+            _log.warning("mooncake: notifications lost, the binding failed to read them: %r", exc)
+            return {}
+        return _notify.decode(notes)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # every running call returns before memory goes
+        self._notes.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             regs, self._regs = list(self._regs.values()), {}
             self._peers.clear()

@@ -1,7 +1,7 @@
 """The shared conformance suite on Mooncake, in one process and with the peer in another.
 
 Mooncake's ports authenticate nobody, so every agent here opts in with ``trusted_network``;
-the suite skips what the backend's capabilities do not claim (notifications).
+every case runs: notifications (Mooncake's own) and the stopped-peer fence included.
 """
 
 from __future__ import annotations

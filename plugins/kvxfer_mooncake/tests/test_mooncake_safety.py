@@ -242,3 +242,48 @@ def test_held_arenas_are_never_reused_and_bounded(pair: Any, monkeypatch: pytest
     monkeypatch.setattr(_bounce, "HELD_LIMIT", first.nbytes // 2)
     with pytest.raises(BackendError, match="landing areas"):
         arenas.take(4096)
+
+
+def test_hostile_notifications_are_dropped_not_raised(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches the port can attach a notification to a batch, naming any sender.
+    Malformed ones (not base64, over the size bound, an empty or 300-character name) are
+    dropped; the well-formed ones arrive in order, and the receiver's memory is untouched.
+    Control: a decoder that trusts the wire raises into ``drain_notifications``."""
+    from mooncake.engine import TransferNotify, TransferOpcode
+
+    from kvxfer_mooncake import _notify
+
+    a, b, _, dst = pair
+    raw = a._engine  # a client speaking Mooncake directly, not through the plugin
+
+    def send(name: str, msg: str) -> None:
+        rc = raw.batch_transfer_sync(b.session, [a._scratch.ctypes.data], [dst.ctypes.data], [1],
+                                     TransferOpcode.Read, TransferNotify(name, msg))
+        assert rc == 0
+
+    hostile = [("x", "not base64!"), ("x", "A" * (4 * (_notify.MAX_NOTIFICATION // 3) + 8)), ("", "aGk="),
+               ("n" * 300, "aGk="), ("x", "aGk")]
+    send("prefill", _notify.encode(b"first"))
+    for name, msg in hostile:
+        send(name, msg)
+    send("prefill", _notify.encode(b"second"))
+    got: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + 10
+    while sum(map(len, got.values())) < 2 and time.monotonic() < deadline:
+        for k, v in b.drain_notifications().items():
+            got.setdefault(k, []).extend(v)
+        time.sleep(0.01)
+    assert got == {"prefill": [b"first", b"second"]}
+    assert (dst == SENT).all()
+
+    import base64
+
+    monkeypatch.setattr(mb._notify, "decode", lambda notes: {n.name: [base64.b64decode(n.msg)] for n in notes})
+    for name, msg in hostile[:1]:
+        send(name, msg)
+    with pytest.raises(Exception) as info:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            b.drain_notifications()
+            time.sleep(0.01)
+    assert not isinstance(info.value, KvxferError), "control: the trusting decoder lets the wire's error out"
