@@ -287,3 +287,23 @@ def test_hostile_notifications_are_dropped_not_raised(pair: Any, monkeypatch: py
             b.drain_notifications()
             time.sleep(0.01)
     assert not isinstance(info.value, KvxferError), "control: the trusting decoder lets the wire's error out"
+
+
+_START = ("import logging, sys; logging.getLogger('kvxfer').setLevel(sys.argv[1]); "
+          "from kvxfer_mooncake.backend import MooncakeBackend as B; B('x', trusted_network=True).close()")
+
+
+@pytest.mark.parametrize("level,user,chatty", [("WARNING", None, False), ("DEBUG", None, True),
+                                               ("WARNING", "INFO", True)],
+                         ids=["warning-quiet", "control-debug-chatty", "control-user-level-kept"])
+def test_glog_follows_the_kvxfer_logger(level: str, user: str | None, chatty: bool) -> None:
+    """Mooncake's glog prints its INFO lines (engine start, listen ports) only when the kvxfer
+    logger is at DEBUG. Controls: at DEBUG they print, and a user's own MC_LOG_LEVEL is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if user:
+        env["MC_LOG_LEVEL"] = user
+    r = subprocess.run([sys.executable, "-c", _START, level], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    infos = [ln for ln in r.stderr.splitlines() if ln.startswith("I") and "transfer_engine" in ln]
+    assert bool(infos) is chatty, r.stderr[-2000:]
