@@ -108,40 +108,55 @@ def _view(lo: int, units: int, unit: int) -> np.ndarray:
     return np.asarray(_Mem())
 
 
-def _units(arena: Arena, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The rows and the arena (packed in row order) as items of one void dtype, and the index
-    of each arena item among the rows' items; None when there is nothing to copy.
+def _groups(arena: Arena, rows: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, Any]]:
+    """The rows and the arena (packed in row order) as items of one void dtype per group, with
+    each group's item indexes: ``(memory, arena, memory index, arena index)``.
 
-    The unit is the largest size dividing every length and every address offset (a KV page,
-    typically), so numpy copies each item with one ``memcpy`` and the index stays small.
+    The unit is the largest size dividing every length and every address offset in a group (a
+    KV page, typically), so numpy copies each item with one ``memcpy`` and the index stays
+    small. Rows are grouped by their address modulo the lengths' common divisor: one group per
+    allocation alignment (a per-layer cache has a few), never one per row.
     """
     addr = rows[:, 0].astype(np.int64)
     lens = rows[:, 1].astype(np.int64)
-    if int(lens.sum()) == 0:
-        return None
-    lo = int(addr.min())
-    unit = int(np.gcd.reduce(np.concatenate([lens, addr - lo])))
-    counts = lens // unit
-    n = int(counts.sum())
-    mem = _view(lo, int(((addr - lo + lens) // unit).max()), unit)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    idx = np.repeat((addr - lo) // unit, counts) + (np.arange(n, dtype=np.int64) - starts)
-    return mem, _view(arena.base, n, unit), idx
+    keep = lens > 0
+    addr, lens = addr[keep], lens[keep]
+    if not len(lens):
+        return []
+    offs = np.cumsum(lens) - lens  # where each row sits in the arena (multiples of the lengths' divisor)
+    step = int(np.gcd.reduce(lens))
+    res = addr % step
+    out = []
+    for r in np.unique(res).tolist():
+        sel = res == r
+        a, n, o = addr[sel], lens[sel], offs[sel]
+        lo = int(a.min())
+        unit = int(np.gcd.reduce(np.concatenate([n, a - lo, o, [step]])))
+        counts = n // unit
+        total = int(counts.sum())
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        k = np.arange(total, dtype=np.int64) - starts
+        mem = _view(lo, int(((a - lo + n) // unit).max()), unit)
+        pi = np.repeat(o // unit, counts) + k
+        first = int(pi[0])
+        if int(pi[-1]) - first + 1 == total:  # one group: the arena's part is one slice, not an index
+            packed = _view(arena.base + first * unit, total, unit)
+            pi = slice(None)  # type: ignore[assignment]
+        else:
+            packed = _view(arena.base, arena.nbytes // unit, unit)
+        out.append((mem, packed, np.repeat((a - lo) // unit, counts) + k, pi))
+    return out
 
 
 def scatter(arena: Arena, rows: np.ndarray) -> None:
-    """Copy the arena out to ``rows`` (``N x 2+``: address, nbytes) with one fancy assignment,
-    no loop per row. The rows were bounded by this agent's registrations in ``prepare``; only
-    their bytes are written."""
-    u = _units(arena, rows)
-    if u is not None:
-        mem, packed, idx = u
-        mem[idx] = packed
+    """Copy the arena out to ``rows`` (``N x 2+``: address, nbytes): one fancy assignment per
+    group, no loop per row. The rows were bounded by this agent's registrations in
+    ``prepare``; only their bytes are written."""
+    for mem, packed, mi, pi in _groups(arena, rows):
+        mem[mi] = packed[pi]
 
 
 def gather(arena: Arena, rows: np.ndarray) -> None:
     """Copy ``rows`` into the arena, packed in row order: a WRITE's snapshot."""
-    u = _units(arena, rows)
-    if u is not None:
-        mem, packed, idx = u
-        packed[:] = mem[idx]
+    for mem, packed, mi, pi in _groups(arena, rows):
+        packed[pi] = mem[mi]
