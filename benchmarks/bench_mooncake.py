@@ -4,7 +4,8 @@ One READ request per iteration, decode pulling blocks from prefill over Mooncake
 transport (two engines in this process; the bytes cross the loopback interface). Raw
 Mooncake is done as well as its API allows: one ``batch_transfer_sync_read`` per request,
 address lists built once outside the timed loop. kvxfer does ``Agent.read(...).wait()``:
-planning, bounds checks, the worker thread and the same batch call. For the same request,
+planning, bounds checks, the worker thread and the same batch call, landing in the plugin's
+arena and copied out once done (its fence, ``plugins/kvxfer_mooncake/_bounce.py``). For the same request,
 kvxfer on NIXL and on raw UCX, both over UCX's TCP transport (``UCX_TLS=tcp``, set here before
 either loads; UCX with ``trusted_network``), so every column crosses loopback TCP. Each runs in a
 child process of its own (NIXL's bundled UCX and the libucx wheel never share a process), both

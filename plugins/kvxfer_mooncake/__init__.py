@@ -6,9 +6,9 @@ needs ``trusted_network=True``::
 
     agent = kvxfer.Agent("decode", backend="mooncake", trusted_network=True)
 
-Layout: ``backend.py`` is the seam; ``_blob.py`` the connection blob; ``_engine.py`` loads
-Mooncake with its logging and progress timeout set. Why, and what it trusts:
-``plugins/kvxfer_mooncake/README.md``. This module does not import Mooncake: listing
+Layout: ``backend.py`` is the seam; ``_blob.py`` the connection blob; ``_bounce.py`` the
+transfer arenas (the fence); ``_notify.py`` notifications; ``_engine.py`` loads Mooncake with
+its logging and progress timeout set. Why, and what it trusts: ``plugins/kvxfer_mooncake/README.md``. This module does not import Mooncake: listing
 backends only looks for it.
 """
 

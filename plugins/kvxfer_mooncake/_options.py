@@ -19,9 +19,11 @@ OPTIONS = (
     Option("host", '"127.0.0.1"', "the address this engine names itself by in its session id",
            "this host's address on the network the peers share, for peers on other hosts"),
     Option("progress_timeout", "5.0",
-           "seconds a running batch may wait for a silent peer (MC_TCP_PROGRESS_TIMEOUT_SEC); a timed-out or "
-           "cancelled transfer reports its end only after the batch returned, so this bounds that wait",
-           "keep it below the agent's transfer timeout; raise it on links slower than a few seconds per batch"),
+           "seconds Mooncake gives a batch call with a silent peer before it fails (MC_TCP_PROGRESS_TIMEOUT_SEC, "
+           "whole seconds); a timed-out or cancelled transfer does not wait for it, so it bounds how long a stopped "
+           "peer holds a worker thread (and close)",
+           "lower it where peers often stall (each stalled call holds a worker this long); raise it on links slower "
+           "than a few seconds per batch"),
     Option("workers", "2", "threads that run Mooncake's synchronous batch calls (each releases the GIL)",
            "more for many concurrent transfers on a machine with cores to spare (1 to 64)"),
 )

@@ -2,19 +2,23 @@
 
 Each post is one ``batch_transfer_sync_read``/``_write`` call on a worker thread (the calls
 release the GIL). The async forms are not used: a second status query of a finished batch
-crashes this Mooncake release. A transfer's end is reported only once its call has
-returned, because until then Mooncake may still write. ``release`` of a running post
-therefore waits for the call, which Mooncake ends within ``progress_timeout`` seconds when the
-peer stops answering (``MC_TCP_PROGRESS_TIMEOUT_SEC``); a post not yet started is dropped.
-That is not the whole fence: a call fails at its first failed slice, while slices queued
-behind the peer's lanes stay queued inside Mooncake and land once a stopped peer resumes.
-No call of this Python API waits for or drops them, so ``fence`` is not claimed.
+crashes this Mooncake release. The fence (``kvxfer/plugin/backend.py``): a call fails at its
+first stalled span while the spans queued behind it stay queued inside Mooncake and land when a
+stopped peer resumes, and no call of this Python API waits for or drops them. So a READ lands
+in a private arena and is copied to its destination only once its call returned 0
+(:mod:`._bounce`). A WRITE is sent from a snapshot of its source in an arena: its destination
+is the peer's memory, which nothing here can recall, so its queued spans may still reach the
+peer after the end, but they carry the bytes it was asked to move (the plugin README says what
+a caller does about it). ``release`` of a running call holds its arena and returns at once, so
+every wait ends within the caller's deadline; ``progress_timeout`` bounds only how long a
+stopped peer keeps a worker thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Sequence
@@ -28,10 +32,13 @@ from kvxfer.errors import (
 )
 from kvxfer.spans import SpanIndex
 
-from . import _blob
+from . import _blob, _notify
+from ._bounce import Arena, Arenas, gather, scatter
 from ._engine import start_engine
 
 __all__ = ["MooncakeBackend"]
+
+_log = logging.getLogger("kvxfer.mooncake")
 
 PATH = "mooncake-tcp"
 
@@ -39,10 +46,11 @@ PATH = "mooncake-tcp"
 class _Peer:
     """One ``add_remote``: a new object each time, so lists prepared before it go stale."""
 
-    __slots__ = ("session", "index")
+    __slots__ = ("session", "index", "regions")
 
     def __init__(self, blob: _blob.Blob) -> None:
         self.session = blob.session
+        self.regions = blob.regions
         self.index = SpanIndex(Allocation(a, n) for a, n in blob.regions)
 
 
@@ -56,19 +64,28 @@ class Listed:
 
 
 class Post:
-    __slots__ = ("future", "op", "session", "nbytes")
+    """One batch call; a fenced READ also has its landing ``arena`` and destination ``rows``."""
 
-    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int) -> None:
+    __slots__ = ("future", "op", "session", "nbytes", "arena", "rows")
+
+    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int,
+                 arena: Arena | None = None, rows: np.ndarray | None = None) -> None:
         self.future, self.op, self.session, self.nbytes = future, op, session, nbytes
+        self.arena, self.rows = arena, rows
 
 
 class MooncakeBackend(Backend):
     name = "mooncake"
-    # TCP only in this wheel: host memory. Notifications: Mooncake's Python API can receive
-    # (get_notifies) but not attach one to a TCP batch, so none are claimed. Cancel: a batch
-    # call cannot be stopped once running; release waits for it. Fence: not claimed (above).
+    # TCP only in this wheel: host memory. Notifications: Mooncake's own, attached to the batch
+    # (:mod:`._notify`). Cancel: a batch call cannot be stopped once running. Fence: READs land
+    # in an arena (above).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), ops=frozenset({Op.READ, Op.WRITE}),
-                                notifications=False, cross_process=True, fence=False)
+                                notifications=True, cross_process=True, fence=True)
+    #: READs land in a private arena copied out once DONE (the fence); WRITEs are sent from a
+    #: snapshot of their source in one. False only in the tests' controls, which show the late
+    #: landing (READs) and the release that waits for a stopped peer (WRITEs) without them.
+    fence_reads = True
+    snapshot_writes = True
 
     def __init__(self, agent_name: str, *, trusted_network: bool = False, host: str = "127.0.0.1",
                  progress_timeout: float = 5.0, workers: int = 2) -> None:
@@ -82,11 +99,16 @@ class MooncakeBackend(Backend):
         if not isinstance(workers, int) or not 1 <= workers <= 64:
             raise BackendError(f"mooncake workers must be an int in 1..64, got {workers!r}")
         self._engine, self.session = start_engine(host, self.progress_timeout)
+        from mooncake.engine import TransferNotify, TransferOpcode  # loaded now, after start_engine set its env
+
+        self._note_cls, self._ops = TransferNotify, {Op.READ: TransferOpcode.Read, Op.WRITE: TransferOpcode.Write}
+        self._arenas = Arenas(self._engine)
         self._regs: dict[int, tuple[tuple[int, int], ...]] = {}
         self._local = SpanIndex()
         self._peers: dict[str, _Peer] = {}
         self._ids = itertools.count(1)
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"kvxfer-mooncake-{agent_name}")
+        self._notes = cf.ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-mooncake-notify-{agent_name}")
         self._lock = threading.Lock()
         self._closed = False
         # One byte of our own that add_remote's first contact reads into (never advertised).
@@ -178,8 +200,10 @@ class MooncakeBackend(Backend):
              notification: bytes | None) -> Post:
         if self._closed:
             raise BackendClosedError(f"mooncake backend of {self.agent_name!r} is closed")
+        note = None
         if notification is not None:
-            raise UnsupportedError("mooncake backend does not carry notifications")
+            _notify.check_size(notification)
+            note = self._note_cls(self.agent_name, _notify.encode(notification))
         if remote.peer is None or local.peer is not None:
             raise BackendError("post needs a local list and a peer's list")
         epoch = self._peers.get(remote.peer)
@@ -191,11 +215,29 @@ class MooncakeBackend(Backend):
         if la.shape[0] != ra.shape[0] or not np.array_equal(la[:, 1], ra[:, 1]):
             raise BackendError("mooncake post: local and remote spans differ in count or length")
         if la.shape[0] == 0:
+            if note is not None:
+                self.notify(remote.peer, notification)  # type: ignore[arg-type]
             return Post(None, op, epoch.session, 0)
-        call = self._engine.batch_transfer_sync_read if op is Op.READ else self._engine.batch_transfer_sync_write
         lengths = la[:, 1].tolist()
-        future = self._pool.submit(call, epoch.session, la[:, 0].tolist(), ra[:, 0].tolist(), lengths)
-        return Post(future, op, epoch.session, int(sum(lengths)))
+        nbytes = int(sum(lengths))
+        code = self._ops[op]
+        fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
+        if not fenced:
+            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, la[:, 0].tolist(),
+                                       ra[:, 0].tolist(), lengths, code, note)
+            return Post(future, op, epoch.session, nbytes)
+        arena = self._arenas.take(nbytes)
+        try:
+            if op is Op.WRITE:
+                gather(arena, la)
+            lens = la[:, 1].astype(np.int64)
+            staged = (np.cumsum(lens) - lens + arena.base).tolist()
+            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, staged, ra[:, 0].tolist(),
+                                       lengths, code, note)
+        except BaseException:
+            self._arenas.give(arena)
+            raise
+        return Post(future, op, epoch.session, nbytes, arena, la)
 
     def poll(self, xfer: Post) -> bool:
         if xfer.future is None:
@@ -205,22 +247,48 @@ class MooncakeBackend(Backend):
         try:
             rc = xfer.future.result()
         except cf.CancelledError:
+            self._settle(xfer, deliver=False)
             raise BackendError("mooncake post was cancelled") from None
         except Exception as exc:  # the binding raised: typed here, the call has returned
+            self._settle(xfer, deliver=False)
             raise BackendError(f"mooncake {xfer.op.value} failed: {exc!r}") from None
+        self._settle(xfer, deliver=rc == 0)
         if rc != 0:
             raise PeerDisconnectedError(
                 f"mooncake {xfer.op.value} with {xfer.session} returned {rc}: the peer died, stopped answering for "
                 f"{self.progress_timeout:g} s, or no longer registers that memory")
         return True
 
-    def release(self, xfer: Post) -> None:
-        """Cancel: a post not started is dropped; a running call is waited for (its slices in
-        flight end with it; slices Mooncake still queues do not, see the module docstring)."""
-        f = xfer.future
-        if f is None or f.cancel():
+    def _settle(self, xfer: Post, deliver: bool) -> None:
+        """A READ's call returned: copy its arena out if it succeeded. A failed call's arena is
+        held: spans Mooncake queued behind the failure may still land in it."""
+        arena, xfer.arena = xfer.arena, None
+        if arena is None:
             return
-        cf.wait([f])  # bounded by Mooncake's progress timeout
+        if deliver:
+            if xfer.op is Op.READ:
+                scatter(arena, xfer.rows)  # type: ignore[arg-type]
+            self._arenas.give(arena)
+        else:
+            self._arenas.hold(arena)
+
+    def release(self, xfer: Post) -> None:
+        """Cancel. A post not started is dropped. A running call keeps its arena held and
+        returns at once, within the caller's deadline whatever the peer does: nothing of a READ
+        can reach its destination any more, and a WRITE's late spans carry only its snapshot."""
+        f = xfer.future
+        if f is None:
+            return
+        if f.cancel():
+            if xfer.arena is not None:
+                arena, xfer.arena = xfer.arena, None
+                self._arenas.give(arena)  # never handed to Mooncake
+            return
+        if xfer.arena is not None:
+            arena, xfer.arena = xfer.arena, None
+            self._arenas.hold(arena)
+            return
+        cf.wait([f])  # the tests' controls only: bounded by Mooncake's progress timeout
 
     def data_path(self, xfer: Post) -> str | None:
         return PATH
@@ -230,16 +298,37 @@ class MooncakeBackend(Backend):
 
     # notifications
     def notify(self, peer: str, message: bytes) -> None:
-        raise UnsupportedError("mooncake backend does not carry notifications")
+        """A standalone notification rides a one-byte READ of the peer's first region into our
+        scratch byte (Mooncake sends notifications only with a batch, and refuses an empty
+        one). One thread sends them, in order, so the caller never waits on the peer."""
+        if self._closed:
+            raise BackendClosedError(f"mooncake backend of {self.agent_name!r} is closed")
+        _notify.check_size(message)
+        epoch = self._peers.get(peer)
+        if epoch is None:
+            raise UnknownPeerError(peer)
+        if not epoch.regions:
+            raise UnsupportedError(f"mooncake notifications ride a transfer: peer {peer!r} registered no memory")
+        note = self._note_cls(self.agent_name, _notify.encode(message))
+        self._notes.submit(self._engine.batch_transfer_sync, epoch.session, [self._scratch.ctypes.data],
+                           [epoch.regions[0][0]], [1], self._ops[Op.READ], note)
 
     def drain_notifications(self) -> dict[str, list[bytes]]:
-        return {}
+        if self._closed:
+            return {}
+        try:
+            notes = self._engine.get_notifies()
+        except Exception as exc:  # noqa: BLE001 - a sender's bytes the binding could not convert
+            _log.warning("mooncake: notifications lost, the binding failed to read them: %r", exc)
+            return {}
+        return _notify.decode(notes)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # every running call returns before memory goes
+        self._notes.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             regs, self._regs = list(self._regs.values()), {}
             self._peers.clear()
@@ -247,7 +336,13 @@ class MooncakeBackend(Backend):
         for regions in regs:
             self._unregister(regions)
         self._unregister([(self._scratch.ctypes.data, 0)])
+        held = self._arenas.close()
         engine, self._engine = [self._engine], None
-        # Mooncake's destructor joins its threads (about 1 s); nothing of ours is registered any
-        # more, so it may finish after close returns.
-        threading.Thread(target=engine.clear, name="kvxfer-mooncake-close", daemon=True).start()
+
+        def stop() -> None:
+            """Mooncake's destructor joins its threads (about 1 s); arenas of READs that ended
+            early stay alive until it returned, so a queued span still lands in memory we own."""
+            engine.clear()  # the last reference: the engine stops here, not in close
+            held.clear()
+
+        threading.Thread(target=stop, name="kvxfer-mooncake-close", daemon=True).start()

@@ -2,8 +2,8 @@
 
 * no ``trusted_network``: refused (Mooncake's ports authenticate nobody);
 * a remote descriptor outside the peer's blob: refused before any byte moves;
-* the fence, as far as it goes: a one-span READ from a stopped peer that is released moves
-  nothing afterwards; the spans Mooncake queues behind a failed batch do (``fence=False``);
+* the fence: a READ from a stopped peer that is released or fails moves nothing into its
+  destination afterwards, one span or many (its arena takes what Mooncake still had queued);
 * mutated blobs: typed errors only (a campaign in a child process, and at the seam).
 """
 
@@ -124,7 +124,7 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, 
         release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
         ended = dst.copy()
         os.kill(p.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 2  # unfenced, the late bytes land within about 1 s
         while time.monotonic() < deadline and np.array_equal(dst, ended):
             time.sleep(0.05)
         return ended, dst.copy()
@@ -135,27 +135,52 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, 
 def test_released_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any) -> None:
     ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release)
     np.testing.assert_array_equal(later, ended, err_msg="bytes landed after release() returned")
+    assert (ended == SENT).all()
 
 
-def test_queued_slices_of_a_failed_call_land_after_it_ended(stopped_peer: Any) -> None:
-    """Why ``fence`` is not claimed: a batch of 30 spans from a stopped peer. The call fails once
-    the spans on the peer's lanes make no progress, and ``release`` waits for that; the spans
-    Mooncake still queues land once the peer resumes. If a Mooncake release ever drops them,
-    this fails: then claim the fence and let the kit's stopped-peer case run."""
-    assert mb.MooncakeBackend.capabilities.fence is False
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-unfenced"])
+def test_queued_spans_of_a_failed_read_never_reach_the_destination(stopped_peer: Any, fenced: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """30 spans from a stopped peer in one batch call: the call fails once the spans on the
+    peer's lanes make no progress, the rest stay queued inside Mooncake and are sent when the
+    peer resumes. Fenced, they land in the READ's arena and the destination keeps the sentinel.
+    Control: with the arena bypassed (``fence_reads=False``) they land in the destination."""
+    assert mb.MooncakeBackend.capabilities.fence is True
+    monkeypatch.setattr(mb.MooncakeBackend, "fence_reads", fenced)
     ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release, slices=30)
     assert (ended == SENT).all(), "the stopped peer answered before the release"
-    assert not np.array_equal(later, ended), "queued spans no longer land after the end: claim the fence"
+    if fenced:
+        np.testing.assert_array_equal(later, ended, err_msg="queued spans landed after the end")
+    else:
+        assert not np.array_equal(later, ended), "control: queued spans should land after an unfenced end"
 
 
-def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any) -> None:
-    """Control: a release that only drops the future (no wait) reports the end too early."""
+def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: unfenced, a release that only drops the future (no wait) reports the end too early."""
     def early(be: mb.MooncakeBackend, x: Any) -> None:
         x.future.cancel()
 
+    monkeypatch.setattr(mb.MooncakeBackend, "fence_reads", False)
     ended, later = _read_from_stopped(stopped_peer, early, progress_timeout=20)
     assert (ended == SENT).all()
     assert not np.array_equal(later, ended), "control: the bytes should land after an early end"
+
+
+def test_fenced_read_copies_rows_out_in_order(pair: Any) -> None:
+    """The arena's copy-out: rows of mixed lengths, out of order, some adjacent, land exactly
+    where asked and nowhere else (numpy reference over the logical arrays)."""
+    a, b, src, dst = pair
+    b.add_remote("prefill", a.local_metadata())
+    offs_d, offs_s, lens = [40960, 0, 8192, 12288, 60000], [1000, 30000, 4096, 8192, 50000], [4096, 8192, 4096, 96, 5000]
+    local = b.prepare(None, descs(dst.ctypes.data, offs_d, lens))
+    remote = b.prepare("prefill", descs(src.ctypes.data, offs_s, lens))
+    x = b.post(Op.READ, local, np.arange(5), remote, np.arange(5), None)
+    assert x.arena is not None
+    wait_done(b, x)
+    want = np.full_like(dst, SENT)
+    for d, s_, n in zip(offs_d, offs_s, lens):
+        want[d:d + n] = src[s_:s_ + n]
+    np.testing.assert_array_equal(dst, want)
 
 
 def test_fuzz_campaign_in_a_child_is_typed_only() -> None:
@@ -197,3 +222,88 @@ def test_mutated_blobs_at_the_seam_raise_metadata_error(pair: Any, monkeypatch: 
     monkeypatch.setattr(mb._blob, "decode", naive)
     _, untyped = _seam_mutants(b, a.local_metadata(), 300)
     assert untyped, "control: an unvalidated parser lets raw exceptions out"
+
+
+def test_held_arenas_are_never_reused_and_bounded(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that keeps stalling: each READ that ends early holds its arena. A held arena is
+    never handed out again, and past ``HELD_LIMIT`` READs are refused (typed) instead of growing
+    the process. Control: an arena given back (its call returned) is reused."""
+    from kvxfer_mooncake import _bounce
+
+    _, b, _, _ = pair
+    arenas = b._arenas
+    first = arenas.take(4096)
+    arenas.give(first)
+    assert arenas.take(4096) is first  # control: a settled arena is reused
+    arenas.hold(first)
+    second = arenas.take(4096)
+    assert second is not first
+    arenas.give(second)
+    monkeypatch.setattr(_bounce, "HELD_LIMIT", first.nbytes // 2)
+    with pytest.raises(BackendError, match="landing areas"):
+        arenas.take(4096)
+
+
+def test_hostile_notifications_are_dropped_not_raised(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches the port can attach a notification to a batch, naming any sender.
+    Malformed ones (not base64, over the size bound, an empty or 300-character name) are
+    dropped; the well-formed ones arrive in order, and the receiver's memory is untouched.
+    Control: a decoder that trusts the wire raises into ``drain_notifications``."""
+    from mooncake.engine import TransferNotify, TransferOpcode
+
+    from kvxfer_mooncake import _notify
+
+    a, b, _, dst = pair
+    raw = a._engine  # a client speaking Mooncake directly, not through the plugin
+
+    def send(name: str, msg: str) -> None:
+        rc = raw.batch_transfer_sync(b.session, [a._scratch.ctypes.data], [dst.ctypes.data], [1],
+                                     TransferOpcode.Read, TransferNotify(name, msg))
+        assert rc == 0
+
+    hostile = [("x", "not base64!"), ("x", "A" * (4 * (_notify.MAX_NOTIFICATION // 3) + 8)), ("", "aGk="),
+               ("n" * 300, "aGk="), ("x", "aGk")]
+    send("prefill", _notify.encode(b"first"))
+    for name, msg in hostile:
+        send(name, msg)
+    send("prefill", _notify.encode(b"second"))
+    got: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + 10
+    while sum(map(len, got.values())) < 2 and time.monotonic() < deadline:
+        for k, v in b.drain_notifications().items():
+            got.setdefault(k, []).extend(v)
+        time.sleep(0.01)
+    assert got == {"prefill": [b"first", b"second"]}
+    assert (dst == SENT).all()
+
+    import base64
+
+    monkeypatch.setattr(mb._notify, "decode", lambda notes: {n.name: [base64.b64decode(n.msg)] for n in notes})
+    for name, msg in hostile[:1]:
+        send(name, msg)
+    with pytest.raises(Exception) as info:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            b.drain_notifications()
+            time.sleep(0.01)
+    assert not isinstance(info.value, KvxferError), "control: the trusting decoder lets the wire's error out"
+
+
+_START = ("import logging, sys; logging.getLogger('kvxfer').setLevel(sys.argv[1]); "
+          "from kvxfer_mooncake.backend import MooncakeBackend as B; B('x', trusted_network=True).close()")
+
+
+@pytest.mark.parametrize("level,user,chatty", [("WARNING", None, False), ("DEBUG", None, True),
+                                               ("WARNING", "INFO", True)],
+                         ids=["warning-quiet", "control-debug-chatty", "control-user-level-kept"])
+def test_glog_follows_the_kvxfer_logger(level: str, user: str | None, chatty: bool) -> None:
+    """Mooncake's glog prints its INFO lines (engine start, listen ports) only when the kvxfer
+    logger is at DEBUG. Controls: at DEBUG they print, and a user's own MC_LOG_LEVEL is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if user:
+        env["MC_LOG_LEVEL"] = user
+    r = subprocess.run([sys.executable, "-c", _START, level], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    infos = [ln for ln in r.stderr.splitlines() if ln.startswith("I") and "transfer_engine" in ln]
+    assert bool(infos) is chatty, r.stderr[-2000:]
