@@ -14,8 +14,8 @@ from kvxfer.errors import InvalidTimeoutError
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("kvxfer", "plugins", "benchmarks", "examples")
 HOME = "kvxfer/deadlines.py"
-#: Trees other engineers own this session; they move to Deadline after merging.
-ALLOWED = ("kvxfer/cuda/", "plugins/kvxfer_mooncake/")
+#: Trees exempt from the rule: none.
+ALLOWED: tuple[str, ...] = ()
 PATTERN = "time.monotonic() +"
 
 

@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 
 from kvxfer import Agent, Allocation, DescriptorList, KvxferError, Op  # noqa: E402
+from kvxfer.deadlines import Deadline  # noqa: E402
 from kvxfer.errors import BackendError, MetadataError, OutOfRegistrationError  # noqa: E402
 from kvxfer.testing.mutate import mutate  # noqa: E402
 from kvxfer_mooncake import _blob, backend as mb  # noqa: E402
@@ -124,7 +125,7 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, 
         release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
         ended = dst.copy()
         os.kill(p.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 2  # unfenced, the late bytes land within about 1 s
+        deadline = Deadline.within(2)  # unfenced, the late bytes land within about 1 s
         while time.monotonic() < deadline and np.array_equal(dst, ended):
             time.sleep(0.05)
         return ended, dst.copy()
@@ -268,7 +269,7 @@ def test_hostile_notifications_are_dropped_not_raised(pair: Any, monkeypatch: py
         send(name, msg)
     send("prefill", _notify.encode(b"second"))
     got: dict[str, list[bytes]] = {}
-    deadline = time.monotonic() + 10
+    deadline = Deadline.within(10)
     while sum(map(len, got.values())) < 2 and time.monotonic() < deadline:
         for k, v in b.drain_notifications().items():
             got.setdefault(k, []).extend(v)
@@ -282,7 +283,7 @@ def test_hostile_notifications_are_dropped_not_raised(pair: Any, monkeypatch: py
     for name, msg in hostile[:1]:
         send(name, msg)
     with pytest.raises(Exception) as info:
-        deadline = time.monotonic() + 10
+        deadline = Deadline.within(10)
         while time.monotonic() < deadline:
             b.drain_notifications()
             time.sleep(0.01)
