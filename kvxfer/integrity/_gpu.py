@@ -114,7 +114,26 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> Any:
     return mix(d ^ keys[None, :])  # still on the device: the caller copies all groups at once
 
 
+#: mm8 through the device path's kernel (kvxfer.cuda.digest: one pass, no torch) where it serves;
+#: False keeps the torch ops below (benchmarks compare the two).
+USE_KERNEL = [True]
+
+
+def _by_kernel(spans: Spans, cols: np.ndarray) -> np.ndarray | None:
+    try:
+        from ..cuda.digest import mm8_cells
+    except ImportError:
+        return None
+    addr = spans.addresses()[:, cols].astype(np.uint64)
+    devices = [int(spans.allocations[int(spans.alloc[c])].device) for c in cols.tolist()]
+    return mm8_cells(addr, spans.length[cols], devices)
+
+
 def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
+    if algorithm == "mm8" and USE_KERNEL[0]:
+        got = _by_kernel(spans, cols)
+        if got is not None:
+            return got
     import torch
 
     out = np.empty((spans.block.shape[0], cols.shape[0]), np.uint64)
