@@ -1,4 +1,8 @@
-"""Digests of VRAM cells with torch ops (imported only when a VRAM cell is digested).
+"""Digests of VRAM cells on the GPU (imported only when a VRAM cell is digested).
+
+``mm8`` goes first to the device path's kernel (:mod:`kvxfer.cuda.digest`: every cell in one
+launch, read once where it lies, no torch); the torch ops below serve where it cannot
+(a cell off a 16-byte boundary, no loadable kernel) and are the reference it is tested against.
 
 ``mm8`` runs where the bytes are: adjacent cells that are contiguous in memory form one
 group, a group becomes one ``[rows, 1024]`` int8 matrix and one ``torch._int_mm`` with the
