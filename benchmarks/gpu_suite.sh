@@ -29,7 +29,7 @@ for stage in "$@"; do
       timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     fixedcost)
-      for m in DRAM VRAM; do
+      for m in ${FIXED_MEMS:-DRAM VRAM}; do
         timeout 120 python3 benchmarks/bench_fixed_cost.py --memory $m --contention ${FIXED_ARGS:-} --json $LOGS/fixed_$m.json 2>&1 \
           | tee $LOGS/fixed_$m.txt
       done
