@@ -150,6 +150,19 @@ def one_size(label: str, layers: int, page: int, args: argparse.Namespace) -> li
                 torch.cuda.synchronize(args.local_gpu)
 
             cases.insert(0, ("copy", copy_one))
+        if args.profile:
+            import cProfile
+            import pstats
+
+            for _ in range(args.warmup):
+                kx_one()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.profile):
+                kx_one()
+            prof.disable()
+            print(f"-- {label}: where the caller's thread spends {args.profile} one-block READs (tottime)")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         modes: list[Any] = [False] + ([True] if args.contention else []) + (["small"] if args.contention_small else [])
         for contention in modes:
             for who, fn in cases:
@@ -231,6 +244,7 @@ def main() -> None:
     ap.add_argument("--background-progress", choices=("on", "off"), default="on",
                     help="the decode agents' background progress thread (the NIXL backend's option)")
     ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--profile", type=int, default=0, help="also profile this many kvxfer READs (cProfile)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []

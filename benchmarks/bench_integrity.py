@@ -133,7 +133,7 @@ def run(backend: str, memory: str, shape: str, args: argparse.Namespace) -> dict
             "off_ms": 1e3 * m_off, "on_ms": 1e3 * m_on, "added": (m_on - m_off) / m_off,
             "xfer_GBps": nbytes / m_off / 1e9, "digest_GBps": nbytes / m_dig / 1e9, "bytes_ok": ok,
             "digest_seq_GBps": nbytes / statistics.median(contig) / 1e9,
-            "threads": args.threads, "rows": args.rows}
+            "threads": args.threads, "rows": args.rows, "digest": args.digest}
 
 
 def main() -> None:
@@ -148,9 +148,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="kvxfer.integrity.digests.THREADS")
     ap.add_argument("--rows", action="store_true", help="row digests (one per block, what vLLM params carry)")
+    ap.add_argument("--digest", choices=("kernel", "torch"), default="kernel",
+                    help="VRAM mm8: the device path's one-pass kernel, or the torch ops it replaced")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from kvxfer.integrity import digests
+    from kvxfer.integrity import _gpu, digests
+
+    _gpu.USE_KERNEL[0] = args.digest == "kernel"
 
     digests.THREADS = args.threads
     rows = []
@@ -163,7 +167,7 @@ def main() -> None:
         for s in args.shapes.split(","):
             rows.append(run(b, args.memory, s, args))
     copy = _copy_gbps(args.memory, args.request * args.layers * args.page, args.iters)
-    print_table(rows, [Column("backend"), Column("memory"), Column("shape"), Column("mode"), Column("algorithm"),
+    print_table(rows, [Column("backend"), Column("memory"), Column("shape"), Column("mode"), Column("algorithm"), Column("digest"),
                        Column("MB", "MB", "{:.1f}"), Column("off_ms", "off ms", "{:.3f}"), Column("on_ms", "on ms", "{:.3f}"),
                        Column("added", "added", "{:+.1%}"), Column("xfer_GBps", "xfer GB/s", "{:.1f}"),
                        Column("digest_GBps", "digest GB/s", "{:.1f}"),

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_suite.sh security  # device-path attacks (widened allocation, handle poisoning), one GPU
 #   bash benchmarks/gpu_suite.sh fixedcost   # bench_fixed_cost.py, host and device path; the owner's VRAM conformance
 #   bash benchmarks/gpu_suite.sh store   # benchmarks/gpu_store.sh: VRAM store test, GB/s, the GDS probe (one GPU)
+#   bash benchmarks/gpu_suite.sh digest  # the device path's kernels: GPU tests, digest GB/s against copy GB/s (one GPU)
+#   bash benchmarks/gpu_suite.sh verified  # bench_integrity.py on VRAM: verified against unverified reads (one GPU)
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
 export PYTHONUNBUFFERED=1
@@ -27,11 +29,17 @@ for stage in "$@"; do
       timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     fixedcost)
-      for m in DRAM VRAM; do
-        timeout 120 python3 benchmarks/bench_fixed_cost.py --memory $m --contention --json $LOGS/fixed_$m.json 2>&1 \
+      for m in ${FIXED_MEMS:-DRAM VRAM}; do
+        timeout 120 python3 benchmarks/bench_fixed_cost.py --memory $m --contention ${FIXED_ARGS:-} --json $LOGS/fixed_$m.json 2>&1 \
           | tee $LOGS/fixed_$m.txt
       done
       timeout 120 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py -k "VRAMOwner" 2>&1 | tee $LOGS/owner_vram.txt ;;
+    digest)
+      timeout 120 $T tests/test_cuda_digest_gpu.py tests/test_cuda_prepared.py 2>&1 | tee $LOGS/digest_tests.txt
+      timeout 150 python3 benchmarks/bench_digest_gpu.py --json $LOGS/digest.json 2>&1 | tee $LOGS/digest.txt ;;
+    verified)
+      timeout 150 python3 benchmarks/bench_integrity.py --memory VRAM --backends loopback,nixl --blocks 512 --request 256 \
+        --layers 32 --page 65536 --iters 9 --json $LOGS/verified.json 2>&1 | tee $LOGS/verified.txt ;;
     store)
       LOGS=$LOGS bash benchmarks/gpu_store.sh ;;
     tests)

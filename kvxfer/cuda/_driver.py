@@ -77,6 +77,7 @@ _RT: dict[str, list[Any]] = {
     "cudaEventSynchronize": [c_void_p],
     "cudaEventDestroy": [c_void_p],
     "cudaMemcpyAsync": [c_void_p, c_void_p, c_size_t, c_int, c_void_p],
+    "cudaMemsetAsync": [c_void_p, c_int, c_size_t, c_void_p],
     "cudaHostAlloc": [ctypes.POINTER(c_void_p), c_size_t, c_uint],
     "cudaFreeHost": [c_void_p],
 }
@@ -188,6 +189,9 @@ class Cuda:
         return int(base.value), int(size.value)
 
 
+_primed = threading.local()  # per thread: the devices whose primary context cudaSetDevice made current here
+
+
 class _OnDevice:
     __slots__ = ("c", "device", "prev")
 
@@ -196,9 +200,15 @@ class _OnDevice:
 
     def __enter__(self) -> None:
         self.prev = self.c.current()
-        # Always set: it also makes the primary context current on a thread that has none yet,
-        # which the driver-API calls (module loading, launches, VMM) need.
+        done = getattr(_primed, "devices", None)
+        if done is None:
+            done = _primed.devices = set()
+        if self.prev == self.device and self.device in done:
+            return  # the hot path of a post: one query, no switch
+        # Set once per thread and device: it also makes the primary context current on a thread
+        # that has none yet, which the driver-API calls (module loading, launches, VMM) need.
         self.c.check(self.c.rt.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
+        done.add(self.device)
 
     def __exit__(self, *exc: object) -> None:
         if self.prev != self.device and self.prev >= 0:

@@ -6,41 +6,150 @@
 // of at most a fixed size, so no thread ever searches for its span.
 //
 // table layout (uint64, n pieces): dst[n], src[n], len[n].
+// kvxfer_copy_few takes up to FEW spans by value (no table to upload: the fixed cost of a
+// one-block post is one launch); kvxfer_mm8 hashes what it reads (and copies it when dst is
+// set) with kvxfer.integrity's mm8 definition, so a verified copy reads its bytes once.
 // Regenerate the embedded PTX after editing: python -m kvxfer.cuda._build
 
 #define THREADS 512
 #define UNROLL 4
 
+#define FEW 16
+
+// Copy one piece with the whole CTA: head bytes to 16-byte alignment, vectors, then the tail.
+__device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char* s, unsigned long long len)
+{
+    if (((unsigned long long)d ^ (unsigned long long)s) & 15ull) {
+        // Source and destination disagree modulo 16: no vector access can serve both.
+        for (unsigned long long i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+        return;
+    }
+    unsigned long long head = (16ull - ((unsigned long long)d & 15ull)) & 15ull;
+    if (head > len) head = len;
+    if (threadIdx.x < head) d[threadIdx.x] = s[threadIdx.x];
+    unsigned long long body = (len - head) >> 4;
+    uint4* dv = (uint4*)(d + head);
+    const uint4* sv = (const uint4*)(s + head);
+    unsigned long long i = threadIdx.x;
+    for (; i + (UNROLL - 1) * THREADS < body; i += UNROLL * THREADS) {
+        uint4 r[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) r[u] = sv[i + u * THREADS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) dv[i + u * THREADS] = r[u];
+    }
+    for (; i < body; i += THREADS) dv[i] = sv[i];
+    unsigned long long done = head + (body << 4);
+    unsigned long long tail = len - done;
+    if (threadIdx.x < tail) d[done + threadIdx.x] = s[done + threadIdx.x];
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 kvxfer_batch_copy(const unsigned long long* __restrict__ table, unsigned long long n)
 {
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x)
+        copy_piece((unsigned char*)table[p], (const unsigned char*)table[n + p], table[2 * n + p]);
+}
+
+// A few spans by value. Span i owns pieces first[i] .. first[i+1]-1 of `piece` bytes each.
+struct Few {
+    unsigned long long n, piece, first[FEW + 1], dst[FEW], src[FEW], len[FEW];
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+kvxfer_copy_few(const __grid_constant__ Few f)
+{
+    for (unsigned long long p = blockIdx.x; p < f.first[f.n]; p += gridDim.x) {
+        unsigned long long i = 0;
+        while (i + 1 < f.n && f.first[i + 1] <= p) ++i;
+        unsigned long long off = (p - f.first[i]) * f.piece;
+        unsigned long long len = f.len[i] - off;
+        if (len > f.piece) len = f.piece;
+        copy_piece((unsigned char*)(f.dst[i] + off), (const unsigned char*)(f.src[i] + off), len);
+    }
+}
+
+// mm8 (kvxfer/integrity/mm8.py): a cell is cut in 1024-byte chunks (the last zero-padded), chunk
+// s gives y[s] = int8(chunk) . K (8 int32), and the cell's sum is sum_s sum_j y[s][j] * R[s][j]
+// modulo 2^64; the host then mixes it with the length. The sum is linear, so CTAs add their
+// parts with one atomic each. Table (uint64, n pieces): dst, src, len, meta = s0 << 32 | cell;
+// a piece starts s0 chunks into its cell, 16-byte aligned (the host checks). dst 0: hash only.
+#define DTHREADS 256
+#define CHUNK 1024
+
+// The 16 bytes at `off` of a piece of `len` bytes (zeros past its end), copied to d when set.
+__device__ __forceinline__ uint4 take16(unsigned char* d, const unsigned char* s, unsigned long long off,
+                                        unsigned long long len)
+{
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (off + 16 <= len) {
+        v = *(const uint4*)(s + off);
+        if (d) *(uint4*)(d + off) = v;
+    } else if (off < len) {
+        unsigned b[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            b[i] = off + i < len ? s[off + i] : 0;
+            if (d && off + i < len) d[off + i] = (unsigned char)b[i];
+        }
+        v.x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24;
+        v.y = b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24;
+        v.z = b[8] | b[9] << 8 | b[10] << 16 | b[11] << 24;
+        v.w = b[12] | b[13] << 8 | b[14] << 16 | b[15] << 24;
+    }
+    return v;
+}
+
+// This thread's share of chunk c's weighted sketch: sum_j (16 bytes . K[.., j]) * R[c][j].
+__device__ __forceinline__ unsigned long long sketch16(uint4 v, const int (&k)[8][4], const long long* rw)
+{
+    unsigned long long acc = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        int y = __dp4a((int)v.x, k[j][0], 0);
+        y = __dp4a((int)v.y, k[j][1], y);
+        y = __dp4a((int)v.z, k[j][2], y);
+        y = __dp4a((int)v.w, k[j][3], y);
+        acc += (unsigned long long)((long long)y * rw[j]);
+    }
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(DTHREADS)
+kvxfer_mm8(const unsigned long long* __restrict__ table, unsigned long long n,
+           const unsigned int* __restrict__ kp, const long long* __restrict__ r,
+           unsigned long long* __restrict__ out)
+{
+    const unsigned lane = threadIdx.x & 63u;  // the 16 bytes this thread owns in every chunk
+    const unsigned sub = threadIdx.x >> 6;    // which of the 4 chunks of a sweep
+    int k[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) k[j][w] = (int)kp[j * 256 + lane * 4 + w];
+    __shared__ unsigned long long part[DTHREADS / 32];
     for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
         unsigned char* d = (unsigned char*)table[p];
         const unsigned char* s = (const unsigned char*)table[n + p];
-        unsigned long long len = table[2 * n + p];
-        if (((unsigned long long)d ^ (unsigned long long)s) & 15ull) {
-            // Source and destination disagree modulo 16: no vector access can serve both.
-            for (unsigned long long i = threadIdx.x; i < len; i += THREADS) d[i] = s[i];
-            continue;
+        const unsigned long long len = table[2 * n + p], meta = table[3 * n + p];
+        const long long* rw0 = r + (meta >> 32) * 8;
+        unsigned long long acc = 0;
+        // Two chunks in flight per thread: both loads are issued before either is hashed.
+        for (unsigned long long c = sub; c * CHUNK < len; c += 8) {
+            const uint4 v0 = take16(d, s, c * CHUNK + lane * 16, len);
+            const uint4 v1 = take16(d, s, (c + 4) * CHUNK + lane * 16, len);
+            acc += sketch16(v0, k, rw0 + c * 8);
+            if ((c + 4) * CHUNK < len) acc += sketch16(v1, k, rw0 + (c + 4) * 8);
         }
-        // Head bytes up to 16-byte alignment, then 16-byte vectors, then the tail.
-        unsigned long long head = (16ull - ((unsigned long long)d & 15ull)) & 15ull;
-        if (head > len) head = len;
-        if (threadIdx.x < head) d[threadIdx.x] = s[threadIdx.x];
-        unsigned long long body = (len - head) >> 4;
-        uint4* dv = (uint4*)(d + head);
-        const uint4* sv = (const uint4*)(s + head);
-        unsigned long long i = threadIdx.x;
-        for (; i + (UNROLL - 1) * THREADS < body; i += UNROLL * THREADS) {
-            uint4 r[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) r[u] = sv[i + u * THREADS];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) dv[i + u * THREADS] = r[u];
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if ((threadIdx.x & 31u) == 0) part[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long t = 0;
+            for (int w = 0; w < DTHREADS / 32; ++w) t += part[w];
+            atomicAdd(out + (meta & 0xffffffffull), t);
         }
-        for (; i < body; i += THREADS) dv[i] = sv[i];
-        unsigned long long done = head + (body << 4);
-        unsigned long long tail = len - done;
-        if (threadIdx.x < tail) d[done + threadIdx.x] = s[done + threadIdx.x];
+        __syncthreads();
     }
 }

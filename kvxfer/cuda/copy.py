@@ -4,7 +4,10 @@ Two engines move a post's ``(dst, src, len)`` spans:
 
 * ``"sm"``: one launch of the copy kernel in ``batch_copy.cu`` over a table of pieces (long
   spans cut to at most :data:`PIECE` bytes, finer for small posts, so all SMs share the work). The table travels in a
-  pinned slot, so posting never waits for an earlier copy.
+  pinned slot, so posting never waits for an earlier copy. A post of at most :data:`FEW` spans
+  (one block, usually) skips the table: its spans go by value to ``kvxfer_copy_few``, whose
+  launch shape is prepared once per shape (the span lengths) and reused, so posting costs one
+  launch and one event record.
 * ``"ce"``: one ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the copy engines, no SM time taken
   from the engine's own kernels.
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from ._driver import NOT_READY, Cuda, CudaError, MemcpyAttributes, MemLocation
 
-__all__ = ["PIECE", "Copier", "CopyHandle", "piece_size", "pieces"]
+__all__ = ["FEW", "PIECE", "Copier", "CopyHandle", "few_shape", "piece_size", "pieces"]
 
 #: Longest piece one CTA copies: long spans are cut so a few huge ones still use every SM.
 PIECE = 1 << 20
@@ -32,6 +35,11 @@ MIN_PIECE = 32 << 10
 #: Small posts are cut finer, so that even one 4.5 MB row is spread over this many CTAs or so.
 TARGET_PIECES = 1024
 THREADS = 512  # must match batch_copy.cu
+#: Spans a post may have to go by value (``struct Few`` in batch_copy.cu: n, piece, first[FEW+1],
+#: dst[FEW], src[FEW], len[FEW], all uint64).
+FEW = 16
+_FEW_WORDS = 2 + (FEW + 1) + 3 * FEW
+_MAX_SHAPES = 1024  # prepared launch shapes kept per device (a serving engine repeats a handful)
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOC_DEVICE, _LOC_HOST = 1, 2
 _STREAM_NON_BLOCKING = 1
@@ -69,6 +77,14 @@ def pieces(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, piece: int | Non
     return np.concatenate([dst[rep] + off, src[rep] + off, np.minimum(sizes[rep] - off, np.uint64(piece))])
 
 
+def few_shape(sizes: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(piece, first)`` of a post of at most :data:`FEW` spans: span ``i`` owns pieces
+    ``first[i] .. first[i+1]-1``; ``first[-1]`` is the grid."""
+    piece = piece_size(int(sizes.sum()))
+    counts = (sizes.astype(np.uint64) + np.uint64(piece - 1)) // np.uint64(piece)
+    return piece, np.concatenate([np.zeros(1, np.uint64), np.cumsum(counts, dtype=np.uint64)])
+
+
 @dataclass(eq=False)
 class _Slot:
     """A pinned host buffer and a device buffer of one capacity: one post's kernel table."""
@@ -96,10 +112,16 @@ class CopyHandle:
 class _Device:
     stream: int
     module: int | None = None
-    function: int | None = None
+    functions: dict[str, int] = field(default_factory=dict)
     kernel_error: str | None = None
     free_slots: list[_Slot] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
+    # the prepared post: launch shapes by span lengths, and one parameter block passed by value
+    # (cuLaunchKernel copies it at the call, so it is refilled under a lock and reused)
+    shapes: dict[bytes, tuple[int, np.ndarray, int]] = field(default_factory=dict)
+    few: np.ndarray = field(default_factory=lambda: np.zeros(_FEW_WORDS, np.uint64))
+    few_args: Any = None
+    few_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Copier:
@@ -134,23 +156,27 @@ class Copier:
         self._function(device)
         return self._device(device).kernel_error
 
-    def _function(self, device: int) -> int | None:
+    def _function(self, device: int, name: str = "kvxfer_batch_copy") -> int | None:
         d = self._device(device)
-        if d.function is not None or d.kernel_error is not None:
-            return d.function
+        fn = d.functions.get(name)
+        if fn is not None or d.kernel_error is not None:
+            return fn
         from ._ptx import PTX
 
         try:
-            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
             with self.c.on(device):
-                self.c.check_drv(self.c.drv.cuModuleLoadData(ctypes.byref(mod), PTX.encode() + b"\0"),
-                                 "loading the copy kernel")
-                self.c.check_drv(self.c.drv.cuModuleGetFunction(ctypes.byref(fn), mod, b"kvxfer_batch_copy"),
-                                 "cuModuleGetFunction")
-            d.module, d.function = int(mod.value or 0), int(fn.value or 0)
+                if d.module is None:
+                    mod = ctypes.c_void_p()
+                    self.c.check_drv(self.c.drv.cuModuleLoadData(ctypes.byref(mod), PTX.encode() + b"\0"),
+                                     "loading the copy kernel")
+                    d.module = int(mod.value or 0)
+                f = ctypes.c_void_p()
+                self.c.check_drv(self.c.drv.cuModuleGetFunction(ctypes.byref(f), d.module, name.encode()),
+                                 f"cuModuleGetFunction({name})")
+            fn = d.functions[name] = int(f.value or 0)
         except CudaError as exc:
             d.kernel_error = str(exc)
-        return d.function
+        return fn
 
     def _event(self, d: _Device) -> int:
         with self._pool:
@@ -203,6 +229,8 @@ class Copier:
         fn = self._function(device)
         if fn is None:
             raise CudaError(f"the copy kernel is not available on device {device}: {d.kernel_error}")
+        if 0 < sizes.shape[0] <= FEW:
+            return self._copy_few(d, dst, src, sizes, device)
         table = pieces(dst, src, sizes)
         n = table.shape[0] // 3
         slot = self._slot(d, table.nbytes)
@@ -220,6 +248,33 @@ class Copier:
                 d.free_slots.append(slot)
             raise
         return CopyHandle(device, 0, slot=slot, engine="sm")
+
+    def _copy_few(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int) -> CopyHandle:
+        """The prepared post: no table upload, no slot; the shape is looked up, not recomputed."""
+        fn = d.functions.get("kvxfer_copy_few") or self._function(device, "kvxfer_copy_few")
+        if fn is None:
+            raise CudaError(f"the copy kernel is not available on device {device}: {d.kernel_error}")
+        key = sizes.tobytes()
+        shape = d.shapes.get(key)
+        if shape is None:
+            piece, first = few_shape(sizes)
+            if len(d.shapes) >= _MAX_SHAPES:
+                d.shapes.clear()
+            shape = d.shapes[key] = (piece, first, max(1, min(int(first[-1]), (1 << 31) - 1)))
+        piece, first, grid = shape
+        n = sizes.shape[0]
+        with d.few_lock:
+            f = d.few
+            f[0], f[1] = n, piece
+            f[2:3 + n] = first
+            f[2 + FEW + 1:2 + FEW + 1 + n] = dst
+            f[2 + 2 * FEW + 1:2 + 2 * FEW + 1 + n] = src
+            f[2 + 3 * FEW + 1:2 + 3 * FEW + 1 + n] = sizes
+            if d.few_args is None:
+                d.few_args = (ctypes.c_void_p * 1)(f.ctypes.data)
+            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, d.few_args, None),
+                             "launching the copy kernel")
+        return CopyHandle(device, 0, engine="sm")
 
     def _copy_ce(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
                  src_device: int | None, dst_device: int | None) -> CopyHandle:

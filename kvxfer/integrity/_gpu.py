@@ -1,4 +1,8 @@
-"""Digests of VRAM cells with torch ops (imported only when a VRAM cell is digested).
+"""Digests of VRAM cells on the GPU (imported only when a VRAM cell is digested).
+
+``mm8`` goes first to the device path's kernel (:mod:`kvxfer.cuda.digest`: every cell in one
+launch, read once where it lies, no torch); the torch ops below serve where it cannot
+(a cell off a 16-byte boundary, no loadable kernel) and are the reference it is tested against.
 
 ``mm8`` runs where the bytes are: adjacent cells that are contiguous in memory form one
 group, a group becomes one ``[rows, 1024]`` int8 matrix and one ``torch._int_mm`` with the
@@ -129,8 +133,26 @@ def vram_cells(spans: Spans, cols: np.ndarray) -> dict[int, np.ndarray]:
                 at += ln
     return out
 
+#: mm8 through the device path's kernel (kvxfer.cuda.digest: one pass, no torch) where it serves;
+#: False keeps the torch ops below (benchmarks compare the two).
+USE_KERNEL = [True]
+
+
+def _by_kernel(spans: Spans, cols: np.ndarray) -> np.ndarray | None:
+    try:
+        from ..cuda.digest import mm8_cells
+    except ImportError:
+        return None
+    addr = spans.addresses()[:, cols].astype(np.uint64)
+    devices = [int(spans.allocations[int(spans.alloc[c])].device) for c in cols.tolist()]
+    return mm8_cells(addr, spans.length[cols], devices)
+
 
 def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
+    if algorithm == "mm8" and USE_KERNEL[0]:
+        got = _by_kernel(spans, cols)
+        if got is not None:
+            return got
     import torch
 
     out = np.empty((spans.block.shape[0], cols.shape[0]), np.uint64)

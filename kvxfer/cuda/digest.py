@@ -1,0 +1,164 @@
+"""mm8 digests on the GPU with the copier's own kernel: one pass over the bytes, no torch.
+
+``kvxfer_mm8`` (``batch_copy.cu``) computes :mod:`kvxfer.integrity.mm8`'s definition exactly:
+each 1024-byte chunk of a cell against the int8 sketch (``__dp4a``), weighted by the fold
+weights, summed modulo 2**64; the host mixes each sum with its cell's length
+(:func:`kvxfer.integrity.mm8.finalize`). With a destination it also copies what it hashes,
+so a verified copy reads its bytes once (BENCHMARKS.md, "Verified VRAM, one pass").
+
+Why not torch: its path gathers the cells (one copy), runs one int8 product per group and a
+handful of small ops; this is one launch over the cells where they lie. Cells must start on a
+16-byte boundary (they do in every KV layout seen); :func:`mm8` returns ``None`` otherwise and
+the caller keeps its other path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..integrity.mm8 import CHUNK, fold_weights, length_key, mix, sketch_matrix  # noqa: F401 (length_key: the definition)
+from .copy import Copier, CopyHandle
+from ._driver import CudaError
+
+__all__ = ["mm8", "mm8_cells", "mm8_table"]
+
+_D2H = 2
+_GOLDEN = 0x9E3779B97F4A7C15  # length_key's multiplier
+#: Largest piece one CTA hashes (a multiple of CHUNK): long cells are cut so every SM works.
+DPIECE = 64 << 10
+_DTHREADS = 256  # must match batch_copy.cu
+
+
+def mm8_table(src: np.ndarray, lengths: np.ndarray, dst: np.ndarray | None = None,
+              piece: int = DPIECE) -> np.ndarray:
+    """The kernel's table ``[dst..., src..., len..., meta...]`` (uint64): cell ``i`` cut into
+    pieces of at most ``piece`` bytes, each tagged ``s0 << 32 | i`` (its first chunk, its cell)."""
+    assert piece % CHUNK == 0
+    src = np.asarray(src, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    dst = np.zeros_like(src) if dst is None else np.asarray(dst, dtype=np.uint64)
+    k = ((lengths + np.uint64(piece - 1)) // np.uint64(piece)).astype(np.int64)
+    cell = np.repeat(np.arange(src.shape[0], dtype=np.uint64), k)
+    first = np.cumsum(k) - k
+    j = (np.arange(int(k.sum()), dtype=np.int64) - np.repeat(first, k)).astype(np.uint64)
+    off = j * np.uint64(piece)
+    ln = np.minimum(lengths[cell.astype(np.int64)] - off, np.uint64(piece))
+    d = np.where(dst[cell.astype(np.int64)] != 0, dst[cell.astype(np.int64)] + off, np.uint64(0))
+    meta = ((off // np.uint64(CHUNK)) << np.uint64(32)) | cell
+    return np.concatenate([d, src[cell.astype(np.int64)] + off, ln, meta])
+
+
+class _Consts:
+    """The packed sketch (``[8][256]`` words: column j, bytes 4w..4w+3) and the fold weights."""
+
+    def __init__(self) -> None:
+        self.kp = 0
+        self.r = 0
+        self.rows = 0
+
+
+_consts: dict[int, _Consts] = {}
+
+
+def _upload(c: Any, arr: np.ndarray) -> int:
+    g = ctypes.c_void_p()
+    c.check(c.rt.cudaMalloc(ctypes.byref(g), arr.nbytes), "cudaMalloc")
+    c.check(c.rt.cudaMemcpyAsync(g, arr.ctypes.data, arr.nbytes, 1, None), "uploading mm8 constants")
+    c.check(c.rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+    return int(g.value or 0)
+
+
+def _constants(copier: Copier, device: int, chunks: int) -> _Consts:
+    k = _consts.get(device)
+    if k is None:
+        k = _consts[device] = _Consts()
+        kp = np.ascontiguousarray(sketch_matrix().T).view(np.uint32)  # [8, 256]
+        k.kp = _upload(copier.c, np.ascontiguousarray(kp))
+    if k.rows < chunks:
+        rows = max(chunks, 2 * k.rows, 64)
+        old = k.r
+        k.r, k.rows = _upload(copier.c, np.ascontiguousarray(fold_weights(rows))), rows
+        if old:
+            copier.c.rt.cudaFree(old)
+    return k
+
+
+def mm8(copier: Copier, device: int, src: np.ndarray, lengths: np.ndarray,
+        dst: np.ndarray | None = None) -> np.ndarray | None:
+    """mm8 of the cells at ``src`` (``lengths`` bytes each, all on ``device``) as uint64, after
+    copying each to ``dst`` when given; ``None`` when a cell is not 16-byte aligned or the kernel
+    cannot load here. Synchronous: the digests are on the host when it returns."""
+    src = np.ascontiguousarray(src, dtype=np.uint64).reshape(-1)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint64).reshape(-1)
+    n = src.shape[0]
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    if (src & np.uint64(15)).any() or (dst is not None and (np.asarray(dst, np.uint64) & np.uint64(15)).any()):
+        return None
+    fn = copier._function(device, "kvxfer_mm8")
+    if fn is None:
+        return None
+    d = copier._device(device)
+    c = copier.c
+    chunks = int((int(lengths.max()) + CHUNK - 1) // CHUNK)
+    with c.on(device):
+        k = _constants(copier, device, chunks)
+        table = mm8_table(src, lengths, dst)
+        pieces = table.shape[0] // 4
+        tslot = copier._slot(d, table.nbytes)
+        oslot = copier._slot(d, 8 * n)
+        h = CopyHandle(device, 0, slot=tslot, engine="mm8")
+        try:
+            tslot.view[: table.shape[0]] = table
+            c.check(c.rt.cudaMemcpyAsync(tslot.dev, tslot.host, table.nbytes, 1, d.stream), "uploading the mm8 table")
+            c.check(c.rt.cudaMemsetAsync(oslot.dev, 0, 8 * n, d.stream), "cudaMemsetAsync")
+            a = [ctypes.c_ulonglong(v) for v in (tslot.dev, pieces, k.kp, k.r, oslot.dev)]
+            args = (ctypes.c_void_p * 5)(*[ctypes.addressof(x) for x in a])
+            grid = max(1, min(pieces, (1 << 31) - 1))
+            c.check_drv(c.drv.cuLaunchKernel(fn, grid, 1, 1, _DTHREADS, 1, 1, 0, d.stream, args, None),
+                        "launching the mm8 kernel")
+            c.check(c.rt.cudaMemcpyAsync(oslot.host, oslot.dev, 8 * n, _D2H, d.stream), "reading the mm8 sums")
+            h.event = copier._event(d)
+            c.check(c.rt.cudaEventRecord(h.event, d.stream), "cudaEventRecord")
+        except CudaError:
+            with copier._pool:
+                d.free_slots.append(oslot)
+            if h.event:
+                copier._recycle(h)
+            else:
+                with copier._pool:
+                    d.free_slots.append(tslot)
+            raise
+        try:
+            copier.synchronize(h)
+            sums = oslot.view[:n].copy()
+        finally:
+            with copier._pool:
+                d.free_slots.append(oslot)
+    keys = (lengths * np.uint64(_GOLDEN)).view(np.int64)  # length_key, vectorised (modulo 2**64)
+    return np.asarray(mix(sums.view(np.int64) ^ keys)).view(np.uint64)
+
+
+def mm8_cells(addr: np.ndarray, lengths: np.ndarray, devices: list[int]) -> np.ndarray | None:
+    """``[B, C]`` mm8 digests of cells at ``addr`` ``[B, C]`` (``lengths`` ``[C]``; column ``c``
+    on GPU ``devices[c]``) through the process's copier; ``None`` where the kernel cannot serve."""
+    from .capability import cuda_capability
+
+    cap = cuda_capability()
+    if cap.why_not() is not None:
+        return None
+    cap.c  # noqa: B018 (creates the copier)
+    assert cap._copier is not None
+    out = np.empty(addr.shape, np.uint64)
+    dev = np.asarray(devices, dtype=np.int64)
+    full = np.broadcast_to(np.asarray(lengths, np.uint64)[None, :], addr.shape)
+    for g in np.unique(dev).tolist():
+        m = dev == g
+        got = mm8(cap._copier, int(g), addr[:, m].ravel(), full[:, m].ravel())
+        if got is None:
+            return None
+        out[:, m] = got.reshape(addr.shape[0], -1)
+    return out
