@@ -26,7 +26,7 @@ from typing import Any
 
 from . import _wire
 from .errors import MetadataError, SpecError
-from .geometry._spec import KVCacheSpec
+from .geometry import KVCacheSpec
 from .tokens import TAG_SIZE, mac, verify
 
 __all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES", "MAX_PEER_MEMBERS", "seal", "unseal"]

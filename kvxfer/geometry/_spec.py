@@ -151,7 +151,7 @@ class PackedLayout:
         if len(set(names)) != len(names):
             # Counter, not names.count per name: a hostile spec may carry 65536 members.
             dup = sorted((n for n, c in collections.Counter(names).items() if c > 1), key=natural_key)
-            raise SpecError(f"duplicate member names in one region: {_abbrev(dup)}")
+            raise SpecError(f"duplicate member names in one region: {abbreviate(dup)}")
         object.__setattr__(self, "members", members)
 
     @functools.cached_property
@@ -407,7 +407,8 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
 
 
-def _abbrev(names: Iterable[str], limit: int = 6) -> str:
+def abbreviate(names: Iterable[str], limit: int = 6) -> str:
+    """The first ``limit`` names, joined, and how many more: a refusal stays one readable line."""
     names = list(names)
     s = ", ".join(names[:limit])
     return s + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

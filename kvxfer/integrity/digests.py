@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _wire
 from ..errors import IntegrityError, MetadataError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, finalize, fold_weights, sketch_matrix
