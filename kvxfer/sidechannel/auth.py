@@ -29,7 +29,7 @@ import hmac
 
 from kvxfer.tokens import NO_AUTH, mac, token_key
 
-from .frames import VERSION, HandshakeAuthError, HandshakeReplayError, TokenRequiredError
+from .frames import HandshakeAuthError, HandshakeReplayError, TokenRequiredError
 
 __all__ = ["require_key", "server_proof", "client_proof", "data_tag", "reply_tag", "check_echo",
            "check_tag"]
