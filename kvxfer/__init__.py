@@ -22,13 +22,13 @@ from .agent import Agent, Peer
 from .plugin.backend import Backend, Capabilities
 from .errors import *  # noqa: F403
 from .plugin.hookspecs import hookimpl
-from .geometry._discover import spec_from_arrays, spec_from_pointers, spec_from_tensors
-from .pairing._rules import check_pairing, spec_diff
-from .geometry._spec import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
+from .geometry import spec_from_arrays, spec_from_pointers, spec_from_tensors
+from .pairing import check_pairing, spec_diff
+from .geometry import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
 from .memory import Allocation, DescriptorList, MemoryKind, Op
 from .metadata import AgentMetadata
-from .geometry._pageformat import PageFormat, Shard
-from .pairing._templates import Pairing, pair
+from .geometry import PageFormat, Shard
+from .pairing import Pairing, pair
 from .planner import Leg, TransferPlan, plan
 from .plugin.registry import BackendStatus, available_backends
 from .transfer import Status, Transfer, TransferStats

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .integrity.verified import gather_check, pairing_check, require
-from .pairing._templates import Pairing
+from .pairing import Pairing
 
 __all__ = ["for_read", "for_many", "canary", "digest", "cells_for"]
 
@@ -37,7 +37,7 @@ def digest(agent: Any, blocks: Any, cells: Any, algorithm: str, rows: bool) -> A
 def cells_for(agent: Any, peers: tuple[str, ...]) -> dict[str, Any]:
     from .errors import SpecError
     from .integrity import cells_for as cells
-    from .pairing._reshard import cached_gather
+    from .pairing import cached_gather
 
     if agent.spec is None:
         raise SpecError("register a KV cache before asking what to digest")

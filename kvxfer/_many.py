@@ -14,9 +14,9 @@ from . import _checks
 from .errors import InvalidArgumentError, SpecError, UnsupportedError
 from .group import TransferGroup
 from .memory import Op
-from .pairing._templates import Pairing
+from .pairing import Pairing
 from .planner import plan_gather
-from .pairing._reshard import cached_gather
+from .pairing import cached_gather
 from .transfer import Transfer
 
 __all__ = ["post_many"]

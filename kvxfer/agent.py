@@ -27,17 +27,17 @@ from .errors import (
     UnknownPeerError,
     UnsupportedError,
 )
-from .geometry._discover import DISCOVERY_OPTIONS, spec_from_tensors
+from .geometry import DISCOVERY_OPTIONS, spec_from_tensors
 from .group import TransferGroup
-from .geometry._spec import KVCacheSpec
+from .geometry import KVCacheSpec
 from .memory import Op, as_op
 from .metadata import AgentMetadata, seal, unseal
 from .observe import transfer_finished
-from .pairing._templates import Pairing, pair
+from .pairing import Pairing, pair
 from .planner import TransferPlan, plan
 from .plugin.backend import Backend, check_options
 from .plugin.registry import get_backend_class, plugin_manager
-from .pairing._reshard import Gather, pair_source
+from .pairing import Gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer
 from . import _args, _checks, _many, _posting, lifecycle

@@ -20,9 +20,9 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .geometry._spec import Granularity, KVCacheSpec
+from .geometry import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind
-from .pairing._sliced import SlicedLists
+from .pairing import SlicedLists
 
 __all__ = ["ExplicitLeg", "Leg", "Lists", "SlicedLeg", "SpecLeg"]
 

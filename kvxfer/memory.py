@@ -9,16 +9,21 @@ numbers (no tensors, no layers) is what lets a backend stay a few hundred lines.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 
 import numpy as np
 
+from . import _wire
 from .errors import InvalidArgumentError, OutOfRegistrationError, SpecError
 
 __all__ = ["MemoryKind", "Op", "Allocation", "DescriptorList", "as_op"]
 
 _U64_MAX = (1 << 64) - 1
+#: The one integer rule (:func:`kvxfer._wire.integer`) for geometry values, which callers may
+#: give as numpy integers: a :class:`SpecError` otherwise.
+spec_int: Final = functools.partial(_wire.integer, error=SpecError, integral=True)
 
 
 class MemoryKind(str, enum.Enum):
@@ -52,16 +57,6 @@ def as_op(value: object) -> Op:
     return Op(value)
 
 
-def _int(name: str, value: Any, *, lo: int = 0, hi: int = _U64_MAX) -> int:
-    # bool is an int subclass; a True offset is always a bug.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SpecError(f"{name} must be an integer, got {type(value).__name__}")
-    v = int(value)
-    if not lo <= v <= hi:
-        raise SpecError(f"{name}={v} is outside [{lo}, {hi}]")
-    return v
-
-
 @dataclass(frozen=True)
 class Allocation:
     """One registered span: ``(address, nbytes, kind, device)``.
@@ -76,9 +71,9 @@ class Allocation:
     device: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "address", _int("address", self.address))
-        object.__setattr__(self, "nbytes", _int("nbytes", self.nbytes, lo=1))
-        object.__setattr__(self, "device", _int("device", self.device, hi=(1 << 31) - 1))
+        object.__setattr__(self, "address", spec_int(self.address, "address"))
+        object.__setattr__(self, "nbytes", spec_int(self.nbytes, "nbytes", lo=1))
+        object.__setattr__(self, "device", spec_int(self.device, "device", hi=(1 << 31) - 1))
         try:
             object.__setattr__(self, "kind", MemoryKind(self.kind))
         except ValueError:

@@ -19,23 +19,21 @@ string a valid Unicode scalar sequence, and at most :data:`MAX_PEER_MEMBERS` mem
 from __future__ import annotations
 
 import base64
-import binascii
-import hmac
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from . import _wire
 from .errors import MetadataError, SpecError
-from .geometry._spec import KVCacheSpec
-from .tokens import TAG_SIZE, mac
+from .geometry import KVCacheSpec
+from .tokens import TAG_SIZE, mac, verify
 
 __all__ = ["AgentMetadata", "PROTOCOL_VERSION", "MAX_METADATA_BYTES", "MAX_PEER_MEMBERS", "seal", "unseal"]
 
 PROTOCOL_VERSION = 2  # 2: members say what their pages hold (dtype, axes, role, heads)
 MAGIC = b"KVXFMETA"
 SIGNED_MAGIC = b"KVXFSIG1"
-_SIGN_LABEL = b"kvxfer-metadata\x01"
 #: Upper bound on encoded metadata; a 200-member spec plus a NIXL blob is well under 1 MiB.
 MAX_METADATA_BYTES = 16 << 20
 #: JSON items (values of lists and objects) a document may hold, counted before parsing so a
@@ -45,11 +43,12 @@ MAX_JSON_ITEMS = 1 << 18
 #: pages four ways, small enough that building and pairing them stays bounded.
 MAX_PEER_MEMBERS = 16384
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+_FIELDS = frozenset({"version", "name", "generation", "backend", "blob", "spec"})
 
 
 def seal(raw: bytes, key: bytes) -> bytes:
     """Sign encoded metadata with the token's key (see the module docstring for the form)."""
-    return SIGNED_MAGIC + mac(key, _SIGN_LABEL, raw) + raw
+    return SIGNED_MAGIC + mac(key, "metadata", raw) + raw
 
 
 def unseal(data: object, key: bytes | None) -> bytes:
@@ -73,7 +72,7 @@ def unseal(data: object, key: bytes | None) -> bytes:
         raise MetadataError("unsigned metadata: this agent requires metadata signed with the shared token; "
                             "give the peer the same token (Agent(..., token=...))")
     tag, raw = data[len(SIGNED_MAGIC):len(SIGNED_MAGIC) + TAG_SIZE], data[len(SIGNED_MAGIC) + TAG_SIZE:]
-    if len(tag) != TAG_SIZE or not hmac.compare_digest(tag, mac(key, _SIGN_LABEL, raw)):
+    if not verify(tag, key, "metadata", raw):
         raise MetadataError("metadata signature does not verify: the peer holds a different token, or the "
                             "bytes were altered")
     return raw
@@ -134,31 +133,16 @@ class AgentMetadata:
             raise MetadataError("signed metadata: an agent with the token verifies it (unseal) before decoding")
         if not data.startswith(MAGIC):
             raise MetadataError("not kvxfer metadata (bad magic)")
-        body = data[len(MAGIC):]
-        items = body.count(b",") + body.count(b"[") + body.count(b"{")  # an upper bound, counted in C
-        if items > MAX_JSON_ITEMS:
-            raise MetadataError(f"metadata holds up to {items} JSON items, over the {MAX_JSON_ITEMS} limit")
-        try:
-            doc: Any = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-            if b"\\u" in body:  # only escapes can make strings that are not valid Unicode
-                _check_strings(doc)
-        except (UnicodeError, ValueError, RecursionError) as exc:
-            raise MetadataError(f"metadata is not valid UTF-8 JSON: {exc}") from None
+        doc = _wire.load_json(memoryview(data)[len(MAGIC):], "metadata", limit=MAX_METADATA_BYTES,
+                              max_items=MAX_JSON_ITEMS)
         if not isinstance(doc, dict):
             raise MetadataError("metadata must be a JSON object")
         version = doc.get("version")
         # type() check: True == 1 and 1.0 == 1 in Python, neither is a protocol version.
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise MetadataError(f"unsupported metadata version {version!r} (this kvxfer speaks {PROTOCOL_VERSION})")
-        expected = {"version", "name", "generation", "backend", "blob", "spec"}
-        if set(doc) != expected:
-            raise MetadataError(f"metadata fields {sorted(doc)} != {sorted(expected)}")
-        try:
-            blob = base64.b64decode(doc["blob"], validate=True) if isinstance(doc["blob"], str) else None
-        except (binascii.Error, ValueError):
-            blob = None
-        if blob is None:
-            raise MetadataError("backend blob is not valid base64")
+        _wire.keys(doc, _FIELDS, "metadata")
+        blob = _wire.b64(doc["blob"], "backend blob", MAX_METADATA_BYTES, empty=True)
         _check_member_count(doc["spec"])
         try:
             spec = KVCacheSpec.from_dict(doc["spec"]) if doc["spec"] is not None else None
@@ -167,25 +151,6 @@ class AgentMetadata:
         except (TypeError, KeyError, AttributeError, ValueError, OverflowError, RecursionError) as exc:
             raise MetadataError(f"peer KV cache spec is malformed: {exc!r}") from None
         return cls(doc["name"], doc["generation"], doc["backend"], blob, spec, version)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _check_strings(doc: Any) -> None:
-    """Every key and string must encode as UTF-8: a lone surrogate (``"\\ud800"``) would raise
-    ``UnicodeEncodeError`` later, wherever a name is printed, logged or handed to a transport."""
-    stack = [doc]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            x.encode("utf-8")
-        elif isinstance(x, list):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
 
 
 def _check_member_count(spec: Any) -> None:

@@ -22,12 +22,12 @@ import numpy as np
 
 from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
                      InvalidArgumentError, LayoutMismatchError)
-from .geometry._spec import Granularity, KVCacheSpec
+from .geometry import Granularity, KVCacheSpec
 from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
 from .memory import DescriptorList, Op, as_op
-from .pairing._templates import Group, Pairing, cached_pairing
-from .pairing._reshard import Gather
-from .pairing._sliced import may_merge as _may_merge
+from .pairing import Group, Pairing, cached_pairing
+from .pairing import Gather
+from .pairing import may_merge as _may_merge
 
 __all__ = ["plan", "plan_gather", "TransferPlan", "Leg", "ExplicitLeg", "SlicedLeg", "SpecLeg",
            "as_block_ids", "check_unique"]

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from .bounds import MAX_PREPARED_DESCRIPTORS
-from .geometry._spec import Granularity, KVCacheSpec
+from .geometry import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind
 from .planner import TransferPlan
 from .plugin.backend import Backend

@@ -23,7 +23,8 @@ Different bytes are proven in different helpers (``helpers`` at most, started on
 callers of the same bytes share one probe. Every wait is bounded by the caller's deadline
 (``deadline=``, else :func:`kvxfer.deadlines.current_deadline`, else ``start_timeout + 2 *
 timeout``). Helpers are recycled every ``recycle_after`` probes or past ``max_descriptors``
-descriptors. What runs is ``"package.module:factory"``; ``factory(**options)`` (JSON
+descriptors. What runs is ``"package.module:factory"`` (the helper's side, and the request
+format of a backend probe, are in :mod:`kvxfer._probeside`); ``factory(**options)`` (JSON
 options) returns a callable taking the bytes. What needs proving: docs/design.md, section 8.
 """
 
@@ -36,15 +37,15 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import sys
 import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact, serve
+from ._probeside import backend_probe, named, unnamed
 from . import errors
 from .deadlines import Backoff, Deadline, check_timeout, current_deadline
 from .errors import KvxferError, MetadataCrashError, MetadataError, ProverUnavailableError
@@ -59,7 +60,6 @@ DEFAULT_START_TIMEOUT = 120.0
 _live: "weakref.WeakSet[Prover]" = weakref.WeakSet()
 _shared: dict[tuple[str, str, float], "Prover"] = {}
 _shared_lock = threading.Lock()
-_NAME = struct.Struct("<H")
 _log = logging.getLogger("kvxfer.prove")
 _announced: set[str] = set()  # targets whose first helper start was logged (once per process)
 _retired: Counter[str] = Counter()  # collected provers' counters: health() never goes down
@@ -449,42 +449,6 @@ def shared(target: str, options: Mapping[str, Any], timeout: float, **kw: Any) -
             p = _shared[key] = Prover(target, options, timeout=key[2], log=os.environ.get("KVXFER_PROVE_LOG") or None,
                                       **kw)
         return p
-
-
-def backend_probe(backend: Any) -> Callable[[bytes], None]:
-    """In a helper: the probe that adds, then removes, the peer a :func:`named` request names.
-
-    ``backend`` is built like the one it protects; 64 KiB are registered on it first, since
-    the protected backend has memory registered too (what a load touches can depend on it).
-    """
-    import numpy as np
-
-    from .memory import Allocation
-
-    memory = np.zeros(1 << 16, np.uint8)
-    backend.register([Allocation(memory.ctypes.data, memory.nbytes)])
-
-    def probe(data: bytes) -> None:
-        name, blob = unnamed(data)
-        try:
-            backend.add_remote(name, blob)
-        finally:
-            backend.remove_remote(name)
-
-    probe.memory = memory  # type: ignore[attr-defined]  # kept registered for the helper's life
-    return probe
-
-
-def named(name: str, blob: bytes) -> bytes:
-    """A probe request for a backend's ``add_remote(name, blob)``: the name, then the blob."""
-    raw = name.encode("utf-8")
-    return _NAME.pack(len(raw)) + raw + bytes(blob)
-
-
-def unnamed(data: bytes) -> tuple[str, bytes]:
-    """The inverse of :func:`named`, in the helper."""
-    (n,) = _NAME.unpack_from(data)
-    return data[_NAME.size:_NAME.size + n].decode("utf-8"), data[_NAME.size + n:]
 
 
 def health() -> dict[str, Any]:

@@ -371,7 +371,7 @@ def test_doctor_json_and_a_failing_peer() -> None:
 
 def test_doctor_names_a_prover_that_does_not_start() -> None:
     """The check above reads ok; here the helper's target is missing, and doctor says so with a fix."""
-    from kvxfer.cli.doctor import check_prover
+    from kvxfer.plugin.doctor import check_prover
 
     (c,) = check_prover("kvxfer.testing.no_such_module:factory", {})
     assert c.status == "fail" and "no_such_module" in c.detail and "KVXFER_PROVE_LOG" in (c.fix or "")
@@ -387,12 +387,12 @@ def test_doctor_shows_the_loaded_ucx_and_whether_the_stuck_slot_skip_is_on(monke
 
     ucx = pytest.importorskip("kvxfer_ucx")
     from kvxfer.cli import doctor
-    from kvxfer_ucx import _stuckslot
+    from kvxfer_ucx import _doctor, _stuckslot
 
     d = ucx.diagnostics()
     if d["version"] is None:
         pytest.skip(f"libucp does not load here: {d['error']}")
-    checks = {c.check: c for c in doctor.check_ucx(0)}
+    checks = {c.check: c for c in _doctor.check_ucx(0, d)}
     skip = checks["ucx stuck-slot"]
     assert d["version"] in checks["ucx"].detail
     assert d["stuck_slot_skip"] == (tuple(int(x) for x in d["version"].split(".")[:2]) in _stuckslot.LAYOUT_VERSIONS)
@@ -401,9 +401,11 @@ def test_doctor_shows_the_loaded_ucx_and_whether_the_stuck_slot_skip_is_on(monke
     private = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                and n.module.startswith("kvxfer_ucx._")]
     assert private == []
+    text = Path(doctor.__file__).read_text()  # issue 32: doctor names no plugin; each answers kvxfer_doctor_checks
+    assert not any(p in text for p in ("kvxfer_ucx", "kvxfer_nixl", "kvxfer_loopback")), "doctor names a plugin"
 
     monkeypatch.setattr(_stuckslot, "LAYOUT_VERSIONS", frozenset())  # control
-    off = {c.check: c for c in doctor.check_ucx(0)}["ucx stuck-slot"]
+    off = {c.check: c for c in _doctor.check_ucx(0, ucx.diagnostics())}["ucx stuck-slot"]
     assert off.status == "warn" and off.detail.startswith("off") and off.fix
 
 

@@ -150,3 +150,61 @@ def test_in_tree_plugins_have_no_import_cycle() -> None:
     assert len(plugins) >= 3
     for plugin in plugins:
         assert _cycles(_graph(plugin)) == [], plugin.name
+
+
+# -- package faces --------------------------------------------------------------------------
+#: Packages whose own files still reach into another package's private modules, owned by
+#: another engineer this session (issue 32): their imports move to the faces with them.
+_FACE_EXEMPT = ("kvxfer.store.",
+                # the fault injector patches a private class of the GPU digests on purpose
+                "kvxfer.testing.faults")
+
+
+def _crossings(package: Path) -> list[str]:
+    """Imports of an underscored module of a package from a module outside that package.
+
+    ``kvxfer.geometry._spec`` belongs to ``kvxfer.geometry``: only modules inside that package
+    may import it; everyone else goes through the face (``kvxfer.geometry``). ``kvxfer._wire``
+    belongs to ``kvxfer``, so every kvxfer module may import it.
+    """
+    out = []
+    modules = _modules(package)
+    for name, (path, is_pkg) in sorted(modules.items()):
+        if name.startswith(_FACE_EXEMPT):
+            continue
+        here = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = here.split(".")[:len(here.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for full in (f"{target}.{a.name}" for a in node.names):
+                parts = full.split(".")
+                for i, part in enumerate(parts[1:], 1):
+                    if ".".join(parts[:i + 1]) not in modules:
+                        break  # a name inside a module: the module's own business
+                    if part.startswith("_") and not part.startswith("__"):
+                        owner = ".".join(parts[:i])
+                        if not (name == owner or name.startswith(owner + ".")):
+                            out.append(f"{name}: {full}")
+                        break
+    return out
+
+
+def test_no_import_crosses_a_package_face() -> None:
+    assert _crossings(ROOT / "kvxfer") == []
+
+
+def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
+    """Control: an import of a sibling package's private module, next to two that are allowed."""
+    pkg = tmp_path / "kvxfer"
+    (pkg / "geometry").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_wire.py").write_text("")
+    (pkg / "geometry" / "__init__.py").write_text("from ._spec import Spec\n")
+    (pkg / "geometry" / "_spec.py").write_text("from .. import _wire\nSpec = 1\n")
+    (pkg / "legs.py").write_text("from .geometry._spec import Spec\nfrom .geometry import Spec\nfrom . import _wire\n")
+    assert _crossings(pkg) == ["kvxfer.legs: kvxfer.geometry._spec.Spec"]

@@ -100,3 +100,35 @@ def test_closing_the_pipes_of_a_child_that_stopped_reading_does_not_raise() -> N
         raised = False
     proc.stdout.close()  # type: ignore[union-attr]
     assert raised
+
+
+def test_a_parent_holding_over_1024_descriptors_still_reads_replies() -> None:
+    """An engine holds thousands of descriptors, so its children's pipes are numbered past 1,024:
+    the channel waits with ``poll`` (kvxfer.deadlines.readable). Control: ``select`` refuses the
+    same descriptor, which is how the channel failed before."""
+    import os
+    import resource
+    import select
+
+    import pytest
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            ch = lines.Channel(proc)
+            assert ch._fd >= 1024
+            with pytest.raises(ValueError):
+                select.select([ch._fd], [], [], 0)
+            assert ch.read(60) == {"hello": True}
+            assert ch.ask({"text": "x" * 10}, 60) == {"echo": "x" * 10, "size": 10}
+        finally:
+            assert ch.stop(60) and proc.returncode == 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

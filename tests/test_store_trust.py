@@ -31,7 +31,7 @@ from kvxfer.errors import StoreError, StorePermissionError
 from kvxfer.store import dirs, journal
 from kvxfer.store.slab import HEADER, geometry
 from kvxfer.store.view import IndexView, ViewHandle
-from other_uid import as_user, attacker
+from kvxfer.testing.other_uid import as_user, attacker
 from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
 
 DIMS_A = DIMS["aligned"]

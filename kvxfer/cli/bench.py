@@ -73,7 +73,7 @@ def _layouts(text: str) -> list[tuple[str, str]]:
 
 def _check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]], dict[str, Any]]:
     from ..plugin.registry import get_backend_class
-    from ..geometry._presets import resolve
+    from ..geometry import resolve
 
     try:
         options = json.loads(args.options)

@@ -129,7 +129,7 @@ PHASES = {
 def run(args: argparse.Namespace) -> int:
     from ..agent import Agent
     from ..plugin.registry import get_backend_class
-    from ..geometry._presets import resolve
+    from ..geometry import resolve
     from ..testing.buffers import allocate
     from ..testing.peer import InProcessPeer, PeerProcess
 

@@ -9,36 +9,23 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
-import shutil
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from ..extras import install_hint
+from ..plugin.doctor import MARK, Check, probe as _probe
 from .args import add_json
 from .output import CliError, emit_json
 from ..table import Column, print_table
 
 __all__ = ["add_parser", "run", "Check"]
 
-PROBE_TIMEOUT = 60.0
 #: Where the token is looked for when --token is not given (the vLLM connector's default too).
 TOKEN_ENV = "KVXFER_TOKEN"
-MARK = "KVXFER-DOCTOR "
-
-
-@dataclass
-class Check:
-    check: str
-    status: str  # ok | warn | fail | info
-    detail: str
-    fix: str | None = None
 
 
 def add_parser(sub: Any) -> None:
@@ -53,20 +40,6 @@ def add_parser(sub: Any) -> None:
                    help="where to try serving the side channel (default 127.0.0.1:0, a free local port)")
     add_json(p)
     p.set_defaults(fn=run)
-
-
-def _probe(code: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, str]:
-    """Run ``code`` in a child Python; it reports by printing ``MARK + json``. Returns (data, error)."""
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT,
-                           env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired:
-        return None, f"did not finish within {PROBE_TIMEOUT:g} s"
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):]), ""
-    tail = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
-    return None, tail[:300]
 
 
 def check_plugins() -> list[Check]:
@@ -85,156 +58,6 @@ def check_plugins() -> list[Check]:
             out.append(Check(f"backend {s.name}", "warn", f"cannot run here: {s.reason}",
                              s.install or "see `kvxfer backends`"))
     return out
-
-
-_NIXL_PROBE = f"""
-import json, importlib.metadata as md
-out = {{"version": md.version("nixl")}}
-import kvxfer_nixl._nixl  # the backend's UCX workarounds first (plugins/kvxfer_nixl/_nixl.py)
-from nixl._api import nixl_agent, nixl_agent_config
-a = nixl_agent("kvxfer-doctor", nixl_agent_config(backends=["UCX"]))
-out["plugins"] = sorted(a.get_plugin_list())
-out["backends"] = sorted(a.backends)
-out["mem"] = sorted(a.get_backend_mem_types("UCX")) if "UCX" in a.backends else []
-print({MARK!r} + json.dumps(out))
-"""
-
-
-def check_nixl() -> list[Check]:
-    import importlib.util
-
-    if importlib.util.find_spec("nixl") is None:
-        return [Check("nixl", "warn", "not installed: the nixl backend is unavailable",
-                      install_hint("nixl"))]
-    data, err = _probe(_NIXL_PROBE, {"NIXL_LOG_LEVEL": "ERROR"})
-    if data is None:
-        return [Check("nixl", "fail", f"installed, but creating an agent failed: {err}",
-                      f"reinstall it ({install_hint('nixl').replace('pip install', 'pip install --force-reinstall', 1)}); if its UCX plugin is missing, "
-                      "point NIXL_PLUGIN_DIR at the folder holding libplugin_UCX.so")]
-    if "UCX" not in data["backends"]:
-        return [Check("nixl", "fail", f"nixl {data['version']} has no UCX backend (plugins: "
-                                      f"{', '.join(data['plugins']) or 'none'})",
-                      "point NIXL_PLUGIN_DIR at the folder holding libplugin_UCX.so, or reinstall nixl")]
-    return [Check("nixl", "ok", f"nixl {data['version']}, UCX backend up; memory {', '.join(data['mem'])}; "
-                                f"plugins {', '.join(data['plugins'])}")]
-
-
-_PROVER_PROBE = """
-import json, time
-from kvxfer import prove
-from kvxfer.deadlines import Deadline
-p = prove.Prover({target!r}, {options!r}, start_backoff=(0.01, 0.01))
-t, err = time.monotonic(), None
-try:
-    p.start(deadline=Deadline.within({seconds!r}))
-except Exception as exc:
-    err = f"{{type(exc).__name__}}: {{exc}}"
-print({mark!r} + json.dumps({{"seconds": time.monotonic() - t, "error": err, "health": prove.health()}}))
-"""
-
-
-def check_prover(target: str = "kvxfer_nixl._helper:make_probe", options: dict[str, Any] | None = None) -> list[Check]:
-    """Whether the helper that proves unauthenticated NIXL metadata starts here, and how fast.
-
-    A helper that cannot start refuses every ``NO_AUTH`` peer (signed peers are not proven);
-    engines count it as ``vllm:kvxfer_prover_start_failures`` (docs/design.md, section 8).
-    """
-    import importlib.util
-
-    if target.startswith("kvxfer_nixl") and importlib.util.find_spec("nixl") is None:
-        return []
-    code = _PROVER_PROBE.format(target=target, options=options or {"backends": ["UCX"]}, seconds=PROBE_TIMEOUT - 10,
-                                mark=MARK)
-    data, err = _probe(code, {"NIXL_LOG_LEVEL": "ERROR"})
-    err = err if data is None else data["error"]
-    if err:
-        return [Check("metadata prover", "fail", f"its helper process does not start: {err}; unauthenticated "
-                      "(token=NO_AUTH) peers are refused until it does",
-                      "set KVXFER_PROVE_LOG=/tmp/kvxfer-prove.log and read the helper's errors there")]
-    assert data is not None
-    return [Check("metadata prover", "ok", f"a helper starts in {data['seconds']:.1f} s (used for unauthenticated "
-                                          "metadata only; signed peers are not proven)")]
-
-
-def _ucx_info(lib: str | None = None) -> tuple[str | None, dict[str, str]]:
-    """The ``ucx_info`` matching the libucp kvxfer would load (``lib``), and the environment it needs."""
-    if lib:
-        libdir = os.path.dirname(os.path.realpath(lib))
-        cand = os.path.join(os.path.dirname(libdir), "bin", "ucx_info")
-        if os.access(cand, os.X_OK):
-            path = os.environ.get("LD_LIBRARY_PATH", "")
-            return cand, {"LD_LIBRARY_PATH": libdir + (os.pathsep + path if path else "")}
-    return shutil.which("ucx_info"), {}
-
-
-def ucx_transports(lib: str | None = None) -> tuple[list[str] | None, str, str]:
-    """(transports, version, error) as ``ucx_info`` reports them."""
-    exe, env = _ucx_info(lib)
-    if exe is None:
-        return None, "", "ucx_info not found"
-    try:
-        ver = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=PROBE_TIMEOUT,
-                             env={**os.environ, **env})
-        dev = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=PROBE_TIMEOUT,
-                             env={**os.environ, **env})
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, "", str(exc)
-    if dev.returncode != 0:
-        return None, "", (dev.stderr.strip().splitlines() or ["ucx_info failed"])[-1]
-    version = next((ln.split(":", 1)[1].strip() for ln in ver.stdout.splitlines() if "Library version" in ln), "?")
-    tls = [m.group(1) for m in re.finditer(r"^#\s*Transport:\s*(\S+)", dev.stdout, re.MULTILINE)]
-    return sorted(set(tls)), version, ""
-
-
-def check_ucx(gpus: int) -> list[Check]:
-    try:
-        from kvxfer_ucx import diagnostics
-    except ImportError:
-        return [Check("ucx", "warn", "the ucx plugin is not installed",
-                      "reinstall kvxfer: pip install --force-reinstall 'kvxfer[ucx]' "
-                      "(pip install -e '.[ucx]' in a checkout)")]
-    d = diagnostics()
-    lib = d["path"]
-    if lib is None:
-        return [Check("ucx", "warn", "libucp.so not found: the ucx backend is unavailable",
-                      f"{install_hint('ucx')}, or point {d['env']} at a system libucp.so")]
-    out = [stuck_slot_check(d)]
-    tls, version, err = ucx_transports(lib)
-    if tls is None:
-        return [Check("ucx", "warn", f"UCX {d['version'] or '?'} at {lib}; cannot list transports: {err}",
-                      "install UCX's tools (ucx_info) to see transports; transfers may still work"), *out]
-    out.insert(0, Check("ucx", "ok", f"UCX {d['version'] or version} loaded from {lib}; transports: {', '.join(tls)}"))
-    want = os.environ.get("UCX_TLS")
-    if want:
-        out.append(Check("UCX_TLS", "info", f"UCX_TLS={want} limits the transports UCX may pick",
-                         "unset UCX_TLS unless you mean to restrict transports"))
-    if gpus:
-        missing = [t for t in ("cuda_ipc", "cuda_copy") if t not in tls]
-        if missing:
-            out.append(Check("cuda_ipc", "fail", f"{gpus} GPU(s), but UCX lists no "
-                                                 f"{', '.join(missing)}: GPU transfers would bounce through host "
-                                                 "memory or fail",
-                             "use a UCX built with CUDA (the libucx-cu12 wheel is; a system UCX needs "
-                             "--with-cuda), and check that UCX_TLS does not exclude cuda_ipc"))
-        else:
-            out.append(Check("cuda_ipc", "ok", "cuda_ipc and cuda_copy are available to UCX"))
-    else:
-        out.append(Check("cuda_ipc", "info", "no GPU visible: cuda_ipc not needed"
-                         + (" (UCX lists it)" if "cuda_ipc" in tls else "")))
-    return out
-
-
-def stuck_slot_check(d: dict[str, Any]) -> Check:
-    """Whether the ucx backend skips a receive-queue slot a killed peer left (its UCX version decides)."""
-    if d["version"] is None:
-        return Check("ucx stuck-slot", "warn", f"off: {d['error']}", f"{install_hint('ucx')}")
-    if d["stuck_slot_skip"]:
-        return Check("ucx stuck-slot", "ok", f"on: UCX {d['version']} is a validated release "
-                                                  f"({', '.join(d['validated'])})")
-    return Check("ucx stuck-slot", "warn", f"off: UCX {d['version']} is not a validated release "
-                                                f"({', '.join(d['validated'])}); a peer killed mid-message can wedge "
-                                                "an agent's receive queue for all its peers",
-                 f"{install_hint('ucx')} (it pins a validated libucx-cu12)")
 
 
 _TORCH_PROBE = f"""
@@ -375,9 +198,13 @@ def run(args: argparse.Namespace) -> int:
     from .. import __version__
 
     checks = [Check("kvxfer", "info", f"kvxfer {__version__}, Python {sys.version.split()[0]} at {sys.executable}")]
-    checks += check_plugins() + check_nixl() + check_prover()
+    checks += check_plugins()
     cuda, gpus = check_cuda()
-    checks += check_ucx(gpus) + cuda + check_cpus() + check_ptrace() + check_sidechannel(listen, peer, args.token)
+    from ..plugin.registry import plugin_manager
+
+    # each plugin's own diagnostics (its transport library, its helpers): doctor names no plugin
+    checks += [c for group in plugin_manager().hook.kvxfer_doctor_checks(gpus=gpus) for c in group]
+    checks += cuda + check_cpus() + check_ptrace() + check_sidechannel(listen, peer, args.token)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         emit_json([asdict(c) for c in checks])

@@ -83,7 +83,7 @@ def explain(p: Any) -> str:
 
 
 def _sides(args: argparse.Namespace) -> list[tuple[Any, Any]]:
-    from ..geometry._presets import PRESETS, resolve
+    from ..geometry import PRESETS, resolve
 
     def variants(g: Any, layout: str | None, tp: Any, pp: Any) -> list[Any]:
         g = g.with_parallel(tp, pp)
@@ -113,7 +113,7 @@ def _sides(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def plan_rows(pairs: list[tuple[Any, Any]], tokens: int, seed: int = 0) -> list[dict[str, Any]]:
     """One row per (local, remote) geometry pair; a refused pairing is a row that says why."""
     from ..errors import LayoutMismatchError
-    from ..pairing._templates import pair
+    from ..pairing import pair
     from ..planner import plan
 
     rng = np.random.default_rng(seed)
@@ -154,7 +154,7 @@ def _resharded(lg: Any, rg: Any) -> bool:
 def _gather_row(lg: Any, rg: Any, local: Any, pool: int, lb: Any, rng: Any) -> dict[str, Any]:
     """The plan ``Agent.read_many`` makes reading one request from every remote rank: the same
     ``cached_gather`` and ``plan_gather``; ranks that hold nothing this rank needs are not read."""
-    from ..pairing._reshard import cached_gather
+    from ..pairing import cached_gather
     from ..planner import plan_gather
 
     ranks = {_label(g): g for t in range(rg.tp_size) for q in range(rg.pp_size)
@@ -173,7 +173,7 @@ def _gather_row(lg: Any, rg: Any, local: Any, pool: int, lb: Any, rng: Any) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..geometry._presets import PRESETS
+    from ..geometry import PRESETS
 
     if args.list:
         rows = [{"preset": g.name, "layers": g.num_layers, "members": len(g.members), "block_tokens": g.block_tokens,

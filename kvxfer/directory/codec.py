@@ -15,12 +15,12 @@ whatever the store's configuration (docs/directory.md, "Who can write the direct
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 
+from .. import _wire
 from ..errors import MetadataError
 from ..metadata import MAX_METADATA_BYTES, AgentMetadata
+from ..tokens import TAG_SIZE, check_token as _check_token, mac, verify
 
 __all__ = ["encode_value", "decode_value", "check_token", "MAX_VALUE_BYTES"]
 
@@ -28,29 +28,22 @@ _MAGIC = b"KVXD"
 _VERSION = 1
 _FLAG_SIGNED = 0x01
 _HEAD = struct.Struct("!4sBB")
-_TAG = 32
-_LABEL = b"kvxfer-directory-v1\0"
-MAX_VALUE_BYTES = _HEAD.size + _TAG + MAX_METADATA_BYTES
+MAX_VALUE_BYTES = _HEAD.size + TAG_SIZE + MAX_METADATA_BYTES
 
 
 def check_token(token: bytes | str | None) -> bytes | None:
-    if token is None:
-        return None
-    if isinstance(token, str):
-        token = token.encode("utf-8")
-    if not isinstance(token, (bytes, bytearray)) or len(token) < 16:
-        raise MetadataError("a directory token must be at least 16 bytes (for example secrets.token_bytes(32))")
-    return bytes(token)
+    """The directory's key: :func:`kvxfer.tokens.check_token` (at least 16 bytes), a MetadataError."""
+    return _check_token(token, "directory token", MetadataError)
 
 
-def _tag(token: bytes, key: str, metadata: bytes) -> bytes:
-    return hmac.new(token, _LABEL + key.encode("utf-8") + b"\0" + metadata, hashlib.sha256).digest()
+def _parts(key: str, metadata: bytes) -> tuple[bytes, bytes, bytes]:
+    return key.encode("utf-8"), b"\0", metadata
 
 
 def encode_value(key: str, metadata: bytes, token: bytes | None) -> bytes:
     if token is None:
         return _HEAD.pack(_MAGIC, _VERSION, 0) + metadata
-    return _HEAD.pack(_MAGIC, _VERSION, _FLAG_SIGNED) + _tag(token, key, metadata) + metadata
+    return _HEAD.pack(_MAGIC, _VERSION, _FLAG_SIGNED) + mac(token, "directory", *_parts(key, metadata)) + metadata
 
 
 def decode_value(key: str, value: bytes, token: bytes | None) -> tuple[AgentMetadata, bytes]:
@@ -63,19 +56,22 @@ def decode_value(key: str, value: bytes, token: bytes | None) -> tuple[AgentMeta
     value = bytes(value)
     if len(value) > MAX_VALUE_BYTES:
         raise MetadataError(f"directory value of {len(value)} bytes is over the {MAX_VALUE_BYTES} limit")
-    if len(value) < _HEAD.size:
+    r = _wire.Reader(value, "directory value")
+    if r.left < _HEAD.size:
         raise MetadataError("directory value is truncated")
-    magic, version, flags = _HEAD.unpack_from(value)
+    magic, version, flags = r.unpack(_HEAD)
     if magic != _MAGIC or version != _VERSION or flags & ~_FLAG_SIGNED:
         raise MetadataError("directory value is not a kvxfer directory entry of a known version")
-    body = value[_HEAD.size:]
     signed = bool(flags & _FLAG_SIGNED)
     if token is not None:
         if not signed:
             raise MetadataError(f"entry {key!r} is not signed, and this directory requires the cluster token")
-        tag, body = body[:_TAG], body[_TAG:]
-        if len(tag) != _TAG or not hmac.compare_digest(tag, _tag(token, key, body)):
+        tag = r.take(min(TAG_SIZE, r.left))
+        body = r.rest()
+        if not verify(tag, token, "directory", *_parts(key, body)):
             raise MetadataError(f"entry {key!r} has a wrong signature: written without this cluster's token")
     elif signed:
         raise MetadataError(f"entry {key!r} is signed: give this directory the cluster's token to read it")
+    else:
+        body = r.rest()
     return AgentMetadata.decode(body), body

@@ -9,13 +9,13 @@ page holds (:class:`PageFormat`), discovery builds a spec from live tensors, and
 from __future__ import annotations
 
 from ._pageformat import PageFormat, Shard
-from ._spec import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region
-from ._discover import spec_from_arrays, spec_from_pointers, spec_from_tensors
+from ._spec import KNOWN_LAYOUTS, Granularity, KVCacheSpec, Member, PackedLayout, Region, abbreviate, natural_key
+from ._discover import DISCOVERY_OPTIONS, spec_from_arrays, spec_from_pointers, spec_from_tensors
 from ._specfile import DTYPES, Geometry, LayerGroup, MemberKind, load, loads
 from ._presets import PRESETS, resolve
 
 __all__ = [
     "PageFormat", "Shard", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec", "Member", "PackedLayout", "Region",
     "spec_from_arrays", "spec_from_pointers", "spec_from_tensors", "DTYPES", "Geometry", "LayerGroup",
-    "MemberKind", "load", "loads", "PRESETS", "resolve",
+    "MemberKind", "load", "loads", "PRESETS", "resolve", "DISCOVERY_OPTIONS", "abbreviate", "natural_key",
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import SpecError
-from ..memory import _expect_keys, _int
+from ..memory import _expect_keys, spec_int
 
 __all__ = ["PageFormat", "Shard", "PAGE_AXES", "OPAQUE_DTYPE"]
 
@@ -59,7 +59,7 @@ class PageFormat:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or not _DTYPE.fullmatch(self.dtype):
             raise SpecError(f"dtype {self.dtype!r} must be a short lowercase name such as 'bfloat16'")
-        object.__setattr__(self, "itemsize", _int("itemsize", self.itemsize, lo=1, hi=16))
+        object.__setattr__(self, "itemsize", spec_int(self.itemsize, "itemsize", lo=1, hi=16))
         if not isinstance(self.axes, str) or not 0 < len(self.axes) <= MAX_AXES:
             raise SpecError(f"page axes must be 1 to {MAX_AXES} letters, got {self.axes!r}")
         bad = set(self.axes) - set(PAGE_AXES)
@@ -70,7 +70,7 @@ class PageFormat:
                 raise SpecError(f"page axes {self.axes!r}: {a!r} appears more than once")
         if not isinstance(self.shape, (tuple, list)) or len(self.shape) != len(self.axes):
             raise SpecError(f"page shape must have one extent per axis of {self.axes!r}")
-        shape = tuple(_int("page extent", s, lo=1, hi=MAX_EXTENT) for s in self.shape)
+        shape = tuple(spec_int(s, "page extent", lo=1, hi=MAX_EXTENT) for s in self.shape)
         if "K" in self.axes and shape[self.axes.index("K")] != 2:
             raise SpecError("the K/V axis 'K' must have extent 2")
         object.__setattr__(self, "shape", shape)
@@ -123,16 +123,16 @@ class Shard:
     total_heads: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tp_size", _int("shard tp_size", self.tp_size, lo=1, hi=MAX_TP))
-        object.__setattr__(self, "tp_rank", _int("shard tp_rank", self.tp_rank, hi=self.tp_size - 1))
+        object.__setattr__(self, "tp_size", spec_int(self.tp_size, "shard tp_size", lo=1, hi=MAX_TP))
+        object.__setattr__(self, "tp_rank", spec_int(self.tp_rank, "shard tp_rank", hi=self.tp_size - 1))
         if (self.heads is None) != (self.total_heads is None):
             raise SpecError("shard: heads and total_heads are given together or not at all")
         if self.heads is not None:
             if not isinstance(self.heads, (tuple, list)) or len(self.heads) != 2:
                 raise SpecError("shard heads must be a [first, stop) pair")
-            total = _int("shard total_heads", self.total_heads, lo=1, hi=MAX_HEADS)
-            first = _int("shard first head", self.heads[0], hi=total - 1)
-            stop = _int("shard head stop", self.heads[1], lo=first + 1, hi=total)
+            total = spec_int(self.total_heads, "shard total_heads", lo=1, hi=MAX_HEADS)
+            first = spec_int(self.heads[0], "shard first head", hi=total - 1)
+            stop = spec_int(self.heads[1], "shard head stop", lo=first + 1, hi=total)
             object.__setattr__(self, "heads", (first, stop))
             object.__setattr__(self, "total_heads", total)
 

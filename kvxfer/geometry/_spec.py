@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..errors import SpecError
-from ..memory import Allocation, DescriptorList, MemoryKind, _expect_keys, _int
+from ..memory import Allocation, DescriptorList, MemoryKind, _expect_keys, spec_int
 from ._pageformat import PageFormat, Shard
 
 __all__ = ["Member", "PackedLayout", "Region", "KVCacheSpec", "Granularity", "KNOWN_LAYOUTS", "PageFormat",
@@ -81,8 +81,8 @@ class Member:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME:
             raise SpecError(f"member name must be a non-empty string of at most {MAX_NAME} chars")
-        object.__setattr__(self, "size", _int(f"member {self.name}: size", self.size, lo=1))
-        object.__setattr__(self, "offset", _int(f"member {self.name}: offset", self.offset))
+        object.__setattr__(self, "size", spec_int(self.size, f"member {self.name}: size", lo=1))
+        object.__setattr__(self, "offset", spec_int(self.offset, f"member {self.name}: offset"))
         if not isinstance(self.replicated, bool):
             raise SpecError(f"member {self.name}: replicated must be a bool")
         if self.page is None:
@@ -104,7 +104,7 @@ class Member:
                 raise SpecError(f"member {self.name}: shard holds {self.shard.heads[1] - self.shard.heads[0]} "
                                 f"heads but the page has H={h}")
         if self.layer is not None:
-            object.__setattr__(self, "layer", _int(f"member {self.name}: layer", self.layer, hi=MAX_LAYER))
+            object.__setattr__(self, "layer", spec_int(self.layer, f"member {self.name}: layer", hi=MAX_LAYER))
 
     @property
     def end(self) -> int:
@@ -136,7 +136,7 @@ class PackedLayout:
     members: tuple[Member, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stride", _int("row stride", self.stride, lo=1))
+        object.__setattr__(self, "stride", spec_int(self.stride, "row stride", lo=1))
         members = tuple(self.members)
         if not members:
             raise SpecError("a packed layout needs at least one member")
@@ -151,7 +151,7 @@ class PackedLayout:
         if len(set(names)) != len(names):
             # Counter, not names.count per name: a hostile spec may carry 65536 members.
             dup = sorted((n for n, c in collections.Counter(names).items() if c > 1), key=natural_key)
-            raise SpecError(f"duplicate member names in one region: {_abbrev(dup)}")
+            raise SpecError(f"duplicate member names in one region: {abbreviate(dup)}")
         object.__setattr__(self, "members", members)
 
     @functools.cached_property
@@ -197,9 +197,9 @@ class Region:
     layout: PackedLayout
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "allocation", _int("region allocation", self.allocation, hi=MAX_ALLOCATIONS - 1))
-        object.__setattr__(self, "offset", _int("region offset", self.offset))
-        object.__setattr__(self, "num_blocks", _int("num_blocks", self.num_blocks, lo=1, hi=MAX_BLOCKS))
+        object.__setattr__(self, "allocation", spec_int(self.allocation, "region allocation", hi=MAX_ALLOCATIONS - 1))
+        object.__setattr__(self, "offset", spec_int(self.offset, "region offset"))
+        object.__setattr__(self, "num_blocks", spec_int(self.num_blocks, "num_blocks", lo=1, hi=MAX_BLOCKS))
         if not isinstance(self.layout, PackedLayout):
             raise SpecError("region layout must be a PackedLayout")
 
@@ -260,9 +260,9 @@ class KVCacheSpec:
         object.__setattr__(self, "regions", regions)
         if not isinstance(self.layout, str) or not 0 < len(self.layout) <= 32:
             raise SpecError("layout must be a short non-empty string")
-        object.__setattr__(self, "block_tokens", _int("block_tokens", self.block_tokens, lo=1, hi=1 << 24))
-        object.__setattr__(self, "tp_size", _int("tp_size", self.tp_size, lo=1, hi=1 << 16))
-        object.__setattr__(self, "tp_rank", _int("tp_rank", self.tp_rank, hi=self.tp_size - 1))
+        object.__setattr__(self, "block_tokens", spec_int(self.block_tokens, "block_tokens", lo=1, hi=1 << 24))
+        object.__setattr__(self, "tp_size", spec_int(self.tp_size, "tp_size", lo=1, hi=1 << 16))
+        object.__setattr__(self, "tp_rank", spec_int(self.tp_rank, "tp_rank", hi=self.tp_size - 1))
         if not allocs or not regions:
             raise SpecError("a spec needs at least one allocation and one region")
         if len(allocs) > MAX_ALLOCATIONS or len(regions) > MAX_REGIONS:
@@ -407,7 +407,8 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
 
 
-def _abbrev(names: Iterable[str], limit: int = 6) -> str:
+def abbreviate(names: Iterable[str], limit: int = 6) -> str:
+    """The first ``limit`` names, joined, and how many more: a refusal stays one readable line."""
     names = list(names)
     s = ", ".join(names[:limit])
     return s + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import IntegrityError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import Cells, local_spans
 from .digests import Digests, _mm8_rows, default_algorithm, verify

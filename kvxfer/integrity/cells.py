@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import IntegrityError, UnsupportedError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
 
 __all__ = ["Cells", "Spans", "cells_for", "gather_cells", "gather_spans", "local_spans", "source_spans"]

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _wire
 from ..errors import IntegrityError, MetadataError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
@@ -41,6 +42,9 @@ THREADS = 1
 #: Wire version 2: xxh3 row digests hash the row (version 1 folded page digests; refused, typed).
 _MAGIC = b"KVXD2"
 _OLD_MAGIC = b"KVXD1"
+_HEADER_KEYS = frozenset({"a", "r", "m", "o", "l", "b"})
+
+
 def _host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
 
@@ -240,43 +244,36 @@ class Digests:
 
     @classmethod
     def from_text(cls, text: Any) -> "Digests":
-        if not isinstance(text, str) or len(text) > 64 << 20:
-            raise MetadataError("digests must be a bounded base64 string")
-        try:
-            raw = base64.b64decode(text.encode(), validate=True)
-        except Exception as exc:
-            raise MetadataError(f"digests are not base64: {exc}") from None
+        raw = _wire.b64(text, "digests", 48 << 20)
         return cls.decode(raw)
 
     @classmethod
     def decode(cls, raw: bytes) -> "Digests":
         """Parse untrusted bytes: every size bounded, every field typed, or a MetadataError."""
         try:
-            if isinstance(raw, (bytes, bytearray)) and raw[:5] == _OLD_MAGIC:
+            if not isinstance(raw, (bytes, bytearray)):
+                raise ValueError("not kvxfer digests")
+            if raw[:5] == _OLD_MAGIC:
                 raise ValueError("version 1 digests (row digests folded from page digests), from an older "
                                  "kvxfer: this side verifies version 2; upgrade the source")
-            if not isinstance(raw, (bytes, bytearray)) or raw[:5] != _MAGIC or len(raw) < 9:
-                raise ValueError("not kvxfer digests")
-            (n,) = struct.unpack_from("<I", raw, 5)
-            if n > len(raw) - 9:
-                raise ValueError("header longer than the message")
-            h = json.loads(bytes(raw[9:9 + n]))
-            if not isinstance(h, dict) or set(h) != {"a", "r", "m", "o", "l", "b"}:
-                raise ValueError("unexpected header fields")
+            r = _wire.Reader(raw, "digests")
+            r.expect(_MAGIC)
+            (n,) = r.unpack(_wire.U32)
+            h = _wire.keys(_wire.load_json(r.take(n), "digests header", limit=n), _HEADER_KEYS, "digests header")
             algo, row, names, offs, lens, nb = h["a"], h["r"], h["m"], h["o"], h["l"], h["b"]
             if algo not in ALGORITHMS or not isinstance(row, bool):
                 raise ValueError(f"unknown algorithm {algo!r}")
             if not (isinstance(names, list) and isinstance(offs, list) and isinstance(lens, list)
                     and 0 < len(names) == len(offs) == len(lens) <= MAX_CELLS):
                 raise ValueError("cells must be equal, bounded lists")
-            if not all(isinstance(x, str) and 0 < len(x) <= 256 for x in names):
-                raise ValueError("member names must be short strings")
+            for x in names:
+                _wire.text(x, "digests: a member name", 256)
             if not all(type(x) is int and 0 <= x < 1 << 40 for x in offs + lens):
                 raise ValueError("cell offsets and lengths must be bounded integers")
             if type(nb) is not int or not 0 <= nb <= MAX_DIGEST_BLOCKS:
                 raise ValueError("block count out of range")
             cols = 1 if row else len(names)
-            body = raw[9 + n:]
+            body = r.rest()
             if len(body) != 8 * nb * (1 + cols):
                 raise ValueError(f"{len(body)} body bytes for {nb} blocks of {cols} digests")
             blocks = np.frombuffer(body, "<i8", nb).astype(np.int64)

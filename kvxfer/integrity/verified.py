@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import IntegrityError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from .cells import Cells, gather_cells, gather_spans, local_spans
 from .digests import Digests, verify
 

@@ -25,9 +25,8 @@ import numpy as np
 
 from ..errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
                      PageFormatMismatchError)
-from ..geometry._spec import KVCacheSpec, Member
+from ..geometry import KVCacheSpec, Member, PageFormat
 from ..memory import MemoryKind
-from ..geometry._pageformat import PageFormat
 from ._sliced import SlicedLists
 
 __all__ = ["Gather", "Route", "SlicedLists", "gather", "cached_gather", "pair_source", "sources", "readers", "may_free",

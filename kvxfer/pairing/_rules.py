@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError, LayoutMismatchError,
                      PageFormatMismatchError)
-from ..geometry._spec import KVCacheSpec, Member, _abbrev, natural_key
-from ..geometry._pageformat import Shard
+from ..geometry import KVCacheSpec, Member, Shard, abbreviate, natural_key
 
 __all__ = ["Refusal", "refusals", "check_pairing", "spec_diff", "head_slice"]
 
@@ -121,7 +120,7 @@ def refusals(local: KVCacheSpec, remote: KVCacheSpec) -> list[Refusal]:
     only_l = sorted(lm.keys() - rm.keys(), key=natural_key)
     only_r = sorted(rm.keys() - lm.keys(), key=natural_key)
     if only_l or only_r:
-        out.append(Refusal("members", _abbrev(only_l) or "-", _abbrev(only_r) or "-", LayoutMismatchError))
+        out.append(Refusal("members", abbreviate(only_l) or "-", abbreviate(only_r) or "-", LayoutMismatchError))
     common = [n for n in lm if n in rm]  # in the local spec's order
     # The spec's layout label is the only word on the within-page order of opaque pages.
     if _inner(local.layout) != _inner(remote.layout) and any(
@@ -150,7 +149,7 @@ def _grouped(rs: list[Refusal]) -> list[Refusal]:
             out.extend(g)
             continue
         names = [r.field[len("members["):r.field.rindex("].")] for r in g]
-        out.append(Refusal(f"members[{_abbrev(names, _GROUP_LIMIT)}].{suffix}", g[0].local, g[0].remote, g[0].error))
+        out.append(Refusal(f"members[{abbreviate(names, _GROUP_LIMIT)}].{suffix}", g[0].local, g[0].remote, g[0].error))
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._rules import check_pairing
-from ..geometry._spec import Granularity, KVCacheSpec
+from ..geometry import Granularity, KVCacheSpec
 from ..memory import MemoryKind
 
 __all__ = ["Pairing", "pair", "cached_pairing"]

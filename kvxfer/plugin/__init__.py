@@ -32,6 +32,8 @@ backends never loads a transport library, and a missing dependency is reported w
 (notification delivery when nobody polls). A backend with more than one way of moving bytes
 keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`); the core's same-host GPU
 path, :class:`kvxfer.cuda.DevicePath`, is such a row.
+A backend reads its peers' blobs with the core's wire toolkit, :mod:`kvxfer.plugin.wire`
+(a bounded reader, strict JSON, one rule for text and one for integers).
 A backend that can also serve the store's file I/O returns a :class:`FilePath`
 (:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
 """

@@ -23,6 +23,7 @@ from ..stats import Status, TransferStats
 
 if TYPE_CHECKING:
     from .backend import Backend, Option
+    from .doctor import Check
 
 __all__ = ["hookspec", "hookimpl", "RegisterBackend", "ObservedAgent", "ObservedTransfer"]
 
@@ -72,6 +73,17 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
     when the backend can run here, or a reason why not. ``options`` is the backend's option
     table (:class:`kvxfer.plugin.Option` rows, one per keyword its class takes), shown by
     ``kvxfer backends --options NAME``.
+    """
+
+
+@hookspec
+def kvxfer_doctor_checks(gpus: int) -> "list[Check]":
+    """This plugin's rows of ``kvxfer doctor``: whether its transport library loads and what it
+    offers here (``gpus``: the GPUs doctor sees), each problem with a fix.
+
+    Return :class:`kvxfer.plugin.doctor.Check` rows; probe a library in a child process
+    (:func:`kvxfer.plugin.doctor.probe`), never in doctor's own, and import it only inside
+    the hook, so that loading plugins stays fast.
     """
 
 

@@ -29,7 +29,7 @@ import hmac
 
 from kvxfer.tokens import NO_AUTH, mac, token_key
 
-from .frames import VERSION, HandshakeAuthError, HandshakeReplayError, TokenRequiredError
+from .frames import HandshakeAuthError, HandshakeReplayError, TokenRequiredError
 
 __all__ = ["require_key", "server_proof", "client_proof", "data_tag", "reply_tag", "check_echo",
            "check_tag"]
@@ -47,24 +47,20 @@ def require_key(token: object) -> bytes | None:
     return token_key(token)
 
 
-def _label(name: bytes) -> bytes:
-    return b"kvxfer-" + name + bytes([VERSION])
-
-
 def server_proof(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    return mac(key, _label(b"server"), client_nonce, server_nonce)
+    return mac(key, "side-server", client_nonce, server_nonce)
 
 
 def client_proof(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    return mac(key, _label(b"client"), client_nonce, server_nonce)
+    return mac(key, "side-client", client_nonce, server_nonce)
 
 
 def data_tag(key: bytes, msg_type: int, client_nonce: bytes, server_nonce: bytes, data: bytes) -> bytes:
-    return mac(key, _label(b"data"), bytes([msg_type]), client_nonce, server_nonce, data)
+    return mac(key, "side-data", bytes([msg_type]), client_nonce, server_nonce, data)
 
 
 def reply_tag(key: bytes, client_nonce: bytes, server_nonce: bytes, data: bytes) -> bytes:
-    return mac(key, _label(b"reply"), client_nonce, server_nonce, data)
+    return mac(key, "side-reply", client_nonce, server_nonce, data)
 
 
 def check_echo(echo: bytes, ours: bytes, what: str) -> None:

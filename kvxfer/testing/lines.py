@@ -5,7 +5,9 @@ reading one reply line per command from its stdout (or a private copy of it, whe
 libraries print on fd 1). The child keeps its agent progressing between commands, answers
 an exception as ``{"error": TYPE, "message": TEXT}`` and keeps serving, and stops on
 ``{"cmd": "exit"}`` or end of input. :func:`serve` is the child's loop and :class:`Channel`
-the parent's end, so each program only says what its commands do.
+the parent's end, so each program only says what its commands do. Both wait with
+:func:`kvxfer.deadlines.readable` (``poll``): a parent holding more than 1,024 descriptors
+gets pipes numbered past what ``select`` accepts.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import select
 import subprocess
 import sys
 import time
 from typing import IO, Any, Callable
 from ..deadlines import Deadline
+
+from kvxfer.deadlines import readable
 
 __all__ = ["Channel", "say", "serve"]
 
@@ -68,7 +71,7 @@ def serve(handle: Callable[[Reply], Reply], idle: Callable[[], None], out: IO[st
     while True:
         line = lines.next()
         if line is None:
-            if not select.select([fd], [], [], poll_s)[0]:
+            if not readable(fd, poll_s):
                 idle()
                 continue
             chunk = os.read(fd, 1 << 20)
@@ -119,7 +122,7 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no reply within {timeout:g} s")
-            if not select.select([self._fd], [], [], left if idle is None else min(left, idle_s))[0]:
+            if not readable(self._fd, left if idle is None else min(left, idle_s)):
                 if idle is not None:
                     idle()
                 continue

@@ -91,7 +91,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
 
         cache: Any = build(EngineCache.from_json(args.engine), seed=args.seed)
     elif args.preset:
-        from ..geometry._presets import resolve
+        from ..geometry import resolve
 
         geometry = resolve(args.preset)
         cache = allocate(geometry, args.blocks, packed=None if args.layout is None else args.layout == "packed",

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
+from kvxfer.plugin import wire
 from kvxfer.spans import SpanIndex
 from kvxfer.extras import install_hint
 from kvxfer.errors import (BackendClosedError, BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError,
@@ -125,15 +126,10 @@ class LoopbackBackend(Backend):
         return json.dumps({"token": self._token, "identity": peers.encode(peers.here()).hex()}).encode()
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
-        try:
-            doc = json.loads(blob) if len(blob) <= 512 else None  # ours is ~180 bytes
-        except (ValueError, RecursionError):
-            doc = None
-        if not isinstance(doc, dict) or set(doc) != {"token", "identity"}:
-            raise MetadataError("loopback blob is malformed")
-        token, ident = doc["token"], doc["identity"]
-        if not isinstance(token, str) or not isinstance(ident, str):
-            raise MetadataError("loopback blob: token and identity must be strings")
+        doc = wire.keys(wire.load_json(blob, "loopback blob", limit=512), {"token", "identity"},  # ours: ~180 bytes
+                        "loopback blob")
+        token = wire.text(doc["token"], "loopback blob: token", 64)
+        ident = wire.text(doc["identity"], "loopback blob: identity", 2 * peers.IDENTITY.size)
         try:
             claim = peers.decode(bytes.fromhex(ident), "loopback blob")
         except ValueError:

@@ -11,12 +11,14 @@ How the backend is built, and why: ``plugins/kvxfer_nixl/README.md``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvxfer.extras import install_hint
 from kvxfer.plugin import RegisterBackend, hookimpl
 
 from ._options import OPTIONS
 
-__all__ = ["kvxfer_register_backends"]
+__all__ = ["kvxfer_doctor_checks", "kvxfer_register_backends"]
 
 
 @hookimpl
@@ -30,3 +32,11 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
         summary="NVIDIA NIXL (UCX: NVLink, RDMA, TCP, shared memory); DRAM and VRAM",
         options=OPTIONS,
     )
+
+
+@hookimpl
+def kvxfer_doctor_checks() -> list[Any]:
+    """NIXL's rows of ``kvxfer doctor`` and its metadata prover's (:mod:`kvxfer_nixl._doctor`)."""
+    from ._doctor import checks
+
+    return checks()

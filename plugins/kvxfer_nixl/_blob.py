@@ -35,6 +35,7 @@ from kvxfer.cuda import blob as device_blob
 from kvxfer.errors import MetadataError
 from kvxfer.memory import Allocation, MemoryKind
 from kvxfer.peers import Identity
+from kvxfer.plugin import wire
 
 __all__ = ["HEADER", "PeerBlob", "Section", "encode", "parse"]
 
@@ -152,8 +153,8 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     sections: list[Section] = []
     for _ in range(r.count(b"nixlSecElms", 0, MAX_SECTIONS)):
         sections.append(_section(r, {b for b, _ in conns}, sections))
-    if r.pos != len(r.data):
-        raise MetadataError(f"NIXL metadata of {peer_name!r} has {len(r.data) - r.pos} bytes after its last record")
+    if r.left:
+        raise MetadataError(f"NIXL metadata of {peer_name!r} has {r.left} bytes after its last record")
     identity = peers.decode(ident, f"NIXL connection blob of {peer_name!r}")
     return PeerBlob(identity, instance, reg_epoch, device, tuple(conns), tuple(sections))
 
@@ -214,42 +215,30 @@ def _ucx_key_ok(key: bytes, kind: MemoryKind) -> bool:
     return pos <= len(key)
 
 
-class _Reader:
-    """A cursor over NIXL records that refuses anything NIXL would misread."""
+class _Reader(wire.Reader):
+    """The core's bounded cursor, reading NIXL records (``|``-terminated) and refusing anything
+    NIXL would misread."""
+
+    __slots__ = ("peer",)
 
     def __init__(self, data: bytes, peer: str) -> None:
-        self.data, self.pos, self.peer = data, 0, peer
+        super().__init__(data, f"NIXL metadata of {peer!r}")
+        self.peer = peer
 
-    def _bad(self, what: str) -> MetadataError:
-        return MetadataError(f"NIXL metadata of {self.peer!r} is malformed at byte {self.pos}: {what}")
-
-    def expect(self, raw: bytes) -> None:
-        if self.data[self.pos:self.pos + len(raw)] != raw:
-            raise self._bad(f"expected {raw!r}")
-        self.pos += len(raw)
-
-    def field(self, tag: bytes, limit: int, *, exact: int | None = None, empty: bool = True) -> bytes:
-        self.expect(tag)
-        if self.pos + _LEN.size > len(self.data):
-            raise self._bad(f"record {tag!r} is cut short")
-        (n,) = _LEN.unpack_from(self.data, self.pos)
-        start = self.pos + _LEN.size
-        if n > limit or (exact is not None and n != exact) or (not empty and n == 0) \
-                or start + n + 1 > len(self.data) or self.data[start + n] != 0x7C:  # "|"
-            raise self._bad(f"record {tag!r} has a bad length ({n})")
-        self.pos = start + n + 1
-        return self.data[start:start + n]
+    def field(self, tag: bytes, limit: int, *, length: struct.Struct = _LEN, end: bytes = b"|",
+              exact: int | None = None, empty: bool = True) -> bytes:
+        return super().field(tag, limit, length=length, end=end, exact=exact, empty=empty)
 
     def count(self, tag: bytes, lo: int, hi: int) -> int:
         (n,) = _LEN.unpack(self.field(tag, 8, exact=8))
         if not lo <= n <= hi:
-            raise self._bad(f"{tag.decode()} = {n}, expected {lo} to {hi}")
+            raise self.bad(f"{tag.decode()} = {n}, expected {lo} to {hi}")
         return int(n)
 
     def backend(self, tag: bytes) -> str:
         raw = self.field(tag, 32)
         if not _BACKEND.fullmatch(raw):
-            raise self._bad(f"backend name {raw!r} is not an identifier")
+            raise self.bad(f"backend name {raw!r} is not an identifier")
         return raw.decode("ascii")
 
 

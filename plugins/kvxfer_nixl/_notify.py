@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.deadlines import Deadline
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, UnknownPeerError
 from kvxfer.progress import Pump
 
 from ._nixl import map_error
@@ -61,6 +61,33 @@ class Notifications:
     _id: bytes
     _reg_epoch: int
 
+    if TYPE_CHECKING:  # the backend's, used here
+        def _check_open(self) -> None: ...
+        def progress(self) -> None: ...
+        def poll(self, xfer: Any) -> bool: ...
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._check_open()
+        rem = self._remotes.get(peer)
+        if rem is None:
+            raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}")
+        self._send_notif(rem, bytes(message))
+        self._flush_soon()
+
+    def drain_notifications(self) -> dict[str, list[bytes]]:
+        self._check_open()
+        self.progress()
+        with self._lock:
+            out, self._inbox = self._inbox, {}
+        return out
+
+    def _pumped(self, h: Any) -> bool:
+        """What the notify thread polls: transfers, and the flush after a standalone notification."""
+        if h is self._flush:
+            with contextlib.suppress(KvxferError):
+                self._collect(blocking=False)
+            return time.monotonic() >= self._flush.until
+        return self.poll(h)
 
     def _announce_deregistration(self) -> None:
         """Tell peers that memory they may hold keys for is gone, so they stop using it.

@@ -459,22 +459,7 @@ class NixlBackend(Notifications, Files, Backend):
             self._pump.discard(x)
         x.path.cancel(x.h)
 
-    # -- notifications (the rest: kvxfer_nixl._notify) ----------------------------------
-    def notify(self, peer: str, message: bytes) -> None:
-        self._check_open()
-        rem = self._remotes.get(peer)
-        if rem is None:
-            raise UnknownPeerError(f"NIXL backend of {self.agent_name!r} has no peer {peer!r}")
-        self._send_notif(rem, bytes(message))
-        self._flush_soon()
-
-    def drain_notifications(self) -> dict[str, list[bytes]]:
-        self._check_open()
-        self.progress()
-        with self._lock:
-            out, self._inbox = self._inbox, {}
-        return out
-
+    # -- progress (notifications: kvxfer_nixl._notify) ---------------------------------
     def progress(self) -> None:
         """Drive NIXL once (reading notifications drives the UCX worker) and retry releases."""
         if self._closed:
@@ -483,14 +468,6 @@ class NixlBackend(Notifications, Files, Backend):
         if not self._progress_thread:
             self._progress_local_peers()
         self._nixl_path.reap()
-
-    def _pumped(self, h: Any) -> bool:
-        """What the notify thread polls: transfers, and the flush after a standalone notification."""
-        if h is self._flush:
-            with contextlib.suppress(KvxferError):
-                self._collect(blocking=False)
-            return time.monotonic() >= self._flush.until
-        return self.poll(h)
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:

@@ -44,6 +44,14 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
              options=OPTIONS)
 
 
+@hookimpl
+def kvxfer_doctor_checks(gpus: int) -> list[Any]:
+    """UCX's rows of ``kvxfer doctor`` (:mod:`kvxfer_ucx._doctor`)."""
+    from ._doctor import check_ucx
+
+    return check_ucx(gpus, diagnostics())
+
+
 def diagnostics() -> dict[str, Any]:
     """What an operator needs to know of this plugin's UCX, for ``kvxfer doctor``.
 

@@ -1,9 +1,9 @@
 """The UCX backend's connection blob: what a peer needs to reach this worker.
 
 JSON (never pickle) because it crosses the network inside kvxfer's agent metadata and is
-hostile until proven otherwise. The parser is strict: the size is bounded before parsing,
-the text must be UTF-8, duplicate keys, non-finite numbers and unknown keys are refused,
-every field is type- and range-checked, allocations must be sorted and disjoint, and any
+hostile until proven otherwise. It is read with the core's toolkit and rules
+(:mod:`kvxfer.plugin.wire`): the size is bounded before parsing, the text must be UTF-8,
+duplicate keys, non-finite numbers and unknown keys are refused, names are printable, every field is type- and range-checked, allocations must be sorted and disjoint, and any
 failure (deep nesting and oversized integers included) is a :class:`MetadataError`.
 
 What the parser cannot check is the meaning of the bytes handed to libucp (the worker
@@ -14,10 +14,10 @@ arrived over an authenticated channel should reach :func:`parse_blob`'s caller.
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 from typing import Any, NamedTuple
 
+from kvxfer.plugin import wire as _wire
 from kvxfer.errors import MetadataError
 
 __all__ = ["BLOB_VERSION", "Blob", "Host", "encode_blob", "parse_blob"]
@@ -65,32 +65,6 @@ def _bad(msg: str) -> MetadataError:
     return MetadataError(f"ucx metadata: {msg}")
 
 
-def _unb64(value: Any, what: str, limit: int) -> bytes:
-    if not isinstance(value, str) or not 0 < len(value) <= 4 * ((limit + 2) // 3):
-        raise _bad(f"{what} must be a non-empty base64 string of at most {limit} bytes")
-    try:
-        return base64.b64decode(value.encode("ascii"), validate=True)
-    except (ValueError, binascii.Error, UnicodeEncodeError):
-        raise _bad(f"{what} is not valid base64") from None
-
-
-def _uint(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise _bad(f"{what} must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def _text(value: Any, what: str, limit: int) -> str:
-    """A non-empty string of at most ``limit`` UTF-8 bytes (lone surrogates refused)."""
-    try:
-        ok = isinstance(value, str) and 0 < len(value.encode("utf-8")) <= limit
-    except UnicodeEncodeError:
-        ok = False
-    if not ok:
-        raise _bad(f"{what} must be a non-empty UTF-8 string of at most {limit} bytes")
-    return value  # type: ignore[no-any-return]
-
-
 def _host(value: Any) -> Host | None:
     if value is None:
         return None
@@ -100,24 +74,15 @@ def _host(value: Any) -> Host | None:
     if (page is None) != (digest is None):
         raise _bad("host.page and host.digest are both set or both null")
     if digest is not None:
-        digest = _unb64(digest, "host.digest", DIGEST_BYTES)
+        digest = _wire.b64(digest, "ucx metadata: host.digest", DIGEST_BYTES)
         if len(digest) != DIGEST_BYTES:
             raise _bad(f"host.digest must be {DIGEST_BYTES} bytes")
-        page = _uint(page, "host.page", 1)
-    return Host(_text(value["boot_id"], "host.boot_id", 64), _text(value["hostname"], "host.hostname", 255),
-                _text(value["pidns"], "host.pidns", 64), _uint(value["pid"], "host.pid", 1, (1 << 31) - 1),
-                _uint(value["start"], "host.start"), page, digest)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    doc = dict(pairs)
-    if len(doc) != len(pairs):
-        raise _bad("duplicate keys")
-    return doc
-
-
-def _reject_constant(name: str) -> None:
-    raise _bad(f"{name} is not a number")
+        page = _wire.integer(page, "ucx metadata: host.page", 1)
+    return Host(_wire.text(value["boot_id"], "ucx metadata: host.boot_id", 64),
+                _wire.text(value["hostname"], "ucx metadata: host.hostname", 255),
+                _wire.text(value["pidns"], "ucx metadata: host.pidns", 64),
+                _wire.integer(value["pid"], "ucx metadata: host.pid", 1, (1 << 31) - 1),
+                _wire.integer(value["start"], "ucx metadata: host.start"), page, digest)
 
 
 def encode_blob(agent: str, ucx_version: str, worker: bytes, allocations: list[tuple[int, int, bytes]],
@@ -132,15 +97,7 @@ def encode_blob(agent: str, ucx_version: str, worker: bytes, allocations: list[t
 
 def parse_blob(blob: Any) -> Blob:
     """Validate a peer's blob; every failure is a :class:`MetadataError`."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) > MAX_BLOB:
-        raise MetadataError(f"ucx metadata must be bytes of at most {MAX_BLOB} bytes")
-    try:
-        doc = json.loads(bytes(blob).decode("utf-8"), object_pairs_hook=_no_duplicates,
-                         parse_constant=_reject_constant)
-    except MetadataError:
-        raise
-    except (ValueError, RecursionError, UnicodeDecodeError):
-        raise MetadataError("ucx metadata is not valid UTF-8 JSON") from None
+    doc = _wire.load_json(blob, "ucx metadata", limit=MAX_BLOB)
     if not isinstance(doc, dict) or doc.get("magic") != BLOB_MAGIC:
         raise MetadataError("ucx metadata: not a kvxfer ucx blob (wrong magic); does the peer use backend 'ucx'?")
     version = doc.get("version")
@@ -148,9 +105,9 @@ def parse_blob(blob: Any) -> Blob:
         raise _bad(f"version {version!r} is not {BLOB_VERSION}; upgrade both sides")
     if set(doc) != _KEYS:
         raise _bad(f"keys {sorted(doc)} differ from {sorted(_KEYS)}")
-    agent = _text(doc["agent"], "agent", MAX_NAME)
-    _text(doc["ucx"], "ucx version", 32)
-    worker = _unb64(doc["worker"], "worker address", MAX_WORKER_ADDRESS)
+    agent = _wire.text(doc["agent"], "ucx metadata: agent", MAX_NAME)
+    _wire.text(doc["ucx"], "ucx metadata: ucx version", 32)
+    worker = _wire.b64(doc["worker"], "ucx metadata: worker address", MAX_WORKER_ADDRESS)
     allocs = doc["allocations"]
     if not isinstance(allocs, list) or len(allocs) > MAX_ALLOCATIONS:
         raise _bad(f"allocations must be a list of at most {MAX_ALLOCATIONS}")
@@ -159,11 +116,12 @@ def parse_blob(blob: Any) -> Blob:
     for i, a in enumerate(allocs):
         if not isinstance(a, list) or len(a) != 3:
             raise _bad(f"allocation {i} must be [address, nbytes, rkey]")
-        addr, n = _uint(a[0], f"allocation {i} address"), _uint(a[1], f"allocation {i} nbytes", lo=1)
+        addr = _wire.integer(a[0], f"ucx metadata: allocation {i} address")
+        n = _wire.integer(a[1], f"ucx metadata: allocation {i} nbytes", lo=1)
         if addr + n > _U64:
             raise _bad(f"allocation {i} wraps around the address space")
         if addr < end:
             raise _bad(f"allocation {i} overlaps or precedes the one before (they must be sorted and disjoint)")
         end = addr + n
-        out.append((addr, n, _unb64(a[2], f"allocation {i} rkey", MAX_RKEY)))
+        out.append((addr, n, _wire.b64(a[2], f"ucx metadata: allocation {i} rkey", MAX_RKEY)))
     return Blob(agent, worker, out, _host(doc["host"]))

@@ -49,7 +49,9 @@ def test_config_needs_a_token_or_an_explicit_insecure():
     with pytest.raises(ConnectorConfigError, match="token"):
         ConnectorConfig.from_extra({}, env={})
     assert ConnectorConfig.from_extra({"insecure": True}, env={}).token is None
-    assert ConnectorConfig.from_extra({"token_env": "T"}, env={"T": "s3"}).token == b"s3"
+    assert ConnectorConfig.from_extra({"token_env": "T"}, env={"T": "s3" * 8}).token == b"s3" * 8
+    with pytest.raises(ConnectorConfigError, match="at least 16 bytes"):  # kvxfer.tokens.check_token's rule
+        ConnectorConfig.from_extra({"token_env": "T"}, env={"T": "s3"})
 
 
 @pytest.mark.parametrize("extra", [

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvxfer.errors import KvxferError
+from kvxfer.tokens import check_token
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
 
@@ -135,10 +136,7 @@ def _resolve_token(token: Any, token_env: Any, env: Mapping[str, str]) -> bytes 
         value = env.get(name)
         if not value:
             raise ConnectorConfigError(f"'token_env' names {name!r}, which is unset or empty in this process")
-        return value.encode()
+        return check_token(value, f"token in ${name}", ConnectorConfigError)
     if token is not None:
-        value = _want("token", token, str)
-        if not value:
-            raise ConnectorConfigError("'token' is empty")
-        return value.encode()
+        return check_token(_want("token", token, str), "'token'", ConnectorConfigError)
     return None

@@ -28,7 +28,6 @@ at most one HMAC over a bounded text.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -38,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from kvxfer.plugin import wire as _wire
 from kvxfer.errors import IntegrityError, KvxferError, MetadataError
+from kvxfer.tokens import mac
 
 __all__ = ["RemoteKV", "ParamsError", "ParamsExpiredError", "ParamsReplayError", "ParamsPromptError", "NonceBook",
            "PARAMS_VERSION",
@@ -51,7 +52,6 @@ MAX_DIGEST_TEXT = 8 << 20  # base64 of row digests: 16 bytes per block plus the 
 MAX_BLOCKS = 1 << 20  # a 134M-token prompt at 128 tokens per block: far beyond any context
 MAX_ID = 512
 MAX_HOST = 255
-_LABEL = b"kvxfer-vllm-params"
 
 
 class ParamsError(KvxferError, ValueError):
@@ -88,18 +88,6 @@ def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     return isinstance(params, Mapping) and params.get("do_remote_prefill") is True and "kvxfer" in params
 
 
-def _text(name: str, v: Any, limit: int) -> str:
-    if not isinstance(v, str) or not 0 < len(v) <= limit or not v.isprintable():
-        raise ParamsError(f"{name} must be a printable string of 1..{limit} characters")
-    return v
-
-
-def _int(name: str, v: Any, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ParamsError(f"{name} must be an integer in [{lo}, {hi}]")
-    return v
-
-
 @dataclass(frozen=True)
 class RemoteKV:
     """Where a finished prefill keeps a request's KV blocks."""
@@ -117,17 +105,17 @@ class RemoteKV:
     prompt: str | None = None  # binding.prompt_digest of the tokens whose KV the blocks hold (None: unbound)
 
     def __post_init__(self) -> None:
-        _text("remote_engine_id", self.engine_id, MAX_ID)
-        _text("remote_host", self.host, MAX_HOST)
-        _int("remote_port", self.port, 1, 65535)
-        _text("remote_request_id", self.request_id, MAX_ID)
-        _int("remote_num_tokens", self.num_tokens, 1, MAX_BLOCKS * (1 << 16))
-        _int("remote_tp_size", self.tp_size, 1, 1 << 16)
+        _wire.text(self.engine_id, "remote_engine_id", MAX_ID, ParamsError)
+        _wire.text(self.host, "remote_host", MAX_HOST, ParamsError)
+        _wire.integer(self.port, "remote_port", 1, 65535, ParamsError)
+        _wire.text(self.request_id, "remote_request_id", MAX_ID, ParamsError)
+        _wire.integer(self.num_tokens, "remote_num_tokens", 1, MAX_BLOCKS * (1 << 16), ParamsError)
+        _wire.integer(self.tp_size, "remote_tp_size", 1, 1 << 16, ParamsError)
         ids = self.block_ids
         if not isinstance(ids, tuple) or not 0 < len(ids) <= MAX_BLOCKS:
             raise ParamsError(f"remote_block_ids must hold 1..{MAX_BLOCKS} block ids")
         for b in ids:
-            _int("remote_block_ids[i]", b, 0, (1 << 31) - 1)
+            _wire.integer(b, "remote_block_ids[i]", 0, (1 << 31) - 1, ParamsError)
         n = self.nonce
         if not isinstance(n, str) or not 16 <= len(n) <= 64 or any(c not in "0123456789abcdef" for c in n):
             raise ParamsError("kvxfer nonce must be 16..64 lowercase hex digits")
@@ -252,7 +240,7 @@ def _signature(fields: list[Any], token: bytes | None) -> bytes:
         text = json.dumps(fields, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         raise ParamsError("kvxfer params hold values that cannot be authenticated") from None
-    return hmac.new(token or b"", _LABEL + text.encode(), hashlib.sha256).hexdigest().encode()
+    return mac(token or b"", "vllm-params", text.encode()).hex().encode()
 
 
 def _tag(params: Mapping[str, Any], token: bytes | None) -> bytes:

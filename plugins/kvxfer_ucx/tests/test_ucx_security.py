@@ -127,26 +127,11 @@ def test_descriptors_outside_the_advertised_memory_never_reach_the_transport(pat
 # ---------------------------------------------------------------------------------------------
 # Another uid on the same host (docs/design.md, section 8, "Who may reach an agent's memory")
 
-ATTACKER_USER = "kvxfer-attacker"
-
-
 def _attacker_user() -> str:
-    """The unprivileged user the attacker runs as; created once (idempotent), root only."""
-    import pwd
-    import shutil
+    """The unprivileged user the attacker runs as (kvxfer.testing.other_uid: created once, root only)."""
+    from kvxfer.testing.other_uid import attacker
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the test creates an unprivileged user and runs the attacker as it (CI runs as root)")
-    try:
-        pwd.getpwnam(ATTACKER_USER)
-    except KeyError:
-        useradd = shutil.which("useradd")
-        if useradd is None:
-            pytest.skip("needs useradd to create the unprivileged attacker user")
-        subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER_USER],
-                       check=False, capture_output=True)
-        pwd.getpwnam(ATTACKER_USER)  # raises if it still does not exist
-    return ATTACKER_USER
+    return attacker().pw_name
 
 
 def _attack(victim: UcxBackend, path: str, secret: np.ndarray, canary: np.ndarray, user: str | None) -> dict:

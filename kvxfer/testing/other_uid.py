@@ -1,7 +1,7 @@
 """Another uid on this host, for the tests that attack as one (root only).
 
-The same unprivileged user as the UCX security tests (plugins/kvxfer_ucx/tests/test_ucx_security.py,
-``kvxfer-attacker``), created once and idempotently; :func:`as_user` runs a small function
+One home for kvxfer's own tests and the in-tree plugins' (the store's trust tests, the UCX
+security tests): the unprivileged user ``kvxfer-attacker``, created once and idempotently; :func:`as_user` runs a small function
 in a forked child that has dropped to it for good, so what the child makes on disk really
 belongs to that uid.
 """
