@@ -6,7 +6,7 @@ buffer) it times, each the median of ``--iters`` synchronised runs:
 * ``copy``: the device path's batch-copy kernel moving every cell (``Copier.copy``);
 * ``torch copy``: ``Tensor.copy_`` of the same number of contiguous bytes;
 * ``mm8 kernel``: ``kvxfer_mm8`` hashing every cell in place (digests back on the host);
-* ``mm8 torch``: the torch ops of :mod:`kvxfer.integrity._gpu` on the same cells;
+* ``mm8 torch``: the torch ops of :func:`kvxfer.integrity.hash_spans` (kernel unset) on the same cells;
 * ``copy+mm8``: ``kvxfer_mm8`` copying every cell while it hashes it (one read of the bytes).
 
 Before timing, the kernel's digests are compared with the numpy definition on a host copy
@@ -44,9 +44,10 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
 
     from kvxfer.cuda.capability import cuda_capability
     from kvxfer.cuda.digest import mm8
-    from kvxfer.integrity import _gpu
+    from kvxfer.integrity import set_mm8_kernel
     from kvxfer.integrity.cells import Spans
-    from kvxfer.integrity.digests import _mm8_rows
+    from kvxfer.cuda.digest import mm8_cells
+    from kvxfer.integrity.digests import hash_spans, mm8_rows
     from kvxfer.memory import Allocation, MemoryKind
 
     cap = cuda_capability()
@@ -65,7 +66,7 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
     assert got is not None, "kvxfer_mm8 did not load"
     pick = np.unique(np.linspace(0, count - 1, 8).astype(np.int64))
     host = src.cpu().numpy()
-    want = np.array([int(_mm8_rows(host[None, int(off[i]):int(off[i]) + size])[0]) for i in pick]).view(np.uint64)
+    want = np.array([int(mm8_rows(host[None, int(off[i]):int(off[i]) + size])[0]) for i in pick]).view(np.uint64)
     digest_ok = bool(np.array_equal(got[pick], want))
     bytes_ok = bool(torch.equal(dst.view(count, stride)[:, :size], src.view(count, stride)[:, :size]))
     nbytes = count * size
@@ -78,11 +79,11 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
     cols = np.zeros(1, np.int64)
 
     def torch_mm8() -> None:
-        _gpu.USE_KERNEL[0] = False
+        set_mm8_kernel(None)  # the torch ops
         try:
-            _gpu.hash_vram(spans, cols, "mm8")
+            hash_spans(spans, "mm8")
         finally:
-            _gpu.USE_KERNEL[0] = True
+            set_mm8_kernel(mm8_cells)
 
     t = {
         "copy": _median(lambda: cp.synchronize(cp.copy(da, sa, lens, dev)), iters, sync),

@@ -152,9 +152,10 @@ def main() -> None:
                     help="VRAM mm8: the device path's one-pass kernel, or the torch ops it replaced")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from kvxfer.integrity import _gpu, digests
+    from kvxfer.integrity import digests, set_mm8_kernel
 
-    _gpu.USE_KERNEL[0] = args.digest == "kernel"
+    if args.digest == "torch":
+        set_mm8_kernel(None)  # VRAM mm8 through the torch ops, not the device path's kernel
 
     digests.THREADS = args.threads
     rows = []

@@ -26,7 +26,7 @@ import numpy as np
 from .deadlines import Deadline
 from .errors import TransferTimeoutError
 from .memory import Op
-from .pairing._templates import Pairing
+from .pairing import Pairing
 from .planner import FEW_BLOCKS, TransferPlan, plan
 from .stats import TransferStats
 from .transfer import Transfer, _Post

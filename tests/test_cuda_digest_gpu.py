@@ -86,18 +86,19 @@ def test_unaligned_cells_are_left_to_the_other_path() -> None:
 
 def test_agent_digest_is_the_same_through_the_kernel_and_torch() -> None:
     import kvxfer
-    from kvxfer.integrity import _gpu
+    from kvxfer.cuda.digest import mm8_cells  # loading the device path registers the kernel
+    from kvxfer.integrity import set_mm8_kernel
 
     st = torch.randint(0, 256, (8, 3 * 4096), dtype=torch.uint8, device="cuda")
     with kvxfer.Agent("d", backend="loopback") as a:
         a.register({f"layer.{i}": st[:, i * 4096:(i + 1) * 4096] for i in range(3)})
         blocks = np.array([5, 1, 6])
         fast = a.digest(blocks)
-        _gpu.USE_KERNEL[0] = False
+        set_mm8_kernel(None)
         try:
             slow = a.digest(blocks)
         finally:
-            _gpu.USE_KERNEL[0] = True
+            set_mm8_kernel(mm8_cells)
     assert fast == slow
 
 

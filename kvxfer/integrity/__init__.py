@@ -15,12 +15,17 @@ size or block size) moves byte ranges of pages; the destination names those rang
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from .cells import Cells, Spans, cells_for, gather_cells, local_spans, source_spans
 from .digests import ALGORITHMS, Digests, compute, verify
 from .verified import check_received
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "check_received", "compute", "gather_cells",
-           "gpu_product", "local_spans", "source_spans", "verify"]
+           "gpu_product", "local_spans", "set_mm8_kernel", "source_spans", "verify"]
 
 
 def gpu_product() -> str | None:
@@ -28,3 +33,11 @@ def gpu_product() -> str | None:
     from . import _gpu
 
     return _gpu.PRODUCT[0] if _gpu.PRODUCT else None
+
+
+def set_mm8_kernel(fn: Callable[[np.ndarray, np.ndarray, list[int]], np.ndarray | None] | None) -> None:
+    """Let VRAM ``mm8`` digests run through ``fn`` (the device path's one-pass kernel registers
+    itself when it loads; ``fn`` returns None where it cannot serve, and the torch ops then do)."""
+    from . import _gpu
+
+    _gpu.KERNEL[0] = fn

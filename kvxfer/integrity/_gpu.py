@@ -14,7 +14,7 @@ host first (correct, not fast: a VRAM source picks ``mm8``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -133,23 +133,24 @@ def vram_cells(spans: Spans, cols: np.ndarray) -> dict[int, np.ndarray]:
                 at += ln
     return out
 
-#: mm8 through the device path's kernel (kvxfer.cuda.digest: one pass, no torch) where it serves;
-#: False keeps the torch ops below (benchmarks compare the two).
-USE_KERNEL = [True]
+
+#: mm8 through the device path's kernel (kvxfer.cuda.digest: one pass, no torch) where it serves,
+#: else the torch ops below (benchmarks compare the two by unsetting it). The kernel's entry, set by :mod:`kvxfer.cuda.digest` when the device path loads (the device
+#: path depends on this package's definition, never the reverse: no import circle).
+KERNEL: list[Callable[[np.ndarray, np.ndarray, list[int]], np.ndarray | None] | None] = [None]
 
 
 def _by_kernel(spans: Spans, cols: np.ndarray) -> np.ndarray | None:
-    try:
-        from ..cuda.digest import mm8_cells
-    except ImportError:
+    fn = KERNEL[0]
+    if fn is None:
         return None
     addr = spans.addresses()[:, cols].astype(np.uint64)
     devices = [int(spans.allocations[int(spans.alloc[c])].device) for c in cols.tolist()]
-    return mm8_cells(addr, spans.length[cols], devices)
+    return fn(addr, spans.length[cols], devices)
 
 
 def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
-    if algorithm == "mm8" and USE_KERNEL[0]:
+    if algorithm == "mm8":
         got = _by_kernel(spans, cols)
         if got is not None:
             return got

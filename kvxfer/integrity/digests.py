@@ -32,7 +32,7 @@ from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
 
-__all__ = ["ALGORITHMS", "Digests", "compute", "hash_rows", "hash_spans", "verify"]
+__all__ = ["ALGORITHMS", "Digests", "compute", "hash_rows", "hash_spans", "mm8_rows", "verify"]
 
 ALGORITHMS = ("xxh3", "mm8")
 MAX_DIGEST_BLOCKS = 1 << 20
@@ -57,8 +57,9 @@ def _host_cells(spans: Spans, c: int) -> np.ndarray:
     return arr[off[:, None] + np.arange(int(spans.length[c]))[None, :]]
 
 
-def _mm8_rows(rows: np.ndarray) -> np.ndarray:
-    """mm8 of each row of ``[B, n]`` uint8 (one cell per row) -> int64 [B]."""
+def mm8_rows(rows: np.ndarray) -> np.ndarray:
+    """mm8 of each row of ``[B, n]`` uint8 (one cell per row) -> int64 [B]: the definition, on the
+    host, that the GPU's kernel and torch ops are tested and benchmarked against."""
     b, n = rows.shape
     s = -(-n // CHUNK)
     if n % CHUNK:
@@ -68,6 +69,8 @@ def _mm8_rows(rows: np.ndarray) -> np.ndarray:
     d = (y * fold_weights(s)[None]).sum(axis=(1, 2))
     return finalize(d, n)
 
+
+_mm8_rows = mm8_rows
 
 def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
     """``[B, C]`` uint64 digests of every cell copy described by ``spans``."""

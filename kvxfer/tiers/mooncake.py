@@ -29,7 +29,7 @@ import numpy as np
 from ..deadlines import Deadline, check_timeout
 from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArgumentError, SpecError,
                       StoreBusyError, StoreCorruptError, StoreError, TransferCancelledError, TransferTimeoutError)
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import Op
 from ..planner import TransferPlan, as_block_ids
 from ..store.fileio import ENGINE, Job

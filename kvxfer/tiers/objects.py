@@ -38,9 +38,9 @@ import struct
 import numpy as np
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from ..geometry._spec import KVCacheSpec
+from ..geometry import KVCacheSpec
 from ..memory import MemoryKind, Op
-from ..pairing._templates import Pairing, pair
+from ..pairing import Pairing, pair
 from ..planner import TransferPlan, plan
 from ..store.digest import row_digests
 from ..store.slab import Geometry, slab_spec
