@@ -13,6 +13,7 @@ printf 'Metadata-Version: 2.1\nName: kvxfer\nVersion: 0.1.0\nRequires-Dist: nixl
 printf '[kvxfer]\nloopback = kvxfer_loopback\nnixl = kvxfer_nixl\n' > $D/entry_points.txt
 L=/tmp/L; mkdir -p $L
 T="python3 -m pytest -q -p no:cacheprovider -rfEs"
+X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # the NIXL file in parallel where xdist is there
 timeout ${BUDGET:-540} bash -c "
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $L/info.txt
   python3 -c 'import torch;print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())' >> $L/info.txt
@@ -22,7 +23,7 @@ timeout ${BUDGET:-540} bash -c "
   timeout 150 $T tests/test_cuda_gpu.py tests/test_cuda_path.py tests/test_tinycopy_device.py -k 'not killed' > $L/t_path.txt 2>&1
   timeout 150 $T tests/test_cuda_security_gpu.py tests/test_cuda_identity.py tests/test_integrity_gpu.py tests/test_store_vram.py > $L/t_sec.txt 2>&1
   timeout 60 $T tests/test_cuda_gpu.py -k killed > $L/t_killed.txt 2>&1
-  timeout 200 $T -n 4 plugins/kvxfer_nixl/tests/test_nixl_backend.py > $L/t_nixl.txt 2>&1
+  timeout 200 $T $X plugins/kvxfer_nixl/tests/test_nixl_backend.py > $L/t_nixl.txt 2>&1
   timeout 60 python3 benchmarks/gds_probe.py > $L/gds_probe.txt 2>&1
   LOGS=$L FIXED_MEMS=DRAM bash benchmarks/gpu_suite.sh fixedcost > /dev/null 2>&1
 "
