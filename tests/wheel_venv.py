@@ -21,8 +21,8 @@ from doc_blocks import REPO
 _SKIP = shutil.ignore_patterns(".git", ".venv*", ".whl", "build", "dist", "*.egg-info", "__pycache__",
                                ".pytest_cache", ".hypothesis", ".benchmarks")
 #: The extras the README's and CONTRIBUTING's install commands name: nixl for the backend, kit for
-#: the conformance kit's block.
-EXTRAS = "nixl,kit"
+#: the conformance kit's block, cluster for the cluster tier's.
+EXTRAS = "nixl,kit,cluster"
 
 
 def pip(python: Path | str, *args: str, timeout: float = 900) -> None:

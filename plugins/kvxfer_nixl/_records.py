@@ -8,6 +8,8 @@ backend), and the format of the notice a backend sends its peers after deregiste
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import struct
 import weakref
 from dataclasses import dataclass
@@ -32,6 +34,16 @@ _U64 = (1 << 64) - 1
 instances: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
 # A forked child shares no live agents with its parent (its identity changes in kvxfer.peers).
 on_fork(instances.clear)
+
+
+@atexit.register
+def _close_left_open() -> None:
+    """Close the backends a program left open, before the interpreter tears down: otherwise
+    NIXL's agent can be destroyed during finalisation while its own threads still run, and the
+    process aborts at exit ("terminate called without an active exception", tests/test_fdlimit.py)."""
+    for backend in list(instances.values()):
+        with contextlib.suppress(Exception):
+            backend.close()
 
 #: Control notification sent to peers after deregistering memory: a fixed prefix, the
 #: sender's instance id, its new registration epoch. Never delivered to the user.
