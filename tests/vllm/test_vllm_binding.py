@@ -71,8 +71,9 @@ def test_the_tag_is_checked_first_as_bytes_and_2_20_ids_cost_no_per_id_work(monk
     huge, valid = remote.to_params(token), remote.to_params(token)
     huge["remote_block_ids"] = [0] * (1 << 20)
     calls = {"int": 0, "sig": 0}
-    real_int, real_sig = P._int, P._signature
-    monkeypatch.setattr(P, "_int", lambda *a: (calls.__setitem__("int", calls["int"] + 1), real_int(*a))[1])
+    real_int, real_sig = P._wire.integer, P._signature  # ids are checked by the wire toolkit's integer rule
+    monkeypatch.setattr(P._wire, "integer", lambda *a, **k: (calls.__setitem__("int", calls["int"] + 1),
+                                                            real_int(*a, **k))[1])
     monkeypatch.setattr(P, "_signature", lambda *a: (calls.__setitem__("sig", calls["sig"] + 1), real_sig(*a))[1])
     with pytest.raises(P.ParamsError, match="1..129"):
         P.RemoteKV.from_params(huge, token, BLOCK, max_blocks=129)  # a decode of 2048 tokens: no HMAC at all
