@@ -22,7 +22,7 @@ from kvxfer.errors import InvalidArgumentError, StorePermissionError
 from kvxfer.integrations.sglang.backend import KvxferHiCache
 from kvxfer.store import dirs, fileio
 
-from other_uid import as_user, attacker
+from kvxfer.testing.other_uid import as_user, attacker
 from sglang_site import PAGE, SENTINEL, backend, config, expected, fill, indices, keys, pool, raw
 
 
