@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-from ..deadlines import Deadline
 from .ports import free_port
+from .wait import wait_for_server
 
 __all__ = ["EtcdServer", "etcd_binary", "free_port", "INSTALL_HINT"]
 
@@ -79,15 +78,12 @@ class EtcdServer:
         self.base.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = Deadline.within(timeout)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            if self.healthy():
-                return self
-            time.sleep(0.1)
-        self.kill()
-        raise TimeoutError(f"etcd did not become healthy within {timeout}s; log:\n{self.log_tail()}")
+        try:
+            wait_for_server(self.proc, self.healthy, "etcd", timeout, self.log_tail, 0.1)
+        except (RuntimeError, TimeoutError):
+            self.kill()
+            raise
+        return self
 
     def healthy(self) -> bool:
         probe = (f"import urllib.request,json,sys;"

@@ -20,11 +20,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
-from ..deadlines import Deadline
 from .ports import free_port
+from .wait import wait_for_server
 
 __all__ = ["MooncakeMaster", "master_binary", "INSTALL_HINT"]
 
@@ -93,15 +92,12 @@ class MooncakeMaster:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          cwd=self.base)
-        deadline = Deadline.after(timeout)
-        while not deadline.expired():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            if self.listening():
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise TimeoutError(f"mooncake_master did not listen within {timeout}s; log:\n{self.log_tail()}")
+        try:
+            wait_for_server(self.proc, self.listening, "mooncake_master", timeout, self.log_tail, 0.05)
+        except (RuntimeError, TimeoutError):
+            self.kill()
+            raise
+        return self
 
     def listening(self) -> bool:
         if self.netns:

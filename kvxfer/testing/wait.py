@@ -8,11 +8,13 @@ assertion: it is sized for a loaded machine, far above what a passing run needs.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any, Callable
+
 from ..deadlines import Deadline
 
-__all__ = ["wait_until"]
+__all__ = ["wait_for_server", "wait_until"]
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
@@ -32,3 +34,20 @@ def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "cond
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         time.sleep(interval)
+
+
+def wait_for_server(proc: "subprocess.Popen[bytes]", ready: Callable[[], bool], what: str, timeout: float,
+                    log_tail: Callable[[], str], interval: float = 0.05) -> None:
+    """Wait for a server child (etcd, a Mooncake master) to be ``ready``: one that exits first is a
+    ``RuntimeError``, one not ready within ``timeout`` a ``TimeoutError``, each with its log's tail
+    (the caller then kills it). A client started before its server listens can block far longer
+    than any test's bound, so fixtures wait here first."""
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log_tail()}")
+        return ready()
+
+    try:
+        wait_until(up, timeout, what, interval)
+    except AssertionError:
+        raise TimeoutError(f"{what} was not ready within {timeout}s; log:\n{log_tail()}") from None

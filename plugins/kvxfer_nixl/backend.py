@@ -55,42 +55,9 @@ _COLLECT_EVERY = 1e-3
 class NixlBackend(Notifications, Files, Backend):
     """kvxfer backend over NIXL (UCX by default): DRAM and VRAM, READ and WRITE, notifications.
 
-    Options (``kvxfer.Agent(name, backend="nixl", **options)``):
-
-    ``background_progress`` (default :data:`DEFAULT_BACKGROUND_PROGRESS`)
-        once memory is registered, progress the NIXL worker from a thread that naps up to
-        ``BACKGROUND_SLEEP_S`` between steps, so peers can read from (and write to) this agent
-        while its owner calls nothing. ``False`` is for engines that drive progress themselves
-        (``Agent.progress()``/``notifications()`` every few milliseconds).
-    ``progress_thread`` (default :data:`DEFAULT_PROGRESS_THREAD`)
-        run NIXL's own progress thread instead, which spins a core. Off, the initiator drives
-        progress by polling (``capabilities.needs_progress`` says so).
-    ``backends`` (default ``("UCX",)``)
-        NIXL transport plugins to instantiate.
-    ``num_threads`` (default 0)
-        worker threads for multi-threaded NIXL plugins (UCX's ``num_threads``).
-    ``device_copy`` (default True)
-        move VRAM through the core's device path (:mod:`kvxfer.cuda`: CUDA IPC handles and
-        one batched copy per post) when the peer is on this host, instead of through UCX.
-    ``device_engine`` (default ``"auto"``), ``device_copy_on`` (default ``"local"``)
-        the device path's copy engine and copying GPU (see :class:`kvxfer.cuda.DevicePath`).
-    ``notify_thread`` (default True)
-        keep polling notification-carrying transfers from a helper thread, so the
-        notification goes out without the caller polling (:class:`kvxfer.progress.Pump`).
-    ``request_descriptors`` (default :data:`DEFAULT_REQUEST_DESCRIPTORS`)
-        the most descriptors one NIXL request carries; larger posts go out piece by piece
-        from ``poll`` (see :mod:`kvxfer_nixl._xfer`).
-    ``prove_metadata`` (default ``"auto"``), ``prove_timeout`` (default 30 s of CPU time)
-        load a new peer blob in a helper process first (:mod:`kvxfer_nixl._probe`): a blob
-        that crashes or hangs NIXL there is refused with
-        :class:`~kvxfer.errors.MetadataCrashError` and never loaded here. ``"auto"`` proves
-        only unauthenticated metadata (an agent with ``token=NO_AUTH``): a signed blob comes
-        from a token holder, who could send bad KV anyway (docs/design.md, section 8).
-        ``True`` proves every blob, ``False`` none.
-    ``fence_reads`` (default ``"auto"``)
-        land DRAM READs in a private area copied out only once DONE (:mod:`kvxfer_nixl._bounce`),
-        so a stopped peer that resumes cannot write after the end. ``"auto"``: for peers UCX
-        reaches only over TCP, which cannot recall a GET; ``True`` every peer, ``False`` none.
+    Options (``kvxfer.Agent(name, backend="nixl", **options)``): one table, in
+    :mod:`kvxfer_nixl._options` (shown by ``kvxfer backends --options nixl`` and docs/backends.md),
+    with each default, what it does and when to change it.
     """
 
     name = "nixl"
