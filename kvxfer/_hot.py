@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .deadlines import Deadline
 from .errors import TransferTimeoutError
 from .memory import Op
 from .pairing import Pairing
@@ -93,8 +92,6 @@ class Shape:
             if len(set(local if self.op is Op.READ else remote)) != n:
                 return None
         prepared, backend = peer.prepared, agent.backend
-        if deadline is None:
-            deadline = Deadline.within(agent.timeout)
         # The peer's cache, looked up first: a list gone with the peer means the general path,
         # before anything was posted.
         rps = [prepared.get(leg[1]) for leg in self.legs] if len(self.legs) > 1 else [prepared.get(self.legs[0][1])]
@@ -111,8 +108,12 @@ class Shape:
                     li, ri = g.lbase + lv, g.rbase + rv
                 else:
                     li, ri = _pieces(g, local, remote)
-                posts.append(_Post(backend.post(self.op, lp, li, rp, ri, notify if not last else None), cleanup=[]))
-            if time.monotonic() > deadline:
+                posts.append(_Post(backend.post(self.op, lp, li, rp, ri, notify if not last else None), False, []))
+            end = time.perf_counter()
+            # The deadline counts from the call. Without one given (an Owner gives its own), it is
+            # the agent's timeout from t0: the clock read for the stats says whether posting ran
+            # past it, and the Transfer computes the deadline itself only if it is waited on.
+            if (end - t0 > agent.timeout) if deadline is None else time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"posting {n * self.per_block} descriptors ran past the {agent.timeout:g} s deadline; nothing "
                     "was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
@@ -120,17 +121,16 @@ class Shape:
             for post in posts:
                 backend.release(post.handle)
             raise
-        end = time.perf_counter()
-        path = backend.data_path(posts[0].handle)
-        # Positional: a dataclass called with keywords costs three times as much.
-        stats = TransferStats(n * self.per_block, n * self.bytes_per_block, len(posts), started - t0, None, path,
+        # Positional: a dataclass called with keywords costs three times as much. The data path
+        # is asked of the backend only when someone reads the stats (Transfer.stats).
+        stats = TransferStats(n * self.per_block, n * self.bytes_per_block, len(posts), started - t0, None, None,
                               end - started, agent.backend_name, self.opname, peer.name, self.mode)
         on_done = None
         if notify is not None and last:  # several posts end in any order: notify once all are done
             msg, key = bytes(notify), peer.name
             on_done = lambda: backend.notify(key, msg)  # noqa: E731
         t = Transfer(backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, started=started,
-                     on_finish=agent._finished, on_done=on_done,
+                     on_finish=agent._finished, on_done=on_done, path_of=posts[0].handle,
                      plan=partial(plan, self.spec, peer.spec, local[:], remote[:], self.op, pairing=self.pairing))
         agent._inflight.add(t)
         return t

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from .plugin import registry as _registry
 from .plugin.hookspecs import ObservedAgent, ObservedTransfer
-from .stats import TransferStats
+from .stats import Status, TransferStats
 
 __all__ = ["add_observer", "remove_observer", "stats_dict", "enable_logging", "JsonFormatter", "LOG_ENV"]
 
@@ -47,12 +47,29 @@ def stats_dict(stats: TransferStats, transfer: ObservedTransfer | None = None) -
     return d
 
 
-def transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer) -> None:
-    """Called by the agent once per transfer leaving flight: log it and tell observers."""
+#: (manager, its registration count, whether it has observers) as last seen: asked again only
+#: when a plugin or observer was registered or removed since (kvxfer.plugin.registry._Manager).
+_seen: list[Any] = [None, -1, False]
+
+
+def _observers() -> tuple[Any, bool]:
     pm = _registry._pm or _registry.plugin_manager()
-    hook = pm.hook.kvxfer_transfer_finished
-    observers = bool(hook.get_hookimpls())
-    failed = transfer.status.value != "DONE"
+    gen = getattr(pm, "generation", None)
+    if pm is not _seen[0] or gen != _seen[1] or gen is None:
+        # A manager that counts nothing (not kvxfer's) is never taken as seen: asked every time.
+        _seen[:] = [pm if gen is not None else None, gen, bool(pm.hook.kvxfer_transfer_finished.get_hookimpls())]
+    return pm, _seen[2]
+
+
+def transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer) -> None:
+    """Called by the agent once per transfer leaving flight: log it and tell observers.
+    With no observer and the logger quiet, a DONE transfer costs this call and two lookups."""
+    failed = transfer.status is not Status.DONE
+    pm = _registry._pm
+    if not failed and pm is _seen[0] and pm.generation == _seen[1] and not _seen[2] \
+            and not _xfer_log.isEnabledFor(logging.DEBUG):
+        return
+    pm, observers = _observers()
     level = logging.INFO if failed else logging.DEBUG
     s = transfer.stats
     # A 0-descriptor transfer that succeeded is a warm-up (a connection opened ahead of time):
@@ -60,6 +77,7 @@ def transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer) -> None:
     logged = _xfer_log.isEnabledFor(level) and (failed or s.descriptors > 0)
     if not observers and not logged:
         return
+    hook = pm.hook.kvxfer_transfer_finished
     if logged:
         _xfer_log.log(level, "%s %s %s: %d descriptors, %d bytes, %s", agent.name, s.op, transfer.status.value,
                       s.descriptors, s.nbytes, f"{s.seconds:.6f} s" if s.seconds is not None else "-",

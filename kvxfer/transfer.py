@@ -21,6 +21,7 @@ from .plugin.backend import Backend
 from .stats import Status, TransferStats
 
 _no_telemetry = Backend.telemetry
+_INF = float("inf")
 
 __all__ = ["Transfer", "TransferStats", "Status", "stall_advice"]
 
@@ -39,6 +40,7 @@ class _Post:
     handle: Any
     done: bool = False
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    part: int | None = None  # which part of a check run as posts land (kvxfer.integrity.overlap)
 
 
 class Transfer:
@@ -47,26 +49,55 @@ class Transfer:
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
                  started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None,
-                 plan: Any = None, verify: Callable[[], None] | None = None):
+                 plan: Any = None, verify: Callable[[], None] | None = None, path_of: Any = None,
+                 parts: Any = None):
         self._backend = backend
         self._posts = posts
         self._plan = plan  # what was posted, or how to plan it again (the hot path: kvxfer._hot)
-        self.stats = stats
-        self._default_timeout = default_timeout if type(default_timeout) is float and deadline is not None \
-            else check_timeout(default_timeout)
+        self._stats = stats
+        self._path_of = path_of  # a post whose data path the stats name, asked only when they are read
+        t = default_timeout  # the comparison rejects NaN, infinities and negatives without a call
+        self._default_timeout = t if type(t) is float and 0.0 < t < _INF else check_timeout(t)
         # The deadline of a plain wait(); the agent passes the one it started before planning.
-        self._deadline = Deadline.within(self._default_timeout) if deadline is None else deadline
+        # None (the hot path): the timeout counted from the call (``started`` less the stats'
+        # ``plan_seconds``), computed only when a wait or an owner's expiry asks.
+        self._deadline = deadline
         self._on_done = on_done
         self._on_finish = on_finish
         self._verify = verify  # runs after the data is in, before DONE is reported (kvxfer.integrity)
+        self._parts = parts  # a check run part by part as posts land (kvxfer.integrity.overlap), or None
         self._started = started if started is not None else time.perf_counter()
-        self._spin = bool(backend.capabilities.needs_progress)
         self._telemetry = type(backend).telemetry is not _no_telemetry
         self._error: BaseException | None = None
         self.status = Status.PENDING
 
     def __repr__(self) -> str:
-        return f"<Transfer {self.status.value} {self.stats.descriptors} descriptors {self.stats.nbytes} bytes>"
+        return f"<Transfer {self.status.value} {self._stats.descriptors} descriptors {self._stats.nbytes} bytes>"
+
+    @property
+    def stats(self) -> TransferStats:
+        """What the transfer cost (see :class:`TransferStats`); its ``path`` is asked of the
+        backend the first time someone reads them (the hot path posts without asking)."""
+        s = self._stats
+        if self._path_of is not None:
+            h, self._path_of = self._path_of, None
+            try:
+                s.path = self._backend.data_path(h)
+            except Exception:  # naming the path is best effort; the transfer is what counts
+                s.path = None
+        return s
+
+    @stats.setter
+    def stats(self, value: TransferStats) -> None:
+        self._stats, self._path_of = value, None
+
+    def _due(self) -> float:
+        """The transfer's own deadline (see ``deadline`` in the constructor)."""
+        d = self._deadline
+        if d is None:
+            since = time.perf_counter() - self._started + self._stats.plan_seconds
+            d = self._deadline = Deadline.within(self._default_timeout - since)
+        return d
 
     @property
     def plan(self) -> Any:
@@ -84,12 +115,17 @@ class Transfer:
             return True
         if self.status is not Status.PENDING:
             self._raise()
+        backend = self._backend
         try:
             pending = False
             for p in self._posts:
                 if not p.done:
-                    p.done = bool(self._backend.poll(p.handle))
-                    pending |= not p.done
+                    if backend.poll(p.handle):
+                        p.done = True
+                        if p.part is not None:  # its bytes are in: check them now, off this thread
+                            self._parts.landed(p.part)
+                    else:
+                        pending = True
         except KvxferError as exc:
             self._fail(exc)
         except Exception as exc:  # a backend leaking a foreign exception is still a failure
@@ -100,10 +136,16 @@ class Transfer:
             self._fail(err)
         if pending:
             return False
-        self.stats.seconds = time.perf_counter() - self._started
+        self._stats.seconds = time.perf_counter() - self._started
         if self._telemetry:
             self._collect_telemetry()
-        self._release()
+        for p in self._posts:  # _release(), inlined: every small READ passes here once
+            try:
+                backend.release(p.handle)
+            except Exception:  # releasing is best effort; the status already says what happened
+                pass
+            if p.cleanup:
+                self._cleanup(p)
         if self._verify is not None:
             try:
                 self._verify()
@@ -113,18 +155,21 @@ class Transfer:
                 self._finish()
                 raise
         self.status = Status.DONE
-        try:
-            if self._on_done is not None:
+        if self._on_done is not None:
+            try:
                 self._on_done()
-        finally:
-            self._finish()
+            finally:
+                self._finish()
+        elif self._on_finish is not None:  # _finish(), inlined
+            cb, self._on_finish = self._on_finish, None
+            cb(self)
         return True
 
     def wait(self, timeout: float | None = None) -> "Transfer":
         """Block until done: at most ``timeout`` seconds from now, or, when None, until the
         transfer's deadline (the agent's timeout, counted from the read/write call)."""
         if timeout is None:
-            limit, deadline = self._default_timeout, self._deadline
+            limit, deadline = self._default_timeout, self._due()
         else:
             limit = check_timeout(timeout, "wait timeout")
             deadline = Deadline.within(limit)
@@ -132,7 +177,7 @@ class Transfer:
         # slow network transfer does not burn a core the peer may need. A backend that
         # needs someone to drive progress gets no sleeps: this loop *is* its progress
         # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
-        backoff = None if self._spin else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
+        backoff = None if self._backend.capabilities.needs_progress else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
         while not self.done():
             if self.expire(time.monotonic(), deadline, limit):
                 self._raise()
@@ -146,13 +191,13 @@ class Transfer:
         """Past ``deadline`` (default: the transfer's own) and still pending: cancel it, make it
         FAILED with :class:`TransferTimeoutError` and return True. One rule for :meth:`wait`
         and for an :class:`~kvxfer.owner.Owner`'s loop, which polls instead of waiting."""
-        if self.status is not Status.PENDING or now < (self._deadline if deadline is None else deadline):
+        if self.status is not Status.PENDING or now < (self._due() if deadline is None else deadline):
             return False
         self.cancel()
         self._error = TransferTimeoutError(
-            f"transfer of {self.stats.descriptors} descriptors did not finish within "
+            f"transfer of {self._stats.descriptors} descriptors did not finish within "
             f"{self._default_timeout if limit is None else limit:g} s; "
-            f"it was cancelled. {stall_advice(self._backend, self.stats.peer)}")
+            f"it was cancelled. {stall_advice(self._backend, self._stats.peer)}")
         self.status = Status.FAILED
         return True
 
@@ -186,7 +231,7 @@ class Transfer:
                 t = None
             if t:
                 out.append(dict(t))
-        self.stats.telemetry = out or None
+        self._stats.telemetry = out or None
 
     def _raise(self) -> None:
         assert self._error is not None
@@ -198,12 +243,19 @@ class Transfer:
                 self._backend.release(p.handle)
             except Exception:  # releasing is best effort; the status already says what happened
                 pass
-            for fn in p.cleanup:
-                try:
-                    fn()
-                except Exception:
-                    pass
-            p.cleanup.clear()
+            if p.cleanup:
+                self._cleanup(p)
+        if self._parts is not None:  # ended early: no check may still read the destination
+            self._parts.settle()
+
+    @staticmethod
+    def _cleanup(p: _Post) -> None:
+        for fn in p.cleanup:
+            try:
+                fn()
+            except Exception:
+                pass
+        p.cleanup.clear()
 
     def _finish(self) -> None:
         if self._on_finish is not None:

@@ -124,7 +124,8 @@ class Backend(abc.ABC):
         the request (the fence, above); it returns in bounded time even if the peer is stopped."""
 
     def data_path(self, xfer: Any) -> str | None:
-        """Which data path carries a posted transfer (reported in ``TransferStats.path``)."""
+        """Which data path carries a posted transfer (reported in ``TransferStats.path``). May be
+        asked after the transfer was released: the hot path asks only when the stats are read."""
         return None
 
     # files (optional)

@@ -179,12 +179,31 @@ _dists: dict[str, tuple[str | None, str | None]] = {}  # plugin name -> (distrib
 _conflicts: list[BackendConflict] = []
 
 
+class _Manager(pluggy.PluginManager):
+    """pluggy's manager, counting registrations: a finished transfer asks whether anyone
+    observes only when the count moved (:mod:`kvxfer.observe`), not once per transfer."""
+
+    generation = 0
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        try:
+            return super().register(plugin, name)
+        finally:
+            self.generation += 1
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        try:
+            return super().unregister(plugin, name)
+        finally:
+            self.generation += 1
+
+
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, loading entry points on first use."""
     global _pm
     with _lock:
         if _pm is None:
-            pm = pluggy.PluginManager(GROUP)
+            pm = _Manager(GROUP)
             pm.add_hookspecs(hookspecs)
             for name in _split(os.environ.get(BLOCK_ENV, "")):
                 pm.set_blocked(name)
