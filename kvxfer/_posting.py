@@ -13,6 +13,7 @@ from typing import Any
 
 from . import _hot
 from .errors import TransferTimeoutError
+from .integrity.overlap import Overlapped, part_bounds
 from .memory import Op
 from .planner import TransferPlan
 from .posts import Chunk, plan_chunks
@@ -21,13 +22,17 @@ from .transfer import Transfer, TransferStats, _Post
 #: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).
 Agent = Peer = Any
 
-__all__ = ["post"]
+__all__ = ["post", "post_parts"]
 
 
 def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
          deadline: float, planned: float = 0.0, verify: Any = None, learn: bool = False) -> Transfer:
     """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``.
     ``learn``: a request the hot path may repeat (:func:`kvxfer._hot.learn` decides)."""
+    if verify is not None and hasattr(verify, "part") and op is Op.READ:
+        bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
+        if len(bounds) > 1:
+            return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)
     chunks: list[Chunk] = []
     posts: list[_Post] = []
     try:
@@ -62,6 +67,55 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
         on_done = lambda: agent.backend.notify(key, msg)  # noqa: E731
     t = Transfer(agent.backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
                  started=started, on_finish=agent._finished, plan=p, verify=verify)
+    agent._inflight.add(t)
+    return t
+
+
+def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
+               deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]]) -> Transfer:
+    """A verified READ in parts, each checked on a worker as soon as its posts landed
+    (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole request, planned and validated before
+    anything moved) stays the transfer's plan; each part is planned again for its own blocks."""
+    lb, rb = check.lb, check.expect.blocks
+    parts = Overlapped([check.part(a, b) for a, b in bounds])
+    backend = agent.backend
+    chunks: list[Chunk] = []
+    posts: list[_Post] = []
+    descriptors = 0
+    started = time.perf_counter()
+    try:
+        _check_deadline(agent, deadline, p, "planning")
+        for j, (a, b) in enumerate(bounds):
+            q = agent._plan(peer, lb[a:b], rb[a:b], op)
+            descriptors += q.descriptors
+            mine: list[Chunk] = []
+            plan_chunks(backend, q, peer.name, agent._local_prepared, peer.prepared, mine)
+            chunks += mine
+            for lp, li, rp, ri, cleanup in mine:
+                parts.expect(j)
+                post = _Post(backend.post(op, lp, li, rp, ri, None), False, cleanup, j)
+                posts.append(post)
+                if backend.poll(post.handle):  # done inside post (a copy kvxfer ran): check it now
+                    post.done = True
+                    parts.landed(j)
+            _check_deadline(agent, deadline, p, "posting")
+    except BaseException:
+        parts.settle()
+        for post in posts:
+            backend.release(post.handle)
+        for _, _, _, _, cleanup in chunks:
+            for fn in cleanup:
+                fn()
+        raise
+    stats = TransferStats(descriptors, p.nbytes, len(posts), planned + started - t0, backend=agent.backend_name,
+                          op=op.value, peer=peer.name, mode=p.mode, post_seconds=time.perf_counter() - started)
+    on_done = None
+    if notify is not None:  # the parts complete in any order: notify once all data is visible
+        msg, key = bytes(notify), peer.name
+        on_done = lambda: backend.notify(key, msg)  # noqa: E731
+    t = Transfer(backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
+                 started=started, on_finish=agent._finished, plan=p, verify=parts, parts=parts,
+                 path_of=posts[0].handle if posts else None)
     agent._inflight.add(t)
     return t
 

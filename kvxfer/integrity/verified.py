@@ -8,6 +8,7 @@ where our copy lies and compares.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..geometry import KVCacheSpec
 from .cells import Cells, gather_cells, gather_spans, local_spans
 from .digests import Digests, verify
 
-__all__ = ["pairing_check", "gather_check", "require", "check_received"]
+__all__ = ["PairingCheck", "pairing_check", "gather_check", "require", "check_received"]
 
 
 def check_received(agent: Any, local_blocks: Any, expect: Digests) -> None:
@@ -56,7 +57,7 @@ def pairing_check(local: KVCacheSpec, expect: Any, local_blocks: Any, remote_blo
     if isinstance(expect, Digests):
         _same_blocks(expect, remote_blocks, peer)
         spans = local_spans(local, lb, expect.cells)  # unknown member or range: refused now
-        return lambda: verify(expect, spans, lb)
+        return PairingCheck(expect, spans, lb)
     rb = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
     at = {int(b): i for i, b in enumerate(rb.tolist())}
     parts, covered = [], 0
@@ -77,6 +78,26 @@ def pairing_check(local: KVCacheSpec, expect: Any, local_blocks: Any, remote_blo
         for d, spans, mine in parts:
             verify(d, spans, mine)
     return check
+
+
+class PairingCheck:
+    """One :class:`Digests` against our copy: whole (after DONE), or one part of the request's
+    blocks at a time while the rest still moves (:mod:`kvxfer.integrity.overlap`)."""
+
+    __slots__ = ("expect", "spans", "lb")
+
+    def __init__(self, expect: Digests, spans: Any, lb: np.ndarray) -> None:
+        self.expect, self.spans, self.lb = expect, spans, lb
+
+    def __call__(self) -> None:
+        verify(self.expect, self.spans, self.lb)
+
+    def part(self, a: int, b: int) -> Callable[[], None]:
+        """The check of the request's blocks at positions ``[a, b)``."""
+        e = self.expect.take(np.arange(a, b))
+        sp = dataclasses.replace(self.spans, block=self.spans.block[a:b], sub=self.spans.sub[a:b])
+        lb = self.lb[a:b]
+        return lambda: verify(e, sp, lb)
 
 
 def gather_check(gather: Any, local: KVCacheSpec, remote: KVCacheSpec, expect: Digests, local_blocks: Any,
