@@ -48,10 +48,13 @@ class _Flag:
         return self._set
 
     def set(self) -> None:
-        """Only the owner's thread sets a flag; a second set is a no-op."""
+        """A second set is a no-op (the owner's thread and a ``wait_posted`` may both set one)."""
         if not self._set:
             self._set = True
-            self._lock.release()
+            try:
+                self._lock.release()
+            except RuntimeError:  # two threads set it at once: it is set either way
+                pass
 
     def wait(self, timeout: float | None = None) -> bool:
         """No spinning first: a waiter polling beside the owner's thread only fights it for the
@@ -60,17 +63,26 @@ class _Flag:
             return True
         got = self._lock.acquire() if timeout is None else self._lock.acquire(timeout=max(0.0, timeout))
         if got:
-            self._lock.release()  # the next waiter passes too
+            try:
+                self._lock.release()  # the next waiter passes too
+            except RuntimeError:  # released meanwhile by a second set(): still set
+                pass
         return got or self._set
+
+
+#: Guards every handle's callback list against its finish: held for a list append or swap
+#: only, so one lock for all handles costs no waiting, and a handle builds one lock, not two.
+_CALLBACKS = threading.Lock()
 
 
 class OwnedFuture(Generic[T]):
     """The result of one call run on the owner's thread (``add_peer``, ``notify``, ``call``)."""
 
+    _lock = _CALLBACKS
+
     def __init__(self, owner: "Owner") -> None:
         self._owner = owner
         self._event = _Flag()
-        self._lock = threading.Lock()
         self._callbacks: list[Callable[[Any], None]] = []
         self._value: T | None = None
         self._error: BaseException | None = None
@@ -187,9 +199,11 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         self.deadline, self.timeout = deadline, timeout
         self.expect: Any = None  # a READ's source digests (kvxfer.integrity), checked after DONE
         self.submitted = time.perf_counter()
-        self.stats: TransferStats | None = None
         self._inner: Any = None  # the agent's Transfer, once posted: the owner's thread only
-        self._posted = _Flag()  # set once posted, or once finished without being posted
+        # Posted (or finished without being posted): a flag made only for wait_posted(), which few
+        # callers use; the owner sets ``posted`` and then the flag if one exists (see _mark_posted).
+        self.posted = False
+        self._posted: _Flag | None = None
 
     def __repr__(self) -> str:
         return f"<OwnedTransfer {self.status.value} {self.op.value} from {self.route!r}>"
@@ -204,6 +218,12 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
                                    f"it was cancelled. {stall_advice(self._owner.agent.backend, None)}")
 
     @property
+    def stats(self) -> TransferStats | None:
+        """The posted transfer's stats (None until posted), read from it when asked."""
+        inner = self._inner
+        return None if inner is None else inner.stats
+
+    @property
     def plan(self) -> Any:
         """The plan the agent posted (None until posted)."""
         inner = self._inner
@@ -213,7 +233,13 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         """Block until the owner posted it (or it ended first; its error, planning's included,
         raises here): what :meth:`kvxfer.Agent.read` returning means, for callers who want that."""
         self._owner._check_not_loop("wait_posted")
-        if not self._posted.wait(None if timeout is None else check_timeout(timeout, "wait timeout")):
+        with _CALLBACKS:  # one flag, however many threads wait
+            flag = self._posted
+            if flag is None:
+                flag = self._posted = _Flag()
+        if self.posted:  # the owner marked it before it saw the flag: set it here
+            flag.set()
+        if not flag.wait(None if timeout is None else check_timeout(timeout, "wait timeout")):
             raise TransferTimeoutError(f"{self.op.value} from {self.route!r} was not posted within {timeout:g} s")
         if self._error is not None:
             raise self._error
@@ -235,6 +261,13 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
     def _done(self) -> None:
         self._finish(Status.DONE, self)
 
+    def _mark_posted(self) -> None:
+        """The owner's thread: posted. Either this sees the waiter's flag or the waiter sees ``posted``."""
+        self.posted = True
+        flag = self._posted
+        if flag is not None:
+            flag.set()
+
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
         super()._finish(status, value, error)
-        self._posted.set()
+        self._mark_posted()

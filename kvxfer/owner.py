@@ -119,9 +119,10 @@ class Owner:
 
     def _submit(self, op: Op, key: str, local: Any, remote: Any, notify: bytes | None,
                 timeout: float | None, expect: Any = None) -> OwnedTransfer:
-        msg = _args.notify_bytes(notify)
-        _args.peer_key(key)
-        limit = _args.timeout_or(self.agent.timeout, timeout)
+        msg = notify if notify is None else _args.notify_bytes(notify)
+        if type(key) is not str:
+            _args.peer_key(key)
+        limit = self.agent.timeout if timeout is None else _args.timeout_or(self.agent.timeout, timeout)
         t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
         t.expect = expect
         with self._lock:
@@ -222,7 +223,7 @@ class Owner:
             raise AgentClosedError(f"the owner of agent {self.agent.name!r} is closed")
 
     def _check_not_loop(self, what: str) -> None:
-        if threading.current_thread() is self._thread:
+        if threading.get_ident() == self._thread.ident:
             raise RuntimeError(f"{what}() on the owner's own thread would wait for itself; use add_done_callback")
 
     @property
@@ -375,9 +376,8 @@ class Owner:
                     self._end(t, exc)
                     self._maybe_refresh(route, exc)
                     continue
-                t.stats = t._inner.stats
                 self._inflight[t] = None
-                t._posted.set()
+                t._mark_posted()
         return moved
 
     def _poll(self, now: float) -> bool:
@@ -401,6 +401,8 @@ class Owner:
         return moved
 
     def _expire_queued(self, now: float) -> None:
+        if self._held == len(self._inflight):  # nothing queued (the common case): nothing to expire
+            return
         for route in list(self._routes.values()):
             if route.queue and now >= min(t.deadline for t in route.queue):
                 for t in [t for t in route.queue if now >= t.deadline]:
@@ -447,7 +449,6 @@ class Owner:
             route.held -= 1
             self._forget_idle(route)
         if error is None:
-            t.stats = t._inner.stats if t._inner is not None else t.stats
             t._done()
         else:
             t._fail(error)
