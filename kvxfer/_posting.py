@@ -16,6 +16,7 @@ from .errors import TransferTimeoutError
 from .integrity.overlap import Overlapped, part_bounds
 from .memory import Op
 from .planner import TransferPlan
+from .plugin import copies
 from .posts import Chunk, plan_chunks
 from .transfer import Transfer, TransferStats, _Post
 
@@ -33,6 +34,16 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
             return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)
+    fold = verify.folder() if verify is not None and hasattr(verify, "folder") and op is Op.READ else None
+    if fold is not None:  # the backend may hash rows as it copies them (kvxfer.plugin.copies)
+        verify = fold
+        with copies.watching(agent.backend, fold.copied):
+            return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn)
+    return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn)
+
+
+def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
+          deadline: float, planned: float, verify: Any, learn: bool) -> Transfer:
     chunks: list[Chunk] = []
     posts: list[_Post] = []
     try:

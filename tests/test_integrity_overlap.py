@@ -1,9 +1,10 @@
-"""A large verified READ is checked part by part while it moves (kvxfer.integrity.overlap).
+"""A verified READ checked while it moves (kvxfer.integrity.overlap): rows hashed as the
+backend copies them (``Folded``), or parts hashed on a worker as they land (``Overlapped``).
 
 Each test moves real bytes between two agents of one process: the source holds a seeded
 pattern, the destination the 0xAA sentinel; the delivered blocks are compared with numpy
 indexing over the logical arrays, and the blocks not read must still hold the sentinel.
-``PART_BYTES`` is lowered so a request of a few small blocks is posted in several parts.
+For parts, ``PART_BYTES`` is set so a request of a few small blocks is posted in four.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import kvxfer
 from kvxfer.errors import IntegrityError
 from kvxfer.integrity import overlap
 from kvxfer.integrity.verified import PairingCheck
+from kvxfer.plugin import copies
 from kvxfer.testing import faults
 
 from common import has_nixl
@@ -56,9 +58,64 @@ class Pair:
 
 
 @pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+def folded() -> Iterator[Any]:
     made: list[Pair] = []
+    faults.install()
+
+    def make(backend: str, corruption: faults.Corruption | None = None) -> Pair:
+        made.append(Pair(backend, corruption))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
+        faults.uninstall()
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
+    monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+    return folded
+
+
+def test_loopback_hashes_each_row_as_it_copies_it(folded: Any) -> None:
+    p = folded("loopback")
+    t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+    assert isinstance(t._verify, overlap.Folded) and t._verify.seen.all()  # every row hashed in the copy
+    t.wait(30)
+    assert t.status is kvxfer.Status.DONE and p.delivered()
+
+
+def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    p = folded("loopback")
+    expect = p.p.digest(RB, rows=True)
+    p.src[RB[5], 100] ^= 0x10  # the source changed after it was digested: block LB[5] arrives unlike it
+    p.X[:, RB[5]] = p.src[RB[5]].reshape(L, PAGE)
+    with pytest.raises(IntegrityError) as e:
+        p.d.read("prefill", LB, RB, expect=expect).wait(30)
+    assert e.value.block == LB[5]
+    # Control: the folded check switched off reports DONE over a row unlike the source's digest.
+    monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
+    p.dst[...] = 0xAA
+    t = p.d.read("prefill", LB, RB, expect=expect).wait(30)
+    assert t.status is kvxfer.Status.DONE and p.delivered()  # delivered what the source holds now
+
+
+def test_damage_after_the_inner_copy_is_caught_only_the_posted_backend_folds(folded: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper that changes bytes after its inner backend's copy: the inner copy must not fold."""
+    c = faults.Corruption("flip", seed=4, page=PAGE)
+    p = folded("loopback", c)
+    with pytest.raises(IntegrityError):
+        p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
+    # Control: told regardless of which backend copies, the inner loopback hashes before the damage.
+    monkeypatch.setattr(copies, "watcher", lambda backend: (copies._WATCH.get() or (None, None))[1])
+    p.dst[...] = 0xAA
+    t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
+    assert c.done == 2 and t.status is kvxfer.Status.DONE and not p.delivered()
     faults.install()
 
     def make(backend: str, corruption: faults.Corruption | None = None) -> Pair:

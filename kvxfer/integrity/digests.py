@@ -32,7 +32,7 @@ from ..memory import MemoryKind
 from .cells import MAX_CELLS, Cells, Spans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
 
-__all__ = ["ALGORITHMS", "Digests", "compute", "hash_rows", "hash_spans", "mm8_rows", "verify"]
+__all__ = ["ALGORITHMS", "Digests", "compare", "compute", "hash_rows", "hash_spans", "mm8_rows", "verify"]
 
 ALGORITHMS = ("xxh3", "mm8")
 MAX_DIGEST_BLOCKS = 1 << 20
@@ -314,6 +314,12 @@ def verify(expected: Digests, spans: Spans, local_blocks: np.ndarray) -> None:
     else:
         got = hash_spans(spans, expected.algorithm)
         got = _combine(got) if expected.row else got
+    compare(expected, got, local_blocks)
+
+
+def compare(expected: Digests, got: np.ndarray, local_blocks: np.ndarray) -> None:
+    """``got`` (digests recomputed over our copy, shaped as ``expected.values``) against
+    ``expected``: raise :class:`IntegrityError` naming the first block that differs."""
     if got.shape != expected.values.shape:
         raise IntegrityError(f"digests cover {expected.values.shape} cells, this transfer {got.shape}")
     bad = got != expected.values

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import IntegrityError
 from ..geometry import KVCacheSpec
 from .cells import Cells, gather_cells, gather_spans, local_spans
-from .digests import Digests, verify
+from .digests import Digests, _in_place, verify
 
 __all__ = ["PairingCheck", "pairing_check", "gather_check", "require", "check_received"]
 
@@ -98,6 +98,20 @@ class PairingCheck:
         sp = dataclasses.replace(self.spans, block=self.spans.block[a:b], sub=self.spans.sub[a:b])
         lb = self.lb[a:b]
         return lambda: verify(e, sp, lb)
+
+    def folder(self) -> Any:
+        """A :class:`~kvxfer.integrity.overlap.Folded` check hashing rows as they are copied, or
+        None: only ``xxh3`` row digests over rows that are one run of host memory each."""
+        from .overlap import Folded
+
+        if not (self.expect.row and self.expect.algorithm == "xxh3") or not self.lb.shape[0]:
+            return None
+        run = _in_place(self.spans)
+        if run is None:
+            return None
+        view, offs, n = run
+        base = self.spans.allocations[int(self.spans.alloc[0])].address
+        return Folded(self.expect, self.spans, self.lb, view, offs.tolist(), n, base)
 
 
 def gather_check(gather: Any, local: KVCacheSpec, remote: KVCacheSpec, expect: Digests, local_blocks: Any,

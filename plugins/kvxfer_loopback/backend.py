@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
-from kvxfer.plugin import wire
+from kvxfer.plugin import copies, wire
 from kvxfer.spans import SpanIndex
 from kvxfer.extras import install_hint
 from kvxfer.errors import (BackendClosedError, BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError,
@@ -180,7 +180,7 @@ class LoopbackBackend(Backend):
         dkind, skind = (local.kind, remote.kind) if op is Op.READ else (remote.kind, local.kind)
         x = _Xfer()
         if dkind is MemoryKind.DRAM and skind is MemoryKind.DRAM:
-            _host_copy(dst, src)
+            _host_copy(dst, src, copies.watcher(self))
             x.done = True
         else:
             x.event, x.keepalive = self._device_copy(dst, dkind, src, skind)
@@ -256,10 +256,13 @@ class LoopbackBackend(Backend):
             _LIVE.pop(self._token, None)
 
 
-def _host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+def _host_copy(dst: np.ndarray, src: np.ndarray, seen: copies.Watch | None = None) -> None:
+    """``seen``: told after each copy (a verified READ hashes the row while it is in the cache)."""
     memmove = ctypes.memmove
     for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), dst[:, 1].tolist()):
         memmove(d, s, n)
+        if seen is not None:
+            seen(d, n)
 
 
 class _CudaSpan:
