@@ -7,7 +7,7 @@ the moved blocks). Shapes: whole rows (one block-outermost storage) and per-laye
 Also the digest alone (source side, GB/s) against a plain copy of the same bytes on the
 same memory (numpy copy on DRAM, ``torch.Tensor.copy_`` on VRAM).
 
-    python benchmarks/bench_integrity.py --memory DRAM --backends loopback,nixl [--rows] [--threads 2]
+    python benchmarks/bench_integrity.py --memory DRAM --backends loopback,nixl [--rows] [--threads 2] [--parts 16]
     python benchmarks/bench_integrity.py --memory VRAM --backends loopback,nixl --blocks 256
 """
 
@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true", help="row digests (one per block, what vLLM params carry)")
     ap.add_argument("--digest", choices=("kernel", "torch"), default="kernel",
                     help="VRAM mm8: the device path's one-pass kernel, or the torch ops it replaced")
+    ap.add_argument("--parts", type=int, default=0,
+                    help="MiB per part of a verified READ hashed on a worker as parts land (0: off, the default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from kvxfer.integrity import digests, set_mm8_kernel
@@ -158,6 +160,10 @@ def main() -> None:
         set_mm8_kernel(None)  # VRAM mm8 through the torch ops, not the device path's kernel
 
     digests.THREADS = args.threads
+    if args.parts:
+        from kvxfer.integrity import overlap
+
+        overlap.PART_BYTES = args.parts << 20
     rows = []
     for b in args.backends.split(","):
         try:
