@@ -39,10 +39,10 @@ class Pair:
         self.X = np.random.default_rng(5).integers(0, 256, (L, NB, PAGE), dtype=np.uint8)
         self.src = np.ascontiguousarray(self.X.transpose(1, 0, 2).reshape(NB, L * PAGE))
         self.dst = np.full((NB, L * PAGE), 0xAA, np.uint8)
-        opts: dict[str, Any] = {"backend": backend} if corruption is None else \
-            {"backend": "corrupting", "inner": backend, "corruption": corruption}
-        self.p = kvxfer.Agent("prefill", backend=backend)
-        self.d = kvxfer.Agent("decode", **opts)
+        wrap: dict[str, Any] = {"backend": backend} if corruption is None else \
+            {"backend": "corrupting", "inner": backend}
+        self.p = kvxfer.Agent("prefill", **wrap)
+        self.d = kvxfer.Agent("decode", **wrap, **({} if corruption is None else {"corruption": corruption}))
         self.p.register({f"layer.{i}": self.src[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.register({f"layer.{i}": self.dst[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.add_peer(self.p.metadata())
@@ -192,7 +192,7 @@ def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkey
         return [ended_early, seen[0]]
 
     ended_early, seen = cancel_in_thread(True)
-    assert not ended_early and seen == [(0, 2)]  # cancel() waited for the running check, dropped the rest
+    assert not ended_early and seen == [(0, 2)], seen  # cancel() waited for the running check, dropped the rest
     # Control: without the settle, cancel() returns while the check still reads the destination.
     monkeypatch.setattr(overlap.Overlapped, "settle", lambda self: None)
     ended_early, seen = cancel_in_thread(False)

@@ -102,12 +102,12 @@ class Overlapped:
 
     def settle(self) -> None:
         """The transfer ended early: drop checks not started, wait for one still reading."""
-        for f in self._futures:
-            if f is not None and not f.cancel():
-                try:
-                    f.result()
-                except BaseException:
-                    pass
+        running = [f for f in self._futures if f is not None and not f.cancel()]  # all dropped first
+        for f in running:
+            try:
+                f.result()
+            except BaseException:
+                pass
 
 
 class Folded:
