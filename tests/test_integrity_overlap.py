@@ -116,18 +116,6 @@ def test_damage_after_the_inner_copy_is_caught_only_the_posted_backend_folds(fol
     p.dst[...] = 0xAA
     t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
     assert c.done == 2 and t.status is kvxfer.Status.DONE and not p.delivered()
-    faults.install()
-
-    def make(backend: str, corruption: faults.Corruption | None = None) -> Pair:
-        made.append(Pair(backend, corruption))
-        return made[-1]
-
-    try:
-        yield make
-    finally:
-        for p in made:
-            p.close()
-        faults.uninstall()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
