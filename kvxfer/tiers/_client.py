@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 def parse_master(master: str) -> tuple[str, int]:
     """``host:port`` of a master, checked."""
-    if not isinstance(master, str) or master.count(":") != 1:
+    if not isinstance(master, str) or len(master) > 261 or master.count(":") != 1:  # a DNS name and a port
         raise InvalidArgumentError(f"master must be 'host:port', got {master!r:.80}")
     host, _, port = master.partition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
