@@ -13,6 +13,12 @@ store"):
   ``get_num_new_matched_tokens``. What the view shows is a hint: a key evicted or a row
   damaged since then fails the restore, and vLLM recomputes those blocks.
 
+With ``tier`` instead of ``store_path`` the rows live in the cluster tier
+(:class:`kvxfer.tiers.MooncakeTier`), which engines on other hosts share: each worker holds a
+tier client (lending its segment), hands the scheduler its layout fingerprint
+(:class:`ClusterHandle`), and the scheduler asks the master through a client that lends nothing
+(:class:`kvxfer.tiers.MooncakeLookup`).
+
 Keys are opaque bytes, a SHA-256 chain over the prompt's token ids block by block (seeded
 with the request's cache salt), so they are equal in every process and engine whatever
 ``PYTHONHASHSEED`` says; the model and layout are in the slab's fingerprint.
@@ -30,6 +36,7 @@ import numpy as np
 import kvxfer
 from kvxfer.errors import KvxferError, StoreBusyError, StoreCorruptError
 from kvxfer.store.view import IndexView, ViewHandle
+from kvxfer.tiers import MooncakeLookup, MooncakeTier, Tier
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 from .stats import KvxferConnectorStats
@@ -37,7 +44,7 @@ from .stats import KvxferConnectorStats
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["prefix_keys", "StoreHandshake", "StoreLoad", "StoreSave", "SchedulerStore", "WorkerStore"]
+__all__ = ["prefix_keys", "ClusterHandle", "StoreHandshake", "StoreLoad", "StoreSave", "SchedulerStore", "WorkerStore"]
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -64,10 +71,18 @@ def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str | None = No
 
 
 @dataclass
+class ClusterHandle:
+    """What the scheduler needs to name a worker's objects in the cluster tier (plain values)."""
+
+    fingerprint: str
+    namespace: str
+
+
+@dataclass
 class StoreHandshake(KVConnectorHandshakeMetadata):
     """A worker's store, for the scheduler's view (None in a rank means: no store there)."""
 
-    handle: ViewHandle | None
+    handle: ViewHandle | ClusterHandle | None
 
 
 @dataclass
@@ -98,9 +113,9 @@ def _storable(request: "Request") -> bool:
 class SchedulerStore:
     """The scheduler's half: what to restore and what to offload, from the view of the index."""
 
-    def __init__(self, block_size: int, min_tokens: int) -> None:
-        self.block_size, self.min_tokens = block_size, min_tokens
-        self.views: list[IndexView] | None = None  # None until every worker said it holds its store
+    def __init__(self, block_size: int, min_tokens: int, tier: dict[str, Any] | None = None) -> None:
+        self.block_size, self.min_tokens, self.tier = block_size, min_tokens, tier
+        self.views: list[IndexView | MooncakeLookup] | None = None  # None until every worker said it holds its store
         self._keys: dict[str, list[bytes]] = {}
         self._hits: dict[str, int] = {}  # request id -> first block the load covers
         self.loads: list[StoreLoad] = []
@@ -108,10 +123,24 @@ class SchedulerStore:
 
     def attach(self, ranks: dict[int, Any]) -> None:
         handles = [getattr(m, "handle", None) for m in ranks.values()]
-        if handles and all(isinstance(h, ViewHandle) for h in handles):
-            self.views = [IndexView(h) for h in handles]
-        else:
+        kind = ClusterHandle if self.tier is not None else ViewHandle
+        if not handles or not all(isinstance(h, kind) for h in handles):
             log.warning("kvxfer: a worker holds no store; prompts are not served from it")
+            return
+        if self.tier is None:
+            self.views = [IndexView(h) for h in handles]
+            return
+        t, views = self.tier, []
+        try:
+            for h in handles:
+                views.append(MooncakeLookup(t["master"], h.fingerprint, namespace=h.namespace,
+                                            hostname=t.get("hostname", "127.0.0.1"), timeout=t.get("timeout", 5.0)))
+        except KvxferError as exc:  # the master absent: this engine computes every prompt
+            log.warning("kvxfer: cannot reach the cluster tier for lookups; prompts are not served from it: %s", exc)
+            for v in views:
+                v.close()
+            return
+        self.views = views
 
     def _request_keys(self, request: "Request") -> list[bytes]:
         rid = request.request_id
@@ -122,7 +151,11 @@ class SchedulerStore:
 
     def _stored(self, keys: list[bytes]) -> int:
         assert self.views is not None
-        return min(v.prefix(keys) for v in self.views)
+        try:
+            return min(v.prefix(keys) for v in self.views)
+        except KvxferError as exc:  # the cluster's master gone or late: a miss, computed here
+            log.warning("kvxfer: store lookup failed, computing the prompt: %s", exc)
+            return 0
 
     def matched(self, request: "Request", num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` (block aligned) the store holds; at least one
@@ -169,8 +202,12 @@ class SchedulerStore:
         if n <= 0:
             return False
         missing = np.zeros(n, dtype=bool)  # missing on any rank: every rank writes it (a replace is harmless)
-        for v in self.views:
-            missing |= ~v.lookup(keys[:n])
+        try:
+            for v in self.views:
+                missing |= ~v.lookup(keys[:n])
+        except KvxferError as exc:  # the cluster's master gone: an offload would fail too
+            log.warning("kvxfer: store lookup failed, not offloading request %s: %s", rid, exc)
+            return False
         todo = np.flatnonzero(missing).tolist()
         if not todo:
             return False
@@ -181,7 +218,7 @@ class SchedulerStore:
 class WorkerStore:
     """The worker's half: the store's only opener in this process; offloads and restores."""
 
-    def __init__(self, store: kvxfer.Store, spec: kvxfer.KVCacheSpec, stats: KvxferConnectorStats,
+    def __init__(self, store: Tier, spec: kvxfer.KVCacheSpec, stats: KvxferConnectorStats,
                  unpinned: Callable[[], Any]) -> None:
         self.store, self.spec, self.stats, self._unpinned = store, spec, stats, unpinned
         self._loads: dict[str, tuple[StoreLoad, kvxfer.Transfer]] = {}
@@ -189,24 +226,33 @@ class WorkerStore:
         self.sent: set[str] = set()
 
     @classmethod
-    def open(cls, path: str, capacity: int, spec: kvxfer.KVCacheSpec, model: str, stats: KvxferConnectorStats,
-             unpinned: Callable[[], Any]) -> "WorkerStore | None":
-        """The store for this cache, or None (logged) when it cannot be used: another process
-        holds it (StoreBusyError), the cache is in VRAM, the path or capacity is wrong."""
+    def open(cls, path: str | None, capacity: int, spec: kvxfer.KVCacheSpec, model: str, stats: KvxferConnectorStats,
+             unpinned: Callable[[], Any], tier: dict[str, Any] | None = None) -> "WorkerStore | None":
+        """The store for this cache (``tier``: the cluster tier's, instead of one at ``path``), or
+        None (logged) when it cannot be used: another process holds it (StoreBusyError), the
+        cache is in VRAM, the path or capacity is wrong, the cluster's master does not answer."""
         try:
-            store = kvxfer.Store(path, capacity=capacity, layout=spec, model=model)
+            if tier is not None:
+                opts = {k: v for k, v in tier.items() if k not in ("type", "master")}
+                with unpinned():  # the tier's threads: not on the engine's core
+                    store: Tier = MooncakeTier(tier["master"], layout=spec, model=model, **opts)
+            else:
+                store = kvxfer.Store(path, capacity=capacity, layout=spec, model=model)
         except StoreBusyError as exc:
             log.warning("kvxfer: the store is held by another process; this engine runs without it: %s", exc)
             stats.count("store_busy")
             return None
         except (KvxferError, OSError) as exc:
-            log.warning("kvxfer: cannot use the store at %s; running without it: %s", path, exc)
+            log.warning("kvxfer: cannot use the store at %s; running without it: %s", path or tier, exc)
             return None
         log.info("kvxfer: serving prompt prefixes from %r", store)
         return cls(store, spec, stats, unpinned)
 
     def handshake(self) -> StoreHandshake:
-        return StoreHandshake(ViewHandle.of(self.store))
+        s = self.store
+        if isinstance(s, MooncakeTier):
+            return StoreHandshake(ClusterHandle(s.geometry.fingerprint, s.namespace))
+        return StoreHandshake(ViewHandle.of(s))
 
     def start(self, loads: list[StoreLoad], saves: list[StoreSave], fail: Fail) -> None:
         with self._unpinned():  # the store's threads are made on first use: not on the engine's core
