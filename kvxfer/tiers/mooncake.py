@@ -130,6 +130,8 @@ class MooncakeTier:
         names = dict(zip(self.names(ks), ks))
         deadline, removed = self._deadline(timeout), 0
         while names:
+            if self._closed:  # closed while waiting out a lease
+                raise StoreError(f"the tier was closed with {len(names)} object(s) not yet removed")
             todo = list(names)
             got = self._client.call(lambda: self._store.batch_remove(todo), deadline, "discard")
             for n, rc in zip(todo, got):

@@ -20,6 +20,7 @@ Cost: one engine pair, started together, shared by the cases (``--durations`` in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from harness import HERE, ROOT, TOKEN_ENV, Engine, free_port, start_engine
 from kvxfer.errors import StoreCorruptError
 from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
-from kvxfer.integrations.vllm.store import ClusterHandle, SchedulerStore, WorkerStore, prefix_keys
+from kvxfer.integrations.vllm.store import ClusterHandle, SchedulerStore, StoreSave, WorkerStore, prefix_keys
 from kvxfer.testing.mooncake_master import MooncakeMaster, unavailable_reason
 from kvxfer.testing.netns import NetLab, unavailable_reason as netns_reason
 from kvxfer.tiers import MooncakeTier
@@ -126,10 +127,48 @@ def test_offload_then_another_client_restores_byte_exact_and_a_flipped_byte_copi
     assert isinstance(failed.get("c"), StoreCorruptError) and "c" not in done
     assert sum(stats.data["store_corrupt"]) == 1
     assert (_pages(dst, list(range(8))) == 0xAA).all()  # one round: nothing copied
+    # The request is not offered the store again (vLLM asks again after a failed load), and the
+    # damaged object is removed once the failed read's lease ends: later prompts compute it.
+    assert sched.matched(req, 0) == 0
+    (drop,) = ws2.drops
+    drop.join(30)  # no lookup meanwhile: Mooncake renews a read's lease on every lookup of it
+    assert not ws2.store.lookup([load.keys[1]])[0]
+    assert sched.matched(_request("d", prompt, 0), 0) == BLOCK
     ws2.close()
     ws.close()
     for v in sched.views or []:
         v.close()
+
+
+@pytest.mark.parametrize("other", ["model", "tp-rank"])
+def test_another_models_or_ranks_objects_never_meet(master, other: str) -> None:
+    """Objects are named by the layout fingerprint: an engine of another model (or another TP
+    slice) on the same master sees none of them. Control: the storing engine's own scheduler
+    does see them."""
+    _, spec = _cache(None)
+    prompt = list(range(1, 301))
+    keys = prefix_keys(prompt, BLOCK)
+    ws = WorkerStore.open(None, 0, spec, "m", KvxferConnectorStats(), contextlib.nullcontext,
+                          _tier(master, segment=16 << 20))
+    assert ws is not None
+    ws.start([], [StoreSave("s", keys, [5, 2])], lambda *a: None)
+    _drain(ws, set(), {})
+    model, ospec = ("other-model", spec) if other == "model" else ("m", dataclasses.replace(spec, tp_rank=1, tp_size=2))
+    ws2 = WorkerStore.open(None, 0, ospec, model, KvxferConnectorStats(), contextlib.nullcontext, _tier(master))
+    assert ws2 is not None
+    scheds = []
+    for w in (ws, ws2):
+        sched = SchedulerStore(BLOCK, 1, _tier(master))
+        sched.attach({0: w.handshake()})
+        scheds.append(sched)
+    assert scheds[0].matched(_request("own", prompt, 0), 0) == 2 * BLOCK  # control
+    assert scheds[1].matched(_request("other", prompt, 0), 0) == 0
+    assert not ws2.store.lookup(keys).any()
+    for sched in scheds:
+        for v in sched.views or []:
+            v.close()
+    ws2.close()
+    ws.close()
 
 
 def test_the_master_absent_means_no_store_and_lookups_compute(master) -> None:

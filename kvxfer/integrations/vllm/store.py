@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -118,6 +119,10 @@ class SchedulerStore:
         self.views: list[IndexView | MooncakeLookup] | None = None  # None until every worker said it holds its store
         self._keys: dict[str, list[bytes]] = {}
         self._hits: dict[str, int] = {}  # request id -> first block the load covers
+        # Requests that had a restore: vLLM asks again only when it failed (its computed tokens
+        # back at 0); a second try would fetch the same damaged object (the cluster tier cannot
+        # drop it while the failed read's lease holds), so the request computes.
+        self._tried: set[str] = set()
         self.loads: list[StoreLoad] = []
         self.saves: list[StoreSave] = []
 
@@ -160,7 +165,7 @@ class SchedulerStore:
     def matched(self, request: "Request", num_computed_tokens: int) -> int:
         """Tokens past ``num_computed_tokens`` (block aligned) the store holds; at least one
         prompt token is always left to compute, as vLLM needs."""
-        if self.views is None:
+        if self.views is None or request.request_id in self._tried:
             return 0
         bs = self.block_size
         keys = self._request_keys(request)[:(request.num_prompt_tokens - 1) // bs]
@@ -179,6 +184,7 @@ class SchedulerStore:
             return False
         n = num_external_tokens // self.block_size
         if n > 0:
+            self._tried.add(request.request_id)
             keys = self._request_keys(request)[start:start + n]
             self.loads.append(StoreLoad(request.request_id, keys, list(block_ids[start:start + n]),
                                         n * self.block_size))
@@ -187,12 +193,14 @@ class SchedulerStore:
     def forget(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
         self._hits.pop(request_id, None)
+        self._tried.discard(request_id)
 
     def finished(self, request: "Request", block_ids: list[int], done: bool) -> bool:
         """A request ended: offload its full prompt blocks the store lacks. True: vLLM keeps the
         blocks until the worker reports the offload finished (``finished_sending``)."""
         rid = request.request_id
         self._hits.pop(rid, None)
+        self._tried.discard(rid)
         if self.views is None or not done:
             self._keys.pop(rid, None)
             return False
@@ -224,6 +232,7 @@ class WorkerStore:
         self._loads: dict[str, tuple[StoreLoad, kvxfer.Transfer]] = {}
         self._saves: dict[str, tuple[StoreSave, kvxfer.Transfer]] = {}
         self.sent: set[str] = set()
+        self.drops: list[threading.Thread] = []  # removals of damaged cluster objects under way
 
     @classmethod
     def open(cls, path: str | None, capacity: int, spec: kvxfer.KVCacheSpec, model: str, stats: KvxferConnectorStats,
@@ -273,7 +282,20 @@ class WorkerStore:
         self.stats.count("store_failures")
         if isinstance(exc, StoreCorruptError):
             self.stats.count("store_corrupt")
+            if isinstance(self.store, MooncakeTier) and exc.keys:  # the slab drops its own damaged rows
+                t = threading.Thread(target=self._drop, args=(list(exc.keys),), name="kvxfer-vllm-drop", daemon=True)
+                t.start()
+                self.drops = [d for d in self.drops if d.is_alive()] + [t]
         fail(ld.request_id, ld.block_ids, exc)
+
+    def _drop(self, keys: list[bytes]) -> None:
+        """Remove damaged objects from the cluster, so later requests compute and store them
+        again; off the engine's thread, as a removal waits out the failed read's lease (which
+        each lookup of the object renews: a busy prompt's object may outlive the deadline)."""
+        try:
+            self.store.discard(keys)
+        except KvxferError as exc:
+            log.warning("kvxfer: could not remove %d damaged object(s) from the cluster tier: %s", len(keys), exc)
 
     def poll(self, done: Callable[[str], None], fail: Fail) -> set[str]:
         """Finished restores go to ``done`` or ``fail``; returns the offloads that ended.
