@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path

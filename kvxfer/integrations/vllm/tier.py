@@ -35,7 +35,7 @@ import numpy as np
 import kvxfer
 from kvxfer.errors import InvalidArgumentError, KvxferError
 from kvxfer.geometry import KVCacheSpec, spec_from_pointers
-from kvxfer.tiers import Tier
+from kvxfer.tiers import MooncakeTier, Tier  # Mooncake's own client loads only when one is created
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -93,8 +93,6 @@ def _open_tier(spec: KVCacheSpec, model: str, store_path: str | None, capacity_b
         unused = sorted(k for k, v in (("capacity_bytes", capacity_bytes), ("durable", durable or None)) if v)
         if unused:
             raise InvalidArgumentError(f"{unused} apply to store_path only (the cluster's segments set its size)")
-        from kvxfer.tiers import MooncakeTier  # loads Mooncake's client only when configured
-
         return MooncakeTier(master, layout=spec, model=model, **{k: v for k, v in cluster.items() if v is not None})
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
         raise InvalidArgumentError(f"capacity_bytes must be a number of bytes, got {capacity_bytes!r:.40}")
