@@ -75,7 +75,7 @@ $(VENV_VLLM)/.installed: pyproject.toml Makefile
 	$(PY_VLLM) -m pip install -q "$(TORCH_SPEC)"
 	$(PY_VLLM) -m pip install -q "$(VLLM_SPEC)" nixl==1.5.1
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY_VLLM) -m pip install -q -e ".[test]"
+	$(PY_VLLM) -m pip install -q -e ".[test,cluster]"  # cluster: the tier tests start a mooncake_master
 	touch $@
 
 # Prefill and decode as real vLLM instances on CPU, kvxfer against vLLM's NixlConnector;

@@ -4,13 +4,15 @@
 them from, by opaque key: :class:`kvxfer.Store` (one machine's slab file) is one, and
 :class:`MooncakeTier` (a Mooncake Store cluster, :mod:`.mooncake`) is the other. Both return
 :class:`kvxfer.Transfer` objects, so deadlines and cancellation behave as for a peer
-transfer. Importing this package imports no Mooncake code: the client library is loaded
+transfer; :class:`MooncakeLookup` answers lookups for a process that holds no cache (a
+scheduler). Importing this package imports no Mooncake code: the client library is loaded
 when a :class:`MooncakeTier` is created. docs/storage.md describes the cluster tier.
 """
 
 from __future__ import annotations
 
 from .base import Tier
+from .lookup import MooncakeLookup
 from .mooncake import MooncakeTier
 
-__all__ = ["Tier", "MooncakeTier"]
+__all__ = ["Tier", "MooncakeTier", "MooncakeLookup"]

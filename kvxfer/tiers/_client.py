@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 def parse_master(master: str) -> tuple[str, int]:
     """``host:port`` of a master, checked."""
-    if not isinstance(master, str) or master.count(":") != 1:
+    if not isinstance(master, str) or len(master) > 261 or master.count(":") != 1:  # a DNS name and a port
         raise InvalidArgumentError(f"master must be 'host:port', got {master!r:.80}")
     host, _, port = master.partition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -92,6 +92,9 @@ class Client:
             raise MissingDependencyError(f"the cluster tier needs Mooncake Store: {INSTALL} ({exc})") from None
         self.store: Any = MooncakeDistributedStore()
         self.master = master
+        # Calls still running (one left behind by its deadline included): the client is closed
+        # only once none is, since closing it under a running call frees what the call uses.
+        self._busy, self._closing, self._state = 0, False, threading.Lock()
         rc = self.call(lambda: self.store.setup(hostname, metadata, segment, local_buffer, protocol, device, master),
                        deadline, "connecting to the Mooncake master")
         if rc != 0:
@@ -108,6 +111,17 @@ class Client:
                 fut.set_result(fn())
             except BaseException as exc:
                 fut.set_exception(exc)
+            finally:
+                with self._state:
+                    self._busy -= 1
+                    last = self._closing and self._busy == 0
+                if last:
+                    self._close()
+
+        with self._state:
+            if self._closing:
+                raise StoreError("the Mooncake client is closed")
+            self._busy += 1
 
         threading.Thread(target=run, name="kvxfer-mooncake-call", daemon=True).start()
         try:
@@ -117,6 +131,16 @@ class Client:
                                        f"{self.master}); the call is left to finish on its own") from None
 
     def close(self) -> None:
+        """Leave the cluster now, or when the last call still running returns."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+            if self._busy:
+                return
+        self._close()
+
+    def _close(self) -> None:
         try:
             self.store.close()
         except Exception:  # closing a client whose master is gone must not hide the caller's error

@@ -37,6 +37,7 @@ from ..store.slab import geometry
 from ..store.store import _keys
 from ..transfer import Transfer, TransferStats, _Post
 from . import _client
+from .lookup import check_namespace, exist
 from .objects import Bounce, check_objects, copy_plan, object_name, pack_header
 
 __all__ = ["MooncakeTier"]
@@ -74,9 +75,7 @@ class MooncakeTier:
         if 0 < segment < MIN_SEGMENT:
             raise InvalidArgumentError(f"segment must be 0 (lend none) or at least {MIN_SEGMENT} bytes "
                                        f"(Mooncake's smallest), got {segment}")
-        if not isinstance(namespace, str) or not 0 < len(namespace) <= 64 or "/" in namespace:
-            raise InvalidArgumentError(f"namespace must be 1 to 64 characters without '/', got {namespace!r:.80}")
-        self.namespace, self.master = namespace, master
+        self.namespace, self.master = check_namespace(namespace), master
         self._bounce = Bounce(g, max(buffer, 1))
         deadline = Deadline.within(self.timeout)
         self._client = _client.Client(master, hostname, segment, local_buffer, protocol, device, metadata, deadline)
@@ -115,16 +114,8 @@ class MooncakeTier:
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> np.ndarray:
         """A bool per key: an object is held under it now (a hint: it may be evicted, or fail
         its checks, before a restore). An unreachable master raises a typed miss."""
-        ks, names = _keys(keys), self.names(keys)
-        if not ks:
-            return np.zeros(0, dtype=bool)
-        deadline = self._deadline(timeout)
-        got = np.asarray(self._client.call(lambda: self._store.batch_is_exist(names), deadline, "lookup"),
-                         dtype=np.int64)
-        bad = got < 0
-        if bad.any():
-            raise _client.typed(int(got[bad][0]), "lookup", [k for k, b in zip(ks, bad.tolist()) if b])
-        return got == 1
+        ks = _keys(keys)
+        return exist(self._client, ks, self.names(ks), self._deadline(timeout))
 
     def prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading keys are held."""
@@ -139,6 +130,8 @@ class MooncakeTier:
         names = dict(zip(self.names(ks), ks))
         deadline, removed = self._deadline(timeout), 0
         while names:
+            if self._closed:  # closed while waiting out a lease
+                raise StoreError(f"the tier was closed with {len(names)} object(s) not yet removed")
             todo = list(names)
             got = self._client.call(lambda: self._store.batch_remove(todo), deadline, "discard")
             for n, rc in zip(todo, got):

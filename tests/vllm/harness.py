@@ -150,8 +150,10 @@ class Engine:
 
 def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, blhnc: bool = False, num_blocks: int = 256,
-                 cpus: str | None = None, llm_args: dict[str, Any] | None = None) -> Engine:
+                 cpus: str | None = None, llm_args: dict[str, Any] | None = None, netns: str | None = None) -> Engine:
     """Start one instance in the background; :meth:`Engine.wait_ready` waits for it.
+
+    ``netns``: run it inside that network namespace (another "host", kvxfer.testing.netns).
 
     ``cpus``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this instance (a pair's prefill and
     decode get a core each, see :func:`pair_cpus`); None leaves vLLM's automatic binding.
@@ -169,7 +171,8 @@ def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: di
     e.update(env or {})
     log_path = logdir / f"{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "engine_proc.py"), json.dumps(cfg)],
+        argv = [sys.executable, str(HERE / "engine_proc.py"), json.dumps(cfg)]
+        proc = subprocess.Popen((["ip", "netns", "exec", netns] if netns else []) + argv,
                                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(w,),
                                 env=e, cwd=str(ROOT), start_new_session=True)
     os.close(w)

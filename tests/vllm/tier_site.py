@@ -55,12 +55,22 @@ def pattern(key: bytes, row: int = ROW) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, row, dtype=np.uint8)
 
 
-def build(path: str, capacity_rows: int = 32, **kw: Any) -> tuple[TieringOffloadingManager, KvxferStoreTier, Region]:
+def build(path: str | None, capacity_rows: int = 32, **kw: Any) -> tuple[TieringOffloadingManager, KvxferStoreTier,
+                                                                         Region]:
+    """vLLM's manager over a fresh region, its tier a local store at ``path`` (None: the tier
+    is configured by ``kw`` alone, e.g. ``mooncake_master``)."""
     region = Region()
     primary = CPUPrimaryTierOffloadingManager(num_chunks=CHUNKS, mmap_region=region)  # type: ignore[arg-type]
-    tier = KvxferStoreTier(SimpleNamespace(), primary.get_kv_memoryview(), "KvxferStoreTier", store_path=path,
-                           capacity_bytes=capacity_rows * 16384, **kw)
+    if path is not None:
+        kw.update(store_path=path, capacity_bytes=capacity_rows * 16384)
+    tier = KvxferStoreTier(SimpleNamespace(), primary.get_kv_memoryview(), "KvxferStoreTier", **kw)
     return TieringOffloadingManager(primary, [tier]), tier, region
+
+
+def rebuild(tier: KvxferStoreTier, region: Region) -> TieringOffloadingManager:
+    """A new manager (an empty primary) over an existing tier and its region."""
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=CHUNKS, mmap_region=region)  # type: ignore[arg-type]
+    return TieringOffloadingManager(primary, [tier])
 
 
 def settle(mgr: TieringOffloadingManager, tier: KvxferStoreTier) -> None:

@@ -36,7 +36,11 @@ _DEFAULTS: dict[str, Any] = {
     "digests": True,
     "store_path": None,
     "store_capacity": 1 << 30,
+    "tier": None,
 }
+#: The keys of ``tier`` (the cluster tier, kvxfer.tiers.MooncakeTier) and their kinds.
+_TIER_KEYS: dict[str, type | tuple[type, ...]] = {"type": str, "master": str, "hostname": str, "segment": int,
+                                                   "buffer": int, "namespace": str, "timeout": (int, float)}
 
 
 def _want(key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -68,6 +72,11 @@ class ConnectorConfig:
     #: Serve prompt prefixes from a kvxfer.Store in this directory (None: off); its slots' bytes.
     store_path: str | None = None
     store_capacity: int = 1 << 30
+    #: Serve prompt prefixes from the cluster tier instead (None: off): the checked ``tier``
+    #: settings, ``type`` "mooncake", ``master`` (host:port), optional ``hostname`` (this host's
+    #: address as other clients reach it), ``segment`` and ``buffer`` (bytes), ``namespace``,
+    #: ``timeout`` (seconds; also bounds each scheduler lookup).
+    tier: dict[str, Any] | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
@@ -117,8 +126,12 @@ class ConnectorConfig:
         capacity = _want("store_capacity", v["store_capacity"], int)
         if capacity <= 0:
             raise ConnectorConfigError("kv_connector_extra_config['store_capacity'] must be a positive number of bytes")
+        tier = _tier(v["tier"])
+        if tier is not None and store_path is not None:
+            raise ConnectorConfigError("set either 'store_path' (a local kvxfer.Store) or 'tier' (the cluster tier), "
+                                       "not both")
         return cls(backend, options, host, bind_host, port, token, insecure, times["transfer_timeout"],
-                   times["handshake_timeout"], times["lease_seconds"], min_tokens, digests, store_path, capacity)
+                   times["handshake_timeout"], times["lease_seconds"], min_tokens, digests, store_path, capacity, tier)
 
     def rank_port(self, rank: int) -> int:
         """Each worker rank serves its own metadata on ``port + rank``."""
@@ -126,6 +139,38 @@ class ConnectorConfig:
         if p > 65535:
             raise ConnectorConfigError(f"side-channel port {self.port} + rank {rank} exceeds 65535")
         return p
+
+
+def _tier(raw: Any) -> dict[str, Any] | None:
+    """The ``tier`` settings, checked here so that a bad one stops the engine at start, not at
+    its first request (the tier's own checks repeat these when it is created)."""
+    if raw is None:
+        return None
+    tier = dict(_want("tier", raw, dict))
+    unknown = sorted(map(str, set(tier) - set(_TIER_KEYS)))
+    if unknown:
+        raise ConnectorConfigError(f"unknown kv_connector_extra_config['tier'] keys {str(unknown)[:200]}; "
+                                   f"known: {sorted(_TIER_KEYS)}")
+    for k, v in tier.items():
+        _want(f"tier.{k}", v, _TIER_KEYS[k])
+    if tier.get("type") != "mooncake":
+        raise ConnectorConfigError("kv_connector_extra_config['tier']['type'] must be \"mooncake\" (the only cluster tier)")
+    if "master" not in tier:
+        raise ConnectorConfigError("kv_connector_extra_config['tier'] needs 'master': the Mooncake master's host:port")
+    from kvxfer.tiers._client import parse_master  # kvxfer's own checks: no Mooncake code is loaded
+
+    try:
+        parse_master(tier["master"])
+    except KvxferError as exc:
+        raise ConnectorConfigError(f"kv_connector_extra_config['tier']['master']: {exc}") from None
+    if not 0 < len(tier.get("hostname", "h")) <= 255:
+        raise ConnectorConfigError("kv_connector_extra_config['tier']['hostname'] must be 1 to 255 characters")
+    for k in ("segment", "buffer"):
+        if tier.get(k, 0) < 0:
+            raise ConnectorConfigError(f"kv_connector_extra_config['tier'][{k!r}] must be a number of bytes >= 0")
+    if "timeout" in tier and not 0 < float(tier["timeout"]) < 86400:
+        raise ConnectorConfigError("kv_connector_extra_config['tier']['timeout'] must be in (0, 86400) seconds")
+    return tier
 
 
 def _resolve_token(token: Any, token_env: Any, env: Mapping[str, str]) -> bytes | None:

@@ -55,7 +55,8 @@ class SchedulerSide:
         self._failed: dict[str, list[int]] = {}  # loads that cannot start: the workers report them failed
         self._nonces = NonceBook()  # decode: a params set is used once
         self.digests = SchedulerDigests(cfg.token, tp_size)  # prefill: digests for the params it hands out
-        self.store = SchedulerStore(block_size, cfg.min_tokens) if cfg.store_path else None
+        self.store = (SchedulerStore(block_size, cfg.min_tokens, cfg.tier)
+                      if cfg.store_path or cfg.tier is not None else None)
 
     # -- decode ---------------------------------------------------------------------------
     def _parse(self, request: "Request") -> RemoteKV | None:

@@ -1,4 +1,8 @@
-"""A vLLM native offload tier backed by :class:`kvxfer.Store` (docs/engines.md has the config).
+"""A vLLM native offload tier backed by a kvxfer tier (docs/engines.md has the config).
+
+The tier is a :class:`kvxfer.Store` (``store_path``: one machine's slab) or a
+:class:`kvxfer.tiers.MooncakeTier` (``mooncake_master``: a Mooncake Store cluster); both are
+:class:`kvxfer.tiers.Tier`, and nothing below asks which one it holds.
 
 vLLM's ``TieringOffloadingManager`` keeps a CPU primary tier (an mmap of ``num_chunks`` rows)
 and cascades chunks to secondary tiers, then promotes them back on a prefix hit. This tier is
@@ -30,7 +34,8 @@ import numpy as np
 
 import kvxfer
 from kvxfer.errors import InvalidArgumentError, KvxferError
-from kvxfer.geometry import spec_from_pointers
+from kvxfer.geometry import KVCacheSpec, spec_from_pointers
+from kvxfer.tiers import MooncakeTier, Tier  # Mooncake's own client loads only when one is created
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -77,19 +82,46 @@ def _namespace(spec: Any, explicit: str) -> str:
     return "vllm-tier:" + hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-class KvxferStoreTier(SecondaryTierManager):
-    """A ``SecondaryTierManager`` whose chunks are rows of a :class:`kvxfer.Store`.
+def _open_tier(spec: KVCacheSpec, model: str, store_path: str | None, capacity_bytes: int | None, durable: bool,
+               threads: int, cluster: dict[str, Any]) -> Tier:
+    """The local slab (``store_path``) or the cluster tier (``mooncake_master``): exactly one."""
+    master = cluster.pop("master")
+    if (store_path is None) == (master is None):
+        raise InvalidArgumentError("give exactly one of store_path (a local kvxfer.Store) and mooncake_master "
+                                   "(a Mooncake Store cluster)")
+    if master is not None:
+        unused = sorted(k for k, v in (("capacity_bytes", capacity_bytes), ("durable", durable or None)) if v)
+        if unused:
+            raise InvalidArgumentError(f"{unused} apply to store_path only (the cluster's segments set its size)")
+        return MooncakeTier(master, layout=spec, model=model, **{k: v for k, v in cluster.items() if v is not None})
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise InvalidArgumentError(f"capacity_bytes must be a number of bytes, got {capacity_bytes!r:.40}")
+    os.makedirs(store_path, mode=0o700, exist_ok=True)  # type: ignore[arg-type]
+    return kvxfer.Store(store_path, capacity=capacity_bytes, layout=spec, model=model,  # type: ignore[arg-type]
+                        durable=bool(durable), threads=int(threads))
 
-    ``store_path``: the store's directory (created ``0700``). ``capacity_bytes``: bytes of
-    rows on disk. ``locality``: vLLM's ``"LOCAL"``/``"REMOTE"`` tag. ``durable``: fdatasync before publishing (survives power loss). ``threads``:
-    the store's I/O threads. ``namespace``: an extra string engines must share to share rows.
+
+class KvxferStoreTier(SecondaryTierManager):
+    """A ``SecondaryTierManager`` whose chunks are rows of a kvxfer tier.
+
+    ``store_path``: the local store's directory (created ``0700``). ``capacity_bytes``: its bytes
+    of rows on disk. ``durable``: fdatasync before publishing (survives power loss). ``threads``:
+    the store's I/O threads. Or ``mooncake_master`` (``host:port``): the cluster tier, with
+    ``mooncake_hostname`` (this process's address as other clients reach it),
+    ``mooncake_segment`` (bytes this process lends the cluster; 0: none), ``mooncake_buffer``
+    (its bounce buffer's bytes) and ``mooncake_timeout`` (seconds, each job and each call to the
+    master). ``locality``: vLLM's ``"LOCAL"``/``"REMOTE"`` tag. ``namespace``: an extra string
+    engines must share to share rows.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
-                 store_path: str, capacity_bytes: int, durable: bool = False, threads: int = 4,
-                 namespace: str = "", locality: str | None = None,
+                 store_path: str | None = None, capacity_bytes: int | None = None, durable: bool = False,
+                 threads: int = 4, namespace: str = "", locality: str | None = None,
+                 mooncake_master: str | None = None, mooncake_hostname: str | None = None,
+                 mooncake_segment: int | None = None, mooncake_buffer: int | None = None,
+                 mooncake_timeout: float | None = None,
                  backpressure_detector: "BackpressureDetector | None" = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
@@ -101,10 +133,10 @@ class KvxferStoreTier(SecondaryTierManager):
             raise InvalidArgumentError("the primary view's rows are not packed back to back")
         self.spec = spec_from_pointers((int(self._rows.ctypes.data), int(self._rows.nbytes), 0),
                                        num_blocks=self.num_chunks, members=[(_MEMBER, self.block_size_bytes)])
-        os.makedirs(store_path, mode=0o700, exist_ok=True)
-        self.store = kvxfer.Store(store_path, capacity=int(capacity_bytes), layout=self.spec,
-                                  model=_namespace(offloading_spec, namespace), durable=bool(durable),
-                                  threads=int(threads))
+        cluster = {"master": mooncake_master, "hostname": mooncake_hostname, "segment": mooncake_segment,
+                   "buffer": mooncake_buffer, "timeout": mooncake_timeout}
+        self.store: Tier = _open_tier(self.spec, _namespace(offloading_spec, namespace), store_path, capacity_bytes,
+                                      durable, threads, cluster)
         self._jobs: dict[int, _Job] = {}
         self.errors = 0  # contained errors (bad jobs, bad keys, failed submits)
 

@@ -154,9 +154,9 @@ class WorkerSide:
             self.owner = kvxfer.Owner(agent, max_pending_per_peer=_PER_PREFILL,
                                       add_peer_timeout=self.cfg.handshake_timeout, name=f"kvxfer-vllm-owner:{self.rank}")
         self.agent = agent
-        if self.cfg.store_path is not None:
+        if self.cfg.store_path is not None or self.cfg.tier is not None:
             self.store = WorkerStore.open(self.cfg.store_path, self.cfg.store_capacity, spec, model, self.stats,
-                                          _unpinned)
+                                          _unpinned, self.cfg.tier)
         if serve:
             self._pump = Pump(self._drive, name="kvxfer-vllm-progress", max_sleep=1e-3)
         where = "metadata on {}:{}".format(*self.server.address) if self.server else "not serving metadata (decode)"
@@ -245,7 +245,7 @@ class WorkerSide:
 
     def store_handshake(self) -> StoreHandshake | None:
         """For the scheduler's read-only view of the store (None: no store configured)."""
-        if self.cfg.store_path is None:
+        if self.cfg.store_path is None and self.cfg.tier is None:
             return None
         return StoreHandshake(self.store.handshake().handle if self.store is not None else None)
 
