@@ -1,17 +1,17 @@
 """The seam on Mooncake Transfer Engine: registrations, the blob, bounded lists, batch posts.
 
-Each post is one ``batch_transfer_sync_read``/``_write`` call on a worker thread (the calls
-release the GIL). The async forms are not used: a second status query of a finished batch
-crashes this Mooncake release. The fence (``kvxfer/plugin/backend.py``): a call fails at its
-first stalled span while the spans queued behind it stay queued inside Mooncake and land when a
-stopped peer resumes, and no call of this Python API waits for or drops them. So a READ lands
-in a private arena and is copied to its destination only once its call returned 0
-(:mod:`._bounce`). A WRITE is sent from a snapshot of its source in an arena: its destination
-is the peer's memory, which nothing here can recall, so its queued spans may still reach the
-peer after the end, but they carry the bytes it was asked to move (the plugin README says what
-a caller does about it). ``release`` of a running call holds its arena and returns at once, so
-every wait ends within the caller's deadline; ``progress_timeout`` bounds only how long a
-stopped peer keeps a worker thread.
+A post runs as :mod:`._posts` says: a small one submitted at once (one-span async batches,
+polled without blocking), a larger one as chunked synchronous batch calls on a worker thread
+(they release the GIL) whose chunks are copied out while the next is on the wire. The fence
+(``kvxfer/plugin/backend.py``): a call fails at its first stalled span while the spans queued
+behind it stay queued inside Mooncake and land when a stopped peer resumes, and no call of
+this Python API waits for or drops them. So a READ lands in a private arena and is copied to
+its destination only from calls that returned 0 (:mod:`._bounce`). A WRITE is sent from a
+snapshot of its source in an arena: its destination is the peer's memory, which nothing here
+can recall, so its queued spans may still reach the peer after the end, but they carry the
+bytes it was asked to move (the plugin README says what a caller does about it). ``release``
+of a running post holds its arena and returns at once, so every wait ends within the caller's
+deadline; ``progress_timeout`` bounds only how long a stopped peer keeps a worker thread.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from kvxfer.errors import (
 )
 from kvxfer.spans import SpanIndex
 
-from . import _blob, _notify
-from ._bounce import Arena, Arenas, gather, scatter
+from . import _blob, _notify, _posts
+from ._bounce import Arenas, gather, scatter
 from ._engine import start_engine
+from ._posts import Post
 
 __all__ = ["MooncakeBackend"]
 
@@ -46,12 +47,15 @@ PATH = "mooncake-tcp"
 class _Peer:
     """One ``add_remote``: a new object each time, so lists prepared before it go stale."""
 
-    __slots__ = ("session", "index", "regions")
+    __slots__ = ("session", "index", "regions", "ready")
 
     def __init__(self, blob: _blob.Blob) -> None:
         self.session = blob.session
         self.regions = blob.regions
         self.index = SpanIndex(Allocation(a, n) for a, n in blob.regions)
+        # Mooncake has its connection: a quick post's submit, in the caller's thread, cannot
+        # then wait on a handshake (which holds the engine's lock for up to 60 s).
+        self.ready = False
 
 
 class Listed:
@@ -61,17 +65,6 @@ class Listed:
 
     def __init__(self, rows: np.ndarray, peer: str | None, epoch: _Peer | None) -> None:
         self.rows, self.peer, self.epoch = rows, peer, epoch
-
-
-class Post:
-    """One batch call; a fenced READ also has its landing ``arena`` and destination ``rows``."""
-
-    __slots__ = ("future", "op", "session", "nbytes", "arena", "rows")
-
-    def __init__(self, future: cf.Future[int] | None, op: Op, session: str, nbytes: int,
-                 arena: Arena | None = None, rows: np.ndarray | None = None) -> None:
-        self.future, self.op, self.session, self.nbytes = future, op, session, nbytes
-        self.arena, self.rows = arena, rows
 
 
 class MooncakeBackend(Backend):
@@ -110,6 +103,7 @@ class MooncakeBackend(Backend):
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix=f"kvxfer-mooncake-{agent_name}")
         self._notes = cf.ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-mooncake-notify-{agent_name}")
         self._lock = threading.Lock()
+        self._live: set[Post] = set()  # quick posts whose batches may be on the wire
         self._closed = False
         # One byte of our own that add_remote's first contact reads into (never advertised).
         self._scratch = np.zeros(64, np.uint8)
@@ -158,9 +152,9 @@ class MooncakeBackend(Backend):
         with self._lock:
             self._peers[peer_name] = peer
         if b.regions:
-            self._first_contact(b)
+            self._first_contact(b, peer)
 
-    def _first_contact(self, b: _blob.Blob) -> None:
+    def _first_contact(self, b: _blob.Blob, peer: _Peer) -> None:
         """Handshake now, inside add_peer's deadline, not in the first transfer.
 
         Mooncake's handshake with a peer that accepts but never answers takes 60 s whatever
@@ -176,6 +170,7 @@ class MooncakeBackend(Backend):
         f = self._pool.submit(self._engine.batch_transfer_sync_read, b.session, [self._scratch.ctypes.data],
                               [b.regions[0][0]], [1])
         cf.wait([f], timeout=bound)
+        peer.ready = f.done() and not f.cancelled() and f.exception() is None and f.result() == 0
 
     def remove_remote(self, peer: str) -> None:
         with self._lock:
@@ -214,79 +209,126 @@ class MooncakeBackend(Backend):
         la, ra = local.rows[np.asarray(local_idx)], remote.rows[np.asarray(remote_idx)]
         if la.shape[0] != ra.shape[0] or not np.array_equal(la[:, 1], ra[:, 1]):
             raise BackendError("mooncake post: local and remote spans differ in count or length")
-        if la.shape[0] == 0:
+        n = la.shape[0]
+        if n == 0:
             if note is not None:
                 self.notify(remote.peer, notification)  # type: ignore[arg-type]
-            return Post(None, op, epoch.session, 0)
-        lengths = la[:, 1].tolist()
+            return Post(op, epoch.session, 0)
+        lens = la[:, 1]
+        lengths = lens.tolist()
         nbytes = int(sum(lengths))
         code = self._ops[op]
+        rlist = ra[:, 0].tolist()
         fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
-        if not fenced:
-            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, la[:, 0].tolist(),
-                                       ra[:, 0].tolist(), lengths, code, note)
-            return Post(future, op, epoch.session, nbytes)
+        if not fenced:  # the tests' controls only: straight into the destination, one call
+            x = Post(op, epoch.session, nbytes, peer=epoch)
+            x.bounds = [0, n]
+            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, la[:, 0].tolist(), rlist, lengths, code,
+                                         note)
+            return x
         arena = self._arenas.take(nbytes)
+        x = Post(op, epoch.session, nbytes, arena, la, epoch)
         try:
             if op is Op.WRITE:
                 gather(arena, la)
-            lens = la[:, 1].astype(np.int64)
-            staged = (np.cumsum(lens) - lens + arena.base).tolist()
-            future = self._pool.submit(self._engine.batch_transfer_sync, epoch.session, staged, ra[:, 0].tolist(),
-                                       lengths, code, note)
+            staged = _posts.staged(arena, lens)
+            x.offsets = [a - arena.base for a in staged]
+            if note is None and epoch.ready and n <= _posts.QUICK_SPANS and nbytes <= _posts.QUICK_BYTES:
+                self._live.add(x)
+                _posts.submit_quick(self._engine, x, staged, rlist, lengths, code)
+                return x
+            x.bounds = _posts.chunk_bounds(lens)
+            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, staged, rlist, lengths, code, note)
         except BaseException:
-            self._arenas.give(arena)
+            self._live.discard(x)
+            if x.batches:
+                self._arenas.hold(arena)  # some were submitted: Mooncake may still write there
+            else:
+                self._arenas.give(arena)
             raise
-        return Post(future, op, epoch.session, nbytes, arena, la)
+        return x
 
     def poll(self, xfer: Post) -> bool:
-        if xfer.future is None:
+        if xfer.batches is not None:
+            return self._poll_quick(xfer)
+        f = xfer.future
+        if f is None:
             return True
-        if not xfer.future.done():
+        finished = f.done()  # read first: every result was appended before the future finished
+        res, b = xfer.results, xfer.bounds
+        while xfer.copied < len(res):
+            k = xfer.copied
+            if res[k] != 0:
+                self._settle(xfer, deliver=False)
+                self._failed(xfer, res[k])
+            if xfer.arena is not None and xfer.op is Op.READ:
+                lo, hi = b[k], b[k + 1]
+                scatter(xfer.arena, xfer.rows[lo:hi], xfer.offsets[lo])  # type: ignore[index]
+            xfer.copied += 1
+        if xfer.copied == len(b) - 1:
+            xfer.peer.ready = True
+            self._settle(xfer, deliver=True)
+            return True
+        if not finished:
             return False
+        self._settle(xfer, deliver=False)
         try:
-            rc = xfer.future.result()
+            f.result()
         except cf.CancelledError:
-            self._settle(xfer, deliver=False)
             raise BackendError("mooncake post was cancelled") from None
         except Exception as exc:  # the binding raised: typed here, the call has returned
-            self._settle(xfer, deliver=False)
             raise BackendError(f"mooncake {xfer.op.value} failed: {exc!r}") from None
-        self._settle(xfer, deliver=rc == 0)
+        raise BackendError(f"mooncake {xfer.op.value} stopped after {xfer.copied} of {len(b) - 1} chunks")
+
+    def _poll_quick(self, xfer: Post) -> bool:
+        if xfer.stop:
+            raise BackendError("mooncake post was released")
+        rc = _posts.poll_quick(self._engine, xfer)
+        if rc is None:
+            return False
+        self._live.discard(xfer)
         if rc != 0:
-            raise PeerDisconnectedError(
-                f"mooncake {xfer.op.value} with {xfer.session} returned {rc}: the peer died, stopped answering for "
-                f"{self.progress_timeout:g} s, or no longer registers that memory")
+            self._settle(xfer, deliver=False)
+            self._failed(xfer, rc)
+        if xfer.op is Op.READ:
+            scatter(xfer.arena, xfer.rows)  # type: ignore[arg-type]
+        self._settle(xfer, deliver=True)
         return True
 
+    def _failed(self, xfer: Post, rc: int) -> None:
+        raise PeerDisconnectedError(
+            f"mooncake {xfer.op.value} with {xfer.session} returned {rc}: the peer died, stopped answering for "
+            f"{self.progress_timeout:g} s, or no longer registers that memory")
+
     def _settle(self, xfer: Post, deliver: bool) -> None:
-        """A READ's call returned: copy its arena out if it succeeded. A failed call's arena is
-        held: spans Mooncake queued behind the failure may still land in it."""
+        """The transfer ended: its arena goes back if every call returned 0, else it is held:
+        spans Mooncake queued behind a failure may still land in it."""
         arena, xfer.arena = xfer.arena, None
         if arena is None:
             return
         if deliver:
-            if xfer.op is Op.READ:
-                scatter(arena, xfer.rows)  # type: ignore[arg-type]
             self._arenas.give(arena)
         else:
             self._arenas.hold(arena)
 
     def release(self, xfer: Post) -> None:
-        """Cancel. A post not started is dropped. A running call keeps its arena held and
-        returns at once, within the caller's deadline whatever the peer does: nothing of a READ
-        can reach its destination any more, and a WRITE's late spans carry only its snapshot."""
+        """Cancel. A chunked post stops at its next chunk boundary; one not started is dropped.
+        Whatever may still be on the wire keeps its arena held and this returns at once, within
+        the caller's deadline whatever the peer does: nothing of a READ can reach its
+        destination any more, and a WRITE's late spans carry only its snapshot."""
+        xfer.stop = True
+        if xfer.batches is not None:
+            self._live.discard(xfer)
+            self._settle(xfer, deliver=False)
+            return
         f = xfer.future
         if f is None:
             return
         if f.cancel():
-            if xfer.arena is not None:
-                arena, xfer.arena = xfer.arena, None
-                self._arenas.give(arena)  # never handed to Mooncake
+            self._settle(xfer, deliver=True)  # never handed to Mooncake
             return
         if xfer.arena is not None:
-            arena, xfer.arena = xfer.arena, None
-            self._arenas.hold(arena)
+            self._settle(xfer, deliver=False)
             return
         cf.wait([f])  # the tests' controls only: bounded by Mooncake's progress timeout
 
@@ -333,6 +375,9 @@ class MooncakeBackend(Backend):
             regs, self._regs = list(self._regs.values()), {}
             self._peers.clear()
             self._reindex()
+        for x in list(self._live):  # never polled to the end nor released: Mooncake may still write
+            self._settle(x, deliver=False)
+        self._live.clear()
         for regions in regs:
             self._unregister(regions)
         self._unregister([(self._scratch.ctypes.data, 0)])

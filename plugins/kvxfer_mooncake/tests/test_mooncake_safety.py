@@ -119,7 +119,7 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, 
         remote = be.prepare("peer", descs(base, offsets, lengths))
         os.kill(p.pid, signal.SIGSTOP)  # after add_remote's handshake: stopped mid-READ
         x = be.post(Op.READ, local, np.arange(len(offsets)), remote, np.arange(len(offsets)), None)
-        while not (x.future.running() or x.future.done()):  # in flight, not merely queued with us
+        while x.future is not None and not (x.future.running() or x.future.done()):  # in flight, not queued
             time.sleep(0.001)
         time.sleep(0.2)
         release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
