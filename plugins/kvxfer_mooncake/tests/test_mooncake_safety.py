@@ -104,12 +104,15 @@ def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
 
 
 def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, progress_timeout: float = 1,
-                       slices: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       slices: int = 0, land: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Post a READ from a stopped peer, release it, resume the peer; the destination at the end
-    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (one batch call)."""
+    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (one batch call,
+    or with at most ``_posts.QUICK_SPANS`` a quick post). ``land(dst, offsets)``: a control's patch."""
     p, blob = peer
     dst = np.full(16 << 20, SENT, np.uint8)
     offsets, lengths = ([0], [dst.nbytes]) if not slices else ([i << 12 for i in range(slices)], [384] * slices)
+    if land is not None:
+        land(dst, offsets)
     be = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=progress_timeout)
     try:
         be.register([Allocation(dst.ctypes.data, dst.nbytes)])
@@ -154,6 +157,74 @@ def test_queued_spans_of_a_failed_read_never_reach_the_destination(stopped_peer:
         np.testing.assert_array_equal(later, ended, err_msg="queued spans landed after the end")
     else:
         assert not np.array_equal(later, ended), "control: queued spans should land after an unfenced end"
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-lands-in-destination"])
+def test_quick_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any, fenced: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quick post (4 small spans, submitted at once, no worker): released while the peer is
+    stopped, its spans land in the arena once the peer resumes, never in the destination.
+    Control: with the spans staged at the destination instead of the arena, they land there
+    after the end (the arena is what keeps them out)."""
+    from kvxfer_mooncake import _posts
+
+    seen: list[Any] = []
+    real_submit = _posts.submit_quick
+    monkeypatch.setattr(_posts, "submit_quick", lambda *a: (seen.append(a[1]), real_submit(*a)))
+
+    def land(dst: np.ndarray, offsets: list[int]) -> None:
+        if not fenced:
+            monkeypatch.setattr(_posts, "staged", lambda arena, lens: [dst.ctypes.data + o for o in offsets])
+
+    ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release, slices=4, land=land)
+    assert len(seen) == 1, "the post should have been a quick one"
+    assert (ended == SENT).all(), "the stopped peer answered before the release"
+    if fenced:
+        np.testing.assert_array_equal(later, ended, err_msg="a quick READ's spans landed after the end")
+    else:
+        assert not np.array_equal(later, ended), "control: spans staged at the destination land after the end"
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_chunked_post_moves_exactly_its_spans(op: Op) -> None:
+    """A post large enough to be cut into chunks (spans of mixed lengths, shuffled, one pair
+    adjacent): every chunk is copied out where asked and nothing else changes (numpy reference)."""
+    from kvxfer_mooncake import _posts
+
+    a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
+    b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
+    try:
+        rng = np.random.default_rng(5)
+        src = rng.integers(0, 256, 8 << 20, dtype=np.uint8)
+        dst = np.full(8 << 20, SENT, np.uint8)
+        a.register([Allocation(src.ctypes.data, src.nbytes)])
+        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        b.add_remote("prefill", a.local_metadata())
+        slots = rng.permutation(64)[:40]  # 128 KiB slots, spans up to the slot
+        lens = [int(x) for x in rng.integers(1, 129, 40) * 1024]
+        offs_d = [int(s) << 17 for s in slots]
+        offs_s = [int(s) << 17 for s in rng.permutation(64)[:40]]
+        lens[0] = lens[1] = 64 << 10
+        offs_d[1] = offs_d[0] + lens[0]  # adjacent in the destination, both inside the first slot
+        here_, there = (dst, src) if op is Op.READ else (src, dst)
+        loc_offs, rem_offs = (offs_d, offs_s) if op is Op.READ else (offs_s, offs_d)
+        mover = b if op is Op.READ else a
+        if op is Op.WRITE:
+            a.add_remote("decode", b.local_metadata())
+        local = mover.prepare(None, descs(here_.ctypes.data, loc_offs, lens))
+        remote = mover.prepare("prefill" if op is Op.READ else "decode", descs(there.ctypes.data, rem_offs, lens))
+        want = np.full_like(dst, SENT)
+        for d, s_, n in zip(offs_d, offs_s, lens):
+            want[d:d + n] = src[s_:s_ + n]
+        x = mover.post(op, local, np.arange(40), remote, np.arange(40), None)
+        assert len(x.bounds) > 2, "expected a post of several chunks"
+        wait_done(mover, x)
+        assert len(x.results) == len(x.bounds) - 1 and x.copied == len(x.bounds) - 1
+        np.testing.assert_array_equal(dst, want)
+        assert len(x.bounds) - 1 <= _posts.MAX_CHUNKS
+    finally:
+        b.close()
+        a.close()
 
 
 def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
