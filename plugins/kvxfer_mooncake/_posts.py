@@ -30,7 +30,7 @@ from kvxfer import Op
 
 from ._bounce import Arena
 
-__all__ = ["MAX_CHUNKS", "MIN_CHUNK", "QUICK_BYTES", "QUICK_SPANS", "Post", "chunk_bounds", "run_chunks", "staged"]
+__all__ = ["MAX_CHUNKS", "MIN_CHUNK", "QUICK_BYTES", "QUICK_SPANS", "Post", "Runs", "chunk_bounds", "run_chunks", "staged"]
 
 #: A post of at most this many spans and bytes (and no notification) is submitted at once.
 QUICK_SPANS = 8
@@ -45,15 +45,16 @@ _NOT_SUBMITTED = (0, (1 << 64) - 1)
 class Post:
     """One post. ``future``/``bounds``/``results``: a chunked one; ``batches``: a quick one."""
 
-    __slots__ = ("op", "session", "nbytes", "arena", "rows", "offsets", "future", "bounds", "results", "copied",
-                 "stop", "batches", "failed", "peer")
+    __slots__ = ("op", "session", "nbytes", "arena", "rows", "offsets", "future", "bounds", "spans", "results",
+                 "copied", "stop", "batches", "failed", "peer")
 
     def __init__(self, op: Op, session: str, nbytes: int, arena: Arena | None = None,
                  rows: np.ndarray | None = None, peer: Any = None) -> None:
         self.op, self.session, self.nbytes, self.arena, self.rows = op, session, nbytes, arena, rows
         self.offsets: list[int] = []  # each span's place in the arena
         self.future: cf.Future[None] | None = None
-        self.bounds: list[int] = [0]
+        self.bounds: list[int] = [0]  # chunk k is runs bounds[k]:bounds[k+1] ...
+        self.spans: list[int] = [0]  # ... and spans (rows) spans[k]:spans[k+1]
         self.results: list[int] = []  # appended by the worker, one per finished chunk call
         self.copied = 0  # chunks (chunked) or batches (quick) settled so far
         self.stop = False
@@ -62,16 +63,45 @@ class Post:
         self.peer = peer
 
 
-def staged(arena: Arena, lengths: np.ndarray) -> list[int]:
-    """Where each span lands in (or is sent from) the arena: packed in span order."""
-    lens = lengths.astype(np.int64)
-    return (np.cumsum(lens) - lens + arena.base).tolist()
+class Runs:
+    """A post's spans in the peer's address order, its contiguous runs merged: what Mooncake moves.
+
+    A per-layer local cache against a packed peer posts one span per page, but the pages of a
+    block lie back to back in the peer's row: sorted by remote address they merge into one
+    span per row, the arena takes them in that order, and the copy-out scatters the pages to
+    their layers (:func:`._bounce.scatter`, one vectorised pass). Mooncake then sees one
+    descriptor per row instead of one per page; the local side is never merged (it is the
+    arena). Spans already in order and disjoint cost one comparison pass.
+    """
+
+    __slots__ = ("local", "offsets", "starts", "remote", "lengths")
+
+    def __init__(self, la: np.ndarray, ra: np.ndarray) -> None:
+        raddr = ra[:, 0].astype(np.int64)
+        lens = la[:, 1].astype(np.int64)
+        if len(raddr) > 1 and (np.diff(raddr) < 0).any():
+            order = np.argsort(raddr, kind="stable")
+            la, raddr, lens = la[order], raddr[order], lens[order]
+        self.local = la  # rows in arena order
+        offs = np.cumsum(lens) - lens
+        self.offsets = offs.tolist()  # each span's place in the arena
+        head = np.ones(len(raddr), bool)
+        head[1:] = raddr[1:] != raddr[:-1] + lens[:-1]
+        starts = np.flatnonzero(head)
+        self.starts = starts.tolist() + [len(raddr)]  # run r is spans starts[r]:starts[r+1]
+        self.remote = raddr[starts].tolist()
+        self.lengths = np.add.reduceat(lens, starts).tolist() if len(starts) else []
 
 
-def chunk_bounds(lengths: np.ndarray) -> list[int]:
-    """Span indexes cutting a post into chunks of about equal bytes (at most ``MAX_CHUNKS``)."""
+def staged(arena: Arena, runs: Runs) -> list[int]:
+    """Where each run lands in (or is sent from) the arena: packed in run order."""
+    return [arena.base + runs.offsets[i] for i in runs.starts[:-1]]
+
+
+def chunk_bounds(lengths: list[int]) -> list[int]:
+    """Run indexes cutting a post into chunks of about equal bytes (at most ``MAX_CHUNKS``)."""
     n = len(lengths)
-    ends = np.cumsum(lengths.astype(np.int64))
+    ends = np.cumsum(np.asarray(lengths, np.int64))
     total = int(ends[-1]) if n else 0
     k = max(1, min(MAX_CHUNKS, total // MIN_CHUNK, n))
     if k == 1:

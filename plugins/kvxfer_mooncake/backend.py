@@ -28,11 +28,12 @@ import numpy as np
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
 from kvxfer.deadlines import check_timeout, current_deadline
 from kvxfer.errors import (
-    BackendClosedError, BackendError, PeerDisconnectedError, StalePeerError, UnknownPeerError, UnsupportedError,
+    BackendClosedError, BackendError, KvxferError, PeerDisconnectedError, StalePeerError, UnknownPeerError,
+    UnsupportedError,
 )
 from kvxfer.spans import SpanIndex
 
-from . import _blob, _notify, _posts
+from . import _blob, _identity, _notify, _posts
 from ._bounce import Arenas, gather, scatter
 from ._engine import start_engine
 from ._posts import Post
@@ -91,6 +92,7 @@ class MooncakeBackend(Backend):
         self.progress_timeout = check_timeout(progress_timeout, "mooncake progress_timeout")
         if not isinstance(workers, int) or not 1 <= workers <= 64:
             raise BackendError(f"mooncake workers must be an int in 1..64, got {workers!r}")
+        self.host = host
         self._engine, self.session = start_engine(host, self.progress_timeout)
         from mooncake.engine import TransferNotify, TransferOpcode  # loaded now, after start_engine set its env
 
@@ -109,6 +111,7 @@ class MooncakeBackend(Backend):
         self._scratch = np.zeros(64, np.uint8)
         if self._engine.register_memory(self._scratch.ctypes.data, self._scratch.nbytes) != 0:
             raise BackendError("mooncake register_memory of the handshake scratch byte failed")
+        _identity.serving(self.session, self)
 
     # memory
     def register(self, allocations: Sequence[Allocation]) -> int:
@@ -123,6 +126,11 @@ class MooncakeBackend(Backend):
                 raise BackendError(f"mooncake register_memory({a.address:#x}, {a.nbytes}) returned {rc}")
             done.append((a.address, a.nbytes))
         handle = next(self._ids)
+        try:
+            _identity.publish(self, handle, tuple(done))  # what a same-host receiver proves our blob against
+        except BackendError:
+            self._unregister(done)
+            raise
         with self._lock:
             self._regs[handle] = tuple(done)
             self._reindex()
@@ -132,11 +140,21 @@ class MooncakeBackend(Backend):
         with self._lock:
             regions = self._regs.pop(handle, ())
             self._reindex()
+        _identity.forget(self, handle)
         self._unregister(regions)
 
     def _unregister(self, regions: Sequence[tuple[int, int]]) -> None:
         for addr, _ in regions:
             self._engine.unregister_memory(addr)
+
+    def owns(self, regions: Sequence[tuple[int, int]]) -> bool:
+        """Whether every ``(address, nbytes)`` lies inside what this backend registered."""
+        rows = np.array([(a, n, 0) for a, n in regions], dtype=np.uint64).reshape(-1, 3)
+        try:
+            self._local.check(rows, MemoryKind.DRAM, self.agent_name)
+        except KvxferError:
+            return False
+        return True
 
     def _reindex(self) -> None:
         self._local = SpanIndex(Allocation(a, n) for regs in self._regs.values() for a, n in regs)
@@ -148,6 +166,7 @@ class MooncakeBackend(Backend):
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
         b = _blob.decode(blob, peer_name)  # typed MetadataError; nothing kept on failure
+        _identity.check(b, b.identity, peer_name, self.host)  # typed IdentityError; nothing kept on failure
         peer = _Peer(b)
         with self._lock:
             self._peers[peer_name] = peer
@@ -214,31 +233,32 @@ class MooncakeBackend(Backend):
             if note is not None:
                 self.notify(remote.peer, notification)  # type: ignore[arg-type]
             return Post(op, epoch.session, 0)
-        lens = la[:, 1]
-        lengths = lens.tolist()
-        nbytes = int(sum(lengths))
+        nbytes = int(la[:, 1].sum())
         code = self._ops[op]
-        rlist = ra[:, 0].tolist()
         fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
         if not fenced:  # the tests' controls only: straight into the destination, one call
             x = Post(op, epoch.session, nbytes, peer=epoch)
             x.bounds = [0, n]
-            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, la[:, 0].tolist(), rlist, lengths, code,
-                                         note)
+            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, la[:, 0].tolist(), ra[:, 0].tolist(),
+                                         la[:, 1].tolist(), code, note)
             return x
+        runs = _posts.Runs(la, ra)
         arena = self._arenas.take(nbytes)
-        x = Post(op, epoch.session, nbytes, arena, la, epoch)
+        x = Post(op, epoch.session, nbytes, arena, runs.local, epoch)
+        x.offsets = runs.offsets
         try:
             if op is Op.WRITE:
-                gather(arena, la)
-            staged = _posts.staged(arena, lens)
-            x.offsets = [a - arena.base for a in staged]
-            if note is None and epoch.ready and n <= _posts.QUICK_SPANS and nbytes <= _posts.QUICK_BYTES:
+                gather(arena, runs.local)
+            staged = _posts.staged(arena, runs)
+            if (note is None and epoch.ready and len(runs.lengths) <= _posts.QUICK_SPANS
+                    and nbytes <= _posts.QUICK_BYTES):
                 self._live.add(x)
-                _posts.submit_quick(self._engine, x, staged, rlist, lengths, code)
+                _posts.submit_quick(self._engine, x, staged, runs.remote, runs.lengths, code)
                 return x
-            x.bounds = _posts.chunk_bounds(lens)
-            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, staged, rlist, lengths, code, note)
+            x.bounds = _posts.chunk_bounds(runs.lengths)
+            x.spans = [runs.starts[r] for r in x.bounds]
+            x.future = self._pool.submit(_posts.run_chunks, self._engine, x, staged, runs.remote, runs.lengths, code,
+                                         note)
         except BaseException:
             self._live.discard(x)
             if x.batches:
@@ -262,7 +282,7 @@ class MooncakeBackend(Backend):
                 self._settle(xfer, deliver=False)
                 self._failed(xfer, res[k])
             if xfer.arena is not None and xfer.op is Op.READ:
-                lo, hi = b[k], b[k + 1]
+                lo, hi = xfer.spans[k], xfer.spans[k + 1]
                 scatter(xfer.arena, xfer.rows[lo:hi], xfer.offsets[lo])  # type: ignore[index]
             xfer.copied += 1
         if xfer.copied == len(b) - 1:
@@ -372,9 +392,12 @@ class MooncakeBackend(Backend):
         self._pool.shutdown(wait=True, cancel_futures=True)  # every running call returns before memory goes
         self._notes.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            handles = list(self._regs)
             regs, self._regs = list(self._regs.values()), {}
             self._peers.clear()
             self._reindex()
+        for h in handles:
+            _identity.forget(self, h)
         for x in list(self._live):  # never polled to the end nor released: Mooncake may still write
             self._settle(x, deliver=False)
         self._live.clear()

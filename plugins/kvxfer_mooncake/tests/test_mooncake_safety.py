@@ -27,6 +27,7 @@ pytest.importorskip("mooncake.engine")
 from kvxfer import Agent, Allocation, DescriptorList, KvxferError, Op  # noqa: E402
 from kvxfer.deadlines import Deadline  # noqa: E402
 from kvxfer.errors import BackendError, MetadataError, OutOfRegistrationError  # noqa: E402
+from kvxfer.plugin import identity as peers  # noqa: E402
 from kvxfer.testing.mutate import mutate  # noqa: E402
 from kvxfer_mooncake import _blob, backend as mb  # noqa: E402
 
@@ -289,7 +290,8 @@ def test_mutated_blobs_at_the_seam_raise_metadata_error(pair: Any, monkeypatch: 
 
     def naive(blob: bytes, who: str) -> _blob.Blob:
         d = json.loads(blob)
-        return _blob.Blob(d["session"], tuple((int(x), int(y)) for x, y in d["regions"]))
+        return _blob.Blob(d["session"], tuple((int(x), int(y)) for x, y in d["regions"]),
+                          peers.decode(bytes.fromhex(d["identity"])))
 
     monkeypatch.setattr(mb._blob, "decode", naive)
     _, untyped = _seam_mutants(b, a.local_metadata(), 300)
@@ -379,3 +381,42 @@ def test_glog_follows_the_kvxfer_logger(level: str, user: str | None, chatty: bo
     assert r.returncode == 0, r.stderr[-2000:]
     infos = [ln for ln in r.stderr.splitlines() if ln.startswith("I") and "transfer_engine" in ln]
     assert bool(infos) is chatty, r.stderr[-2000:]
+
+
+def test_per_layer_pages_against_packed_rows_go_as_one_span_per_row() -> None:
+    """A per-layer local cache against a packed peer: the post names one span per page, in
+    layer-major order; Mooncake gets one span per block row (the pages of a row merged after
+    sorting by remote address), and the pages land in their layers exactly (numpy reference
+    over the logical ``[layer, block]`` pages). Control: pages whose remote side is not
+    contiguous stay one span each."""
+    from kvxfer_mooncake import _posts
+
+    layers, page, blocks = 6, 1024, 12
+    a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
+    b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
+    try:
+        src = np.random.default_rng(9).integers(0, 256, (blocks, layers, page), dtype=np.uint8)  # packed rows
+        dst = np.full((layers, blocks, page), SENT, np.uint8)  # per-layer arrays, one allocation
+        a.register([Allocation(src.ctypes.data, src.nbytes)])
+        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        b.add_remote("prefill", a.local_metadata())
+        src_ids, dst_ids = [7, 3, 4, 11, 0], [0, 9, 10, 2, 5]
+        pairs = [(l_, s, d) for l_ in range(layers) for s, d in zip(src_ids, dst_ids)]  # layer-major
+        loc = [dst[l_, d].ctypes.data - dst.ctypes.data for l_, _, d in pairs]
+        rem = [src[s, l_].ctypes.data - src.ctypes.data for l_, s, _ in pairs]
+        runs = _posts.Runs(descs(dst.ctypes.data, loc, [page] * len(pairs)).array,
+                           descs(src.ctypes.data, rem, [page] * len(pairs)).array)
+        assert len(runs.remote) == len(src_ids) and runs.lengths == [layers * page] * len(src_ids)
+        local = b.prepare(None, descs(dst.ctypes.data, loc, [page] * len(pairs)))
+        remote = b.prepare("prefill", descs(src.ctypes.data, rem, [page] * len(pairs)))
+        wait_done(b, b.post(Op.READ, local, np.arange(len(pairs)), remote, np.arange(len(pairs)), None))
+        want = np.full_like(dst, SENT)
+        want[:, dst_ids] = src[src_ids].transpose(1, 0, 2)
+        np.testing.assert_array_equal(dst, want)
+        spaced = [2 * page * k for k in range(len(pairs))]  # a peer whose pages never touch
+        apart = _posts.Runs(descs(dst.ctypes.data, loc, [page] * len(pairs)).array,
+                            descs(src.ctypes.data, spaced, [page] * len(pairs)).array)
+        assert len(apart.remote) == len(pairs)  # control: nothing contiguous, nothing merged
+    finally:
+        b.close()
+        a.close()
