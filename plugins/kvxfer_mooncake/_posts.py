@@ -77,6 +77,9 @@ class Runs:
     __slots__ = ("local", "offsets", "starts", "remote", "lengths")
 
     def __init__(self, la: np.ndarray, ra: np.ndarray) -> None:
+        if len(la) <= QUICK_SPANS:  # a few spans: plain lists cost less than numpy's calls
+            self._few(la, ra)
+            return
         raddr = ra[:, 0].astype(np.int64)
         lens = la[:, 1].astype(np.int64)
         if len(raddr) > 1 and (np.diff(raddr) < 0).any():
@@ -91,6 +94,26 @@ class Runs:
         self.starts = starts.tolist() + [len(raddr)]  # run r is spans starts[r]:starts[r+1]
         self.remote = raddr[starts].tolist()
         self.lengths = np.add.reduceat(lens, starts).tolist() if len(starts) else []
+
+    def _few(self, la: np.ndarray, ra: np.ndarray) -> None:
+        raddr, lens = ra[:, 0].tolist(), la[:, 1].tolist()
+        n = len(raddr)
+        if any(raddr[i] > raddr[i + 1] for i in range(n - 1)):
+            order = sorted(range(n), key=raddr.__getitem__)
+            la, raddr, lens = la[order], [raddr[i] for i in order], [lens[i] for i in order]
+        self.local = la
+        self.offsets, self.starts, self.remote, self.lengths = [], [], [], []
+        at = 0
+        for i in range(n):
+            self.offsets.append(at)
+            at += lens[i]
+            if i and raddr[i] == raddr[i - 1] + lens[i - 1]:
+                self.lengths[-1] += lens[i]
+            else:
+                self.starts.append(i)
+                self.remote.append(raddr[i])
+                self.lengths.append(lens[i])
+        self.starts.append(n)
 
 
 def staged(arena: Arena, runs: Runs) -> list[int]:

@@ -400,7 +400,7 @@ def test_per_layer_pages_against_packed_rows_go_as_one_span_per_row() -> None:
         a.register([Allocation(src.ctypes.data, src.nbytes)])
         b.register([Allocation(dst.ctypes.data, dst.nbytes)])
         b.add_remote("prefill", a.local_metadata())
-        src_ids, dst_ids = [7, 3, 4, 11, 0], [0, 9, 10, 2, 5]
+        src_ids, dst_ids = [7, 3, 5, 11, 0], [0, 9, 10, 2, 5]  # no two adjacent on the peer
         pairs = [(l_, s, d) for l_ in range(layers) for s, d in zip(src_ids, dst_ids)]  # layer-major
         loc = [dst[l_, d].ctypes.data - dst.ctypes.data for l_, _, d in pairs]
         rem = [src[s, l_].ctypes.data - src.ctypes.data for l_, s, _ in pairs]
