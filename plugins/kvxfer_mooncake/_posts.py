@@ -1,14 +1,17 @@
-"""How a post runs: a small one submitted at once and polled, a larger one in chunks on a worker.
+"""How a post runs: submitted at once and polled, or (with a notification) in chunks on a worker.
 
-*Quick* (a few small spans, no notification, a peer already connected): each span is its own
-one-span batch (``batch_transfer_async``), submitted in the caller's thread, and ``poll`` asks
-``transfer_check_status`` of each, which does not block. No thread hand-off: a one-block READ
-costs the Mooncake round trip and a ``memmove`` out of the arena. This binding's status call
-looks at a batch's first span only, hence one span per batch; it frees a batch once it
-answers done or failed, so a batch is never asked again after that (a second query of a
-freed batch crashes this release, RELIABILITY.md "Mooncake backend").
+*Quick* (no notification, at most :data:`QUICK_SPANS` runs, a peer already connected): each
+run is its own one-span batch (``batch_transfer_async``), submitted in the caller's thread,
+and ``poll`` asks ``transfer_check_status`` of each in turn, which does not block, and copies
+out the runs of the batches done so far while the others are on the wire. No thread
+hand-off: a one-block READ costs the Mooncake round trip and a ``memmove`` out of the arena;
+and no thread spins in Mooncake's synchronous wait (a busy loop) while the copy wants the
+core. This binding's status call looks at a batch's first span only, hence one span per
+batch; it frees a batch once it answers done or failed, so a batch is never asked again
+after that (a second query of a freed batch crashes this release, RELIABILITY.md "Mooncake
+backend").
 
-*Chunked* (everything else): one worker runs the post as up to :data:`MAX_CHUNKS` synchronous
+*Chunked* (a notification, or very many runs): one worker runs the post as up to :data:`MAX_CHUNKS` synchronous
 batch calls back to back (they release the GIL) and ``poll``, in the caller's thread, copies
 each chunk out of the arena as soon as its call returned 0, while the next chunk is on the
 wire: the fence's copy overlaps the transfer instead of following it. A notification rides
@@ -30,11 +33,11 @@ from kvxfer import Op
 
 from ._bounce import Arena
 
-__all__ = ["MAX_CHUNKS", "MIN_CHUNK", "QUICK_BYTES", "QUICK_SPANS", "Post", "Runs", "chunk_bounds", "run_chunks", "staged"]
+__all__ = ["MAX_CHUNKS", "MIN_CHUNK", "QUICK_SPANS", "Post", "Runs", "chunk_bounds", "run_chunks", "staged"]
 
-#: A post of at most this many spans and bytes (and no notification) is submitted at once.
-QUICK_SPANS = 8
-QUICK_BYTES = 256 << 10
+#: A post of at most this many runs (and no notification) is submitted at once, one batch per run.
+QUICK_SPANS = 1024
+_FEW = 8
 #: A chunked post is cut at span boundaries into at most this many chunks of at least this size.
 MAX_CHUNKS = 8
 MIN_CHUNK = 1 << 20
@@ -46,7 +49,7 @@ class Post:
     """One post. ``future``/``bounds``/``results``: a chunked one; ``batches``: a quick one."""
 
     __slots__ = ("op", "session", "nbytes", "arena", "rows", "offsets", "future", "bounds", "spans", "results",
-                 "copied", "stop", "batches", "failed", "peer")
+                 "copied", "out", "stop", "batches", "failed", "peer")
 
     def __init__(self, op: Op, session: str, nbytes: int, arena: Arena | None = None,
                  rows: np.ndarray | None = None, peer: Any = None) -> None:
@@ -57,6 +60,7 @@ class Post:
         self.spans: list[int] = [0]  # ... and spans (rows) spans[k]:spans[k+1]
         self.results: list[int] = []  # appended by the worker, one per finished chunk call
         self.copied = 0  # chunks (chunked) or batches (quick) settled so far
+        self.out = 0  # batches (quick) whose runs were copied out of the arena
         self.stop = False
         self.batches: list[int] | None = None
         self.failed: int | None = None  # a quick post's first non-zero status
@@ -77,7 +81,7 @@ class Runs:
     __slots__ = ("local", "offsets", "starts", "remote", "lengths")
 
     def __init__(self, la: np.ndarray, ra: np.ndarray) -> None:
-        if len(la) <= QUICK_SPANS:  # a few spans: plain lists cost less than numpy's calls
+        if len(la) <= _FEW:  # a few spans: plain lists cost less than numpy's calls
             self._few(la, ra)
             return
         raddr = ra[:, 0].astype(np.int64)

@@ -236,7 +236,7 @@ class MooncakeBackend(Backend):
             if note is not None:
                 self.notify(remote.peer, notification)  # type: ignore[arg-type]
             return Post(op, epoch.session, 0)
-        nbytes = int(la[:, 1].sum()) if n > _posts.QUICK_SPANS else sum(la[:, 1].tolist())
+        nbytes = int(la[:, 1].sum()) if n > 8 else sum(la[:, 1].tolist())
         code = self._ops[op]
         fenced = self.fence_reads if op is Op.READ else self.snapshot_writes
         if not fenced:  # the tests' controls only: straight into the destination, one call
@@ -253,8 +253,8 @@ class MooncakeBackend(Backend):
             if op is Op.WRITE:
                 gather(arena, runs.local)
             staged = _posts.staged(arena, runs)
-            if (note is None and epoch.ready and len(runs.lengths) <= _posts.QUICK_SPANS
-                    and nbytes <= _posts.QUICK_BYTES):
+            if note is None and epoch.ready and len(runs.lengths) <= _posts.QUICK_SPANS:
+                x.spans = runs.starts
                 self._live.add(x)
                 _posts.submit_quick(self._engine, x, staged, runs.remote, runs.lengths, code)
                 return x
@@ -306,15 +306,19 @@ class MooncakeBackend(Backend):
     def _poll_quick(self, xfer: Post) -> bool:
         if xfer.stop:
             raise BackendError("mooncake post was released")
-        rc = _posts.poll_quick(self._engine, xfer)
+        rc = _posts.poll_quick(self._engine, xfer)  # advances xfer.copied past the batches done
+        if rc is not None and rc != 0:
+            self._live.discard(xfer)
+            self._settle(xfer, deliver=False)
+            self._failed(xfer, rc)
+        k, m = xfer.out, xfer.copied
+        if m > k and xfer.op is Op.READ:  # those batches returned done: their runs go out now
+            lo, hi = xfer.spans[k], xfer.spans[m]
+            scatter(xfer.arena, xfer.rows[lo:hi], xfer.offsets[lo])  # type: ignore[arg-type,index]
+        xfer.out = m
         if rc is None:
             return False
         self._live.discard(xfer)
-        if rc != 0:
-            self._settle(xfer, deliver=False)
-            self._failed(xfer, rc)
-        if xfer.op is Op.READ:
-            scatter(xfer.arena, xfer.rows)  # type: ignore[arg-type]
         self._settle(xfer, deliver=True)
         return True
 

@@ -107,8 +107,8 @@ def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
 def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, progress_timeout: float = 1,
                        slices: int = 0, land: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Post a READ from a stopped peer, release it, resume the peer; the destination at the end
-    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (one batch call,
-    or with at most ``_posts.QUICK_SPANS`` a quick post). ``land(dst, offsets)``: a control's patch."""
+    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (fenced: a quick
+    post, one batch each; unfenced: one batch call). ``land(dst, offsets)``: a control's patch."""
     p, blob = peer
     dst = np.full(16 << 20, SENT, np.uint8)
     offsets, lengths = ([0], [dst.nbytes]) if not slices else ([i << 12 for i in range(slices)], [384] * slices)
@@ -146,9 +146,9 @@ def test_released_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-unfenced"])
 def test_queued_spans_of_a_failed_read_never_reach_the_destination(stopped_peer: Any, fenced: bool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """30 spans from a stopped peer in one batch call: the call fails once the spans on the
-    peer's lanes make no progress, the rest stay queued inside Mooncake and are sent when the
-    peer resumes. Fenced, they land in the READ's arena and the destination keeps the sentinel.
+    """30 spans from a stopped peer (30 one-span batches; unfenced, one batch call): the call
+    fails once the spans on the peer's lanes make no progress, the rest stay queued inside
+    Mooncake and are sent when the peer resumes. Fenced, they land in the READ's arena and the destination keeps the sentinel.
     Control: with the arena bypassed (``fence_reads=False``) they land in the destination."""
     assert mb.MooncakeBackend.capabilities.fence is True
     monkeypatch.setattr(mb.MooncakeBackend, "fence_reads", fenced)
@@ -186,11 +186,17 @@ def test_quick_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any, f
         assert not np.array_equal(later, ended), "control: spans staged at the destination land after the end"
 
 
+@pytest.mark.parametrize("path", ["quick", "chunked"])
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
-def test_chunked_post_moves_exactly_its_spans(op: Op) -> None:
-    """A post large enough to be cut into chunks (spans of mixed lengths, shuffled, one pair
-    adjacent): every chunk is copied out where asked and nothing else changes (numpy reference)."""
+def test_large_post_moves_exactly_its_spans(op: Op, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 MiB in 40 spans of mixed lengths, shuffled, one pair adjacent: as one batch per run,
+    copied out as each is done (quick), or cut into chunks on the worker (chunked, as a post
+    with a notification runs): every byte lands where asked and nothing else changes (numpy
+    reference)."""
     from kvxfer_mooncake import _posts
+
+    if path == "chunked":
+        monkeypatch.setattr(_posts, "QUICK_SPANS", 0)
 
     a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
     b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
@@ -218,9 +224,13 @@ def test_chunked_post_moves_exactly_its_spans(op: Op) -> None:
         for d, s_, n in zip(offs_d, offs_s, lens):
             want[d:d + n] = src[s_:s_ + n]
         x = mover.post(op, local, np.arange(40), remote, np.arange(40), None)
-        assert len(x.bounds) > 2, "expected a post of several chunks"
+        if path == "chunked":
+            assert len(x.bounds) > 2, "expected a post of several chunks"
+        else:
+            assert x.batches is not None and len(x.batches) == len(x.spans) - 1
         wait_done(mover, x)
-        assert len(x.results) == len(x.bounds) - 1 and x.copied == len(x.bounds) - 1
+        if path == "chunked":
+            assert len(x.results) == len(x.bounds) - 1 and x.copied == len(x.bounds) - 1
         np.testing.assert_array_equal(dst, want)
         assert len(x.bounds) - 1 <= _posts.MAX_CHUNKS
     finally:
