@@ -1,8 +1,8 @@
 """The seam on Mooncake Transfer Engine: registrations, the blob, bounded lists, batch posts.
 
-A post runs as :mod:`._posts` says: a small one submitted at once (one-span async batches,
-polled without blocking), a larger one as chunked synchronous batch calls on a worker thread
-(they release the GIL) whose chunks are copied out while the next is on the wire. The fence
+A post runs as :mod:`._posts` says: submitted at once as one-span async batches, polled
+without blocking, runs copied out as their batches finish; a post with a notification as
+chunked synchronous batch calls on a worker thread (they release the GIL). The fence
 (``kvxfer/plugin/backend.py``): a call fails at its first stalled span while the spans queued
 behind it stay queued inside Mooncake and land when a stopped peer resumes, and no call of
 this Python API waits for or drops them. So a READ lands in a private arena and is copied to
