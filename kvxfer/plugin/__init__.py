@@ -34,6 +34,8 @@ keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`); the core's
 path, :class:`kvxfer.cuda.DevicePath`, is such a row.
 A backend reads its peers' blobs with the core's wire toolkit, :mod:`kvxfer.plugin.wire`
 (a bounded reader, strict JSON, one rule for text and one for integers).
+A backend that proves who sent a same-host blob uses :mod:`kvxfer.plugin.identity` (the
+sender's identity in the blob, its proof page, and :func:`~kvxfer.plugin.identity.prove`).
 A backend that can also serve the store's file I/O returns a :class:`FilePath`
 (:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
 """

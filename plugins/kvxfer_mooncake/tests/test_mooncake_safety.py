@@ -27,6 +27,7 @@ pytest.importorskip("mooncake.engine")
 from kvxfer import Agent, Allocation, DescriptorList, KvxferError, Op  # noqa: E402
 from kvxfer.deadlines import Deadline  # noqa: E402
 from kvxfer.errors import BackendError, MetadataError, OutOfRegistrationError  # noqa: E402
+from kvxfer.plugin import identity as peers  # noqa: E402
 from kvxfer.testing.mutate import mutate  # noqa: E402
 from kvxfer_mooncake import _blob, backend as mb  # noqa: E402
 
@@ -104,12 +105,15 @@ def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
 
 
 def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, progress_timeout: float = 1,
-                       slices: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       slices: int = 0, land: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Post a READ from a stopped peer, release it, resume the peer; the destination at the end
-    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (one batch call)."""
+    and after. One 16 MiB span, or ``slices`` spans of 384 bytes 4 KiB apart (fenced: a quick
+    post, one batch each; unfenced: one batch call). ``land(dst, offsets)``: a control's patch."""
     p, blob = peer
     dst = np.full(16 << 20, SENT, np.uint8)
     offsets, lengths = ([0], [dst.nbytes]) if not slices else ([i << 12 for i in range(slices)], [384] * slices)
+    if land is not None:
+        land(dst, offsets)
     be = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=progress_timeout)
     try:
         be.register([Allocation(dst.ctypes.data, dst.nbytes)])
@@ -119,7 +123,7 @@ def _read_from_stopped(peer: tuple[subprocess.Popen[str], bytes], release: Any, 
         remote = be.prepare("peer", descs(base, offsets, lengths))
         os.kill(p.pid, signal.SIGSTOP)  # after add_remote's handshake: stopped mid-READ
         x = be.post(Op.READ, local, np.arange(len(offsets)), remote, np.arange(len(offsets)), None)
-        while not (x.future.running() or x.future.done()):  # in flight, not merely queued with us
+        while x.future is not None and not (x.future.running() or x.future.done()):  # in flight, not queued
             time.sleep(0.001)
         time.sleep(0.2)
         release(be, x)  # what the core does on timeout or cancel: after this, nothing may land
@@ -142,9 +146,9 @@ def test_released_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-unfenced"])
 def test_queued_spans_of_a_failed_read_never_reach_the_destination(stopped_peer: Any, fenced: bool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """30 spans from a stopped peer in one batch call: the call fails once the spans on the
-    peer's lanes make no progress, the rest stay queued inside Mooncake and are sent when the
-    peer resumes. Fenced, they land in the READ's arena and the destination keeps the sentinel.
+    """30 spans from a stopped peer (30 one-span batches; unfenced, one batch call): the call
+    fails once the spans on the peer's lanes make no progress, the rest stay queued inside
+    Mooncake and are sent when the peer resumes. Fenced, they land in the READ's arena and the destination keeps the sentinel.
     Control: with the arena bypassed (``fence_reads=False``) they land in the destination."""
     assert mb.MooncakeBackend.capabilities.fence is True
     monkeypatch.setattr(mb.MooncakeBackend, "fence_reads", fenced)
@@ -154,6 +158,84 @@ def test_queued_spans_of_a_failed_read_never_reach_the_destination(stopped_peer:
         np.testing.assert_array_equal(later, ended, err_msg="queued spans landed after the end")
     else:
         assert not np.array_equal(later, ended), "control: queued spans should land after an unfenced end"
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-lands-in-destination"])
+def test_quick_read_from_a_stopped_peer_lands_nothing_after(stopped_peer: Any, fenced: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quick post (4 small spans, submitted at once, no worker): released while the peer is
+    stopped, its spans land in the arena once the peer resumes, never in the destination.
+    Control: with the spans staged at the destination instead of the arena, they land there
+    after the end (the arena is what keeps them out)."""
+    from kvxfer_mooncake import _posts
+
+    seen: list[Any] = []
+    real_submit = _posts.submit_quick
+    monkeypatch.setattr(_posts, "submit_quick", lambda *a: (seen.append(a[1]), real_submit(*a)))
+
+    def land(dst: np.ndarray, offsets: list[int]) -> None:
+        if not fenced:
+            monkeypatch.setattr(_posts, "staged", lambda arena, lens: [dst.ctypes.data + o for o in offsets])
+
+    ended, later = _read_from_stopped(stopped_peer, mb.MooncakeBackend.release, slices=4, land=land)
+    assert len(seen) == 1, "the post should have been a quick one"
+    assert (ended == SENT).all(), "the stopped peer answered before the release"
+    if fenced:
+        np.testing.assert_array_equal(later, ended, err_msg="a quick READ's spans landed after the end")
+    else:
+        assert not np.array_equal(later, ended), "control: spans staged at the destination land after the end"
+
+
+@pytest.mark.parametrize("path", ["quick", "chunked"])
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_large_post_moves_exactly_its_spans(op: Op, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 MiB in 40 spans of mixed lengths, shuffled, one pair adjacent: as one batch per run,
+    copied out as each is done (quick), or cut into chunks on the worker (chunked, as a post
+    with a notification runs): every byte lands where asked and nothing else changes (numpy
+    reference)."""
+    from kvxfer_mooncake import _posts
+
+    if path == "chunked":
+        monkeypatch.setattr(_posts, "QUICK_SPANS", 0)
+
+    a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
+    b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
+    try:
+        rng = np.random.default_rng(5)
+        src = rng.integers(0, 256, 8 << 20, dtype=np.uint8)
+        dst = np.full(8 << 20, SENT, np.uint8)
+        a.register([Allocation(src.ctypes.data, src.nbytes)])
+        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        b.add_remote("prefill", a.local_metadata())
+        slots = rng.permutation(64)[:40]  # 128 KiB slots, spans up to the slot
+        lens = [int(x) for x in rng.integers(1, 129, 40) * 1024]
+        offs_d = [int(s) << 17 for s in slots]
+        offs_s = [int(s) << 17 for s in rng.permutation(64)[:40]]
+        lens[0] = lens[1] = 64 << 10
+        offs_d[1] = offs_d[0] + lens[0]  # adjacent in the destination, both inside the first slot
+        here_, there = (dst, src) if op is Op.READ else (src, dst)
+        loc_offs, rem_offs = (offs_d, offs_s) if op is Op.READ else (offs_s, offs_d)
+        mover = b if op is Op.READ else a
+        if op is Op.WRITE:
+            a.add_remote("decode", b.local_metadata())
+        local = mover.prepare(None, descs(here_.ctypes.data, loc_offs, lens))
+        remote = mover.prepare("prefill" if op is Op.READ else "decode", descs(there.ctypes.data, rem_offs, lens))
+        want = np.full_like(dst, SENT)
+        for d, s_, n in zip(offs_d, offs_s, lens):
+            want[d:d + n] = src[s_:s_ + n]
+        x = mover.post(op, local, np.arange(40), remote, np.arange(40), None)
+        if path == "chunked":
+            assert len(x.bounds) > 2, "expected a post of several chunks"
+        else:
+            assert x.batches is not None and len(x.batches) == len(x.spans) - 1
+        wait_done(mover, x)
+        if path == "chunked":
+            assert len(x.results) == len(x.bounds) - 1 and x.copied == len(x.bounds) - 1
+        np.testing.assert_array_equal(dst, want)
+        assert len(x.bounds) - 1 <= _posts.MAX_CHUNKS
+    finally:
+        b.close()
+        a.close()
 
 
 def test_control_release_without_waiting_lets_bytes_land(stopped_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +300,8 @@ def test_mutated_blobs_at_the_seam_raise_metadata_error(pair: Any, monkeypatch: 
 
     def naive(blob: bytes, who: str) -> _blob.Blob:
         d = json.loads(blob)
-        return _blob.Blob(d["session"], tuple((int(x), int(y)) for x, y in d["regions"]))
+        return _blob.Blob(d["session"], tuple((int(x), int(y)) for x, y in d["regions"]),
+                          peers.decode(bytes.fromhex(d["identity"])))
 
     monkeypatch.setattr(mb._blob, "decode", naive)
     _, untyped = _seam_mutants(b, a.local_metadata(), 300)
@@ -308,3 +391,42 @@ def test_glog_follows_the_kvxfer_logger(level: str, user: str | None, chatty: bo
     assert r.returncode == 0, r.stderr[-2000:]
     infos = [ln for ln in r.stderr.splitlines() if ln.startswith("I") and "transfer_engine" in ln]
     assert bool(infos) is chatty, r.stderr[-2000:]
+
+
+def test_per_layer_pages_against_packed_rows_go_as_one_span_per_row() -> None:
+    """A per-layer local cache against a packed peer: the post names one span per page, in
+    layer-major order; Mooncake gets one span per block row (the pages of a row merged after
+    sorting by remote address), and the pages land in their layers exactly (numpy reference
+    over the logical ``[layer, block]`` pages). Control: pages whose remote side is not
+    contiguous stay one span each."""
+    from kvxfer_mooncake import _posts
+
+    layers, page, blocks = 6, 1024, 12
+    a = mb.MooncakeBackend("prefill", trusted_network=True, progress_timeout=2)
+    b = mb.MooncakeBackend("decode", trusted_network=True, progress_timeout=2)
+    try:
+        src = np.random.default_rng(9).integers(0, 256, (blocks, layers, page), dtype=np.uint8)  # packed rows
+        dst = np.full((layers, blocks, page), SENT, np.uint8)  # per-layer arrays, one allocation
+        a.register([Allocation(src.ctypes.data, src.nbytes)])
+        b.register([Allocation(dst.ctypes.data, dst.nbytes)])
+        b.add_remote("prefill", a.local_metadata())
+        src_ids, dst_ids = [7, 3, 5, 11, 0], [0, 9, 10, 2, 5]  # no two adjacent on the peer
+        pairs = [(l_, s, d) for l_ in range(layers) for s, d in zip(src_ids, dst_ids)]  # layer-major
+        loc = [dst[l_, d].ctypes.data - dst.ctypes.data for l_, _, d in pairs]
+        rem = [src[s, l_].ctypes.data - src.ctypes.data for l_, s, _ in pairs]
+        runs = _posts.Runs(descs(dst.ctypes.data, loc, [page] * len(pairs)).array,
+                           descs(src.ctypes.data, rem, [page] * len(pairs)).array)
+        assert len(runs.remote) == len(src_ids) and runs.lengths == [layers * page] * len(src_ids)
+        local = b.prepare(None, descs(dst.ctypes.data, loc, [page] * len(pairs)))
+        remote = b.prepare("prefill", descs(src.ctypes.data, rem, [page] * len(pairs)))
+        wait_done(b, b.post(Op.READ, local, np.arange(len(pairs)), remote, np.arange(len(pairs)), None))
+        want = np.full_like(dst, SENT)
+        want[:, dst_ids] = src[src_ids].transpose(1, 0, 2)
+        np.testing.assert_array_equal(dst, want)
+        spaced = [2 * page * k for k in range(len(pairs))]  # a peer whose pages never touch
+        apart = _posts.Runs(descs(dst.ctypes.data, loc, [page] * len(pairs)).array,
+                            descs(src.ctypes.data, spaced, [page] * len(pairs)).array)
+        assert len(apart.remote) == len(pairs)  # control: nothing contiguous, nothing merged
+    finally:
+        b.close()
+        a.close()
