@@ -6,6 +6,9 @@
 // of at most a fixed size, so no thread ever searches for its span.
 //
 // table layout (uint64, n pieces): dst[n], src[n], len[n].
+// gate: a word of pinned host memory (0: none). The host closes it when a post missed its
+// deadline; a CTA reads it before each piece and skips the rest once it is closed, so a
+// fenced copy writes no piece it had not begun (kvxfer/cuda/copy.py, Copier.fence).
 // kvxfer_copy_few takes up to FEW spans by value (no table to upload: the fixed cost of a
 // one-block post is one launch); kvxfer_mm8 hashes what it reads (and copies it when dst is
 // set) with kvxfer.integrity's mm8 definition, so a verified copy reads its bytes once.
@@ -15,6 +18,11 @@
 #define UNROLL 4
 
 #define FEW 16
+
+__device__ __forceinline__ bool closed(const unsigned long long gate)
+{
+    return gate && *(volatile const unsigned long long*)gate;
+}
 
 // Copy one piece with the whole CTA: head bytes to 16-byte alignment, vectors, then the tail.
 __device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char* s, unsigned long long len)
@@ -45,21 +53,24 @@ __device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-kvxfer_batch_copy(const unsigned long long* __restrict__ table, unsigned long long n)
+kvxfer_batch_copy(const unsigned long long* __restrict__ table, unsigned long long n, unsigned long long gate)
 {
-    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x)
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        if (closed(gate)) return;
         copy_piece((unsigned char*)table[p], (const unsigned char*)table[n + p], table[2 * n + p]);
+    }
 }
 
 // A few spans by value. Span i owns pieces first[i] .. first[i+1]-1 of `piece` bytes each.
 struct Few {
-    unsigned long long n, piece, first[FEW + 1], dst[FEW], src[FEW], len[FEW];
+    unsigned long long n, piece, first[FEW + 1], dst[FEW], src[FEW], len[FEW], gate;
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 kvxfer_copy_few(const __grid_constant__ Few f)
 {
     for (unsigned long long p = blockIdx.x; p < f.first[f.n]; p += gridDim.x) {
+        if (closed(f.gate)) return;
         unsigned long long i = 0;
         while (i + 1 < f.n && f.first[i + 1] <= p) ++i;
         unsigned long long off = (p - f.first[i]) * f.piece;

@@ -79,6 +79,14 @@ class CudaCapability:
         assert self._copier is not None
         return self._copier.query(handle)
 
+    def wait(self, handle: CopyHandle, deadline: float) -> bool:
+        assert self._copier is not None
+        return self._copier.wait(handle, deadline)
+
+    def fence(self, handle: CopyHandle) -> bool:
+        assert self._copier is not None
+        return self._copier.fence(handle)
+
     def synchronize(self, handle: CopyHandle) -> None:
         assert self._copier is not None
         self._copier.synchronize(handle)

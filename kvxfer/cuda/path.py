@@ -29,7 +29,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError
+from ..deadlines import Deadline
+from ..errors import (BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError,
+                      TransferTimeoutError)
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 from ..peers import ProofUnavailable
 from ..spans import SpanIndex, merge_runs
@@ -39,6 +41,7 @@ from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 __all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
+_GRACE = 0.5  # seconds a cancelled post's running pieces get to finish (a gated kernel ends in microseconds)
 COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
 
@@ -89,6 +92,7 @@ class PathXfer:
     kind: str  # the route taken: SAME_PROCESS or CUDA_IPC
     done: bool = False
     released: bool = False
+    fenced: bool = False
 
 
 class DevicePath:
@@ -361,7 +365,13 @@ class DevicePath:
         return self.post(op, local.device, li, remote.device, ri)
 
     def cancel(self, x: PathXfer) -> None:
-        self.release(x)  # a copy cannot be aborted: it is waited for (milliseconds)
+        """Fence the post (its kernels skip every piece not begun), then wait a short grace for
+        the pieces already running; a post the GPU does not finish by then stays fenced."""
+        self._fence(x)
+        grace = Deadline.within(_GRACE)
+        for h in x.handles:
+            self.cap.wait(h, grace)
+        self.release(x)
 
     @staticmethod
     def kind(x: PathXfer) -> str:
@@ -387,12 +397,41 @@ class DevicePath:
         x.done = True
         return True
 
+    def wait(self, x: PathXfer, deadline: float) -> bool:
+        """Block on the post's own events until done, or until ``deadline`` (the core's
+        :class:`~kvxfer.deadlines.Deadline`): then the post is fenced, so nothing it had not
+        begun lands later, and :class:`TransferTimeoutError` is raised. One event per GPU pair
+        (one in all, usually): no polling rhythm, no naps (kvxfer/cuda/copy.py says why)."""
+        if x.done:
+            return True
+        if x.released:
+            raise BackendError("transfer was released")
+        for h in x.handles:
+            if not self.cap.wait(h, deadline):
+                self._fence(x)
+                raise TransferTimeoutError("the device path's copy did not finish by its deadline; it was fenced "
+                                           "(no piece it had not begun will land)")
+        self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
+        x.done = True
+        return True
+
+    def _fence(self, x: PathXfer) -> None:
+        if x.done or x.fenced:
+            return
+        # A post on the copy engines has no gate: it is not fenced, and release() waits for it.
+        x.fenced = all([self.cap.fence(h) for h in x.handles])
+
     def release(self, x: PathXfer) -> None:
-        """Forget a post; one still running is waited for (a copy cannot be aborted)."""
+        """Forget a post; one still running is waited for (a copy cannot be aborted), unless it
+        was fenced: then its kernels skip what they had not begun, and it is not waited for."""
         if x.released:
             return
         x.released = True
+        if x.done:
+            return  # its events were recycled when it was seen done
         for h in x.handles:
+            if x.fenced:
+                continue  # its slot and event stay with it (never recycled while it may run)
             try:
                 self.cap.synchronize(h)
             except BackendError:

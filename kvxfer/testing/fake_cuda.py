@@ -3,7 +3,9 @@
 "VRAM" here is host memory (numpy arrays) registered as ``MemoryKind.VRAM``; "opening a
 handle" maps nothing (the memory is already addressable in this process) but is counted, so
 tests can check that restarts and dead peers unmap; "copying" really moves the bytes with
-``ctypes.memmove``, so every test still checks real bytes. What it cannot test is CUDA
+``ctypes.memmove``, so every test still checks real bytes. With ``hold`` set, copies wait
+(their event does not complete) until :meth:`FakeCuda.finish` runs them; a fenced copy then
+writes nothing, as the real kernels skip every piece once their gate is closed. What it cannot test is CUDA
 itself: the GPU tests do that. Each fake keeps its own proof page (:class:`kvxfer.peers.Page`)
 in this process and proves peers with the real verifier, reading that page from this process.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -50,6 +53,16 @@ class _Mapping:
     size: int
 
 
+@dataclass(eq=False)
+class FakeCopy:
+    """One fake post: its spans, whether its event completed, whether its gate was closed."""
+
+    spans: list[tuple[int, int, int]]
+    done: bool = False
+    gated: bool = False
+    digests: Any = None
+
+
 @dataclass
 class FakeCuda:
     """Configurable answers for every question :func:`kvxfer.cuda.decide` asks."""
@@ -66,6 +79,9 @@ class FakeCuda:
     processes: list[FakeProcess] = field(default_factory=list)
     opened: list[_Mapping] = field(default_factory=list)
     copies: int = 0
+    hold: bool = False  # copies wait for finish() (an event that has not completed)
+    held: list[FakeCopy] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # copy/query/wait/fence/synchronize, in order
 
     def why_not(self) -> str | None:
         return self.unavailable
@@ -118,17 +134,51 @@ class FakeCuda:
         return p
 
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int, engine: str,
-             src_device: int | None, dst_device: int | None) -> str:
-        for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist()):  # a test double: clarity over speed
-            ctypes.memmove(d, s, n)
+             src_device: int | None, dst_device: int | None) -> FakeCopy:
+        self.calls.append("copy")
+        h = FakeCopy(list(zip(dst.tolist(), src.tolist(), sizes.tolist())))
         self.copies += 1
-        return "done"
+        if self.hold:
+            self.held.append(h)
+        else:
+            self._run(h)
+        return h
 
-    def query(self, handle: Any) -> bool:
+    @staticmethod
+    def _run(h: FakeCopy) -> None:
+        if not h.gated:  # a closed gate: the kernel skips every piece it has not begun
+            for d, s, n in h.spans:  # a test double: clarity over speed
+                ctypes.memmove(d, s, n)
+        h.done = True
+
+    def finish(self) -> None:
+        """The GPU gets to the held copies: each runs, or, once fenced, writes nothing."""
+        while self.held:
+            self._run(self.held.pop(0))
+
+    def query(self, handle: FakeCopy) -> bool:
+        self.calls.append("query")
+        return handle.done
+
+    def wait(self, handle: FakeCopy, deadline: float) -> bool:
+        self.calls.append("wait")
+        while not handle.done:  # the real copier looks at its event the same way: no naps
+            if time.monotonic() >= deadline:
+                return False
         return True
 
-    def synchronize(self, handle: Any) -> None:
-        pass
+    def fence(self, handle: FakeCopy) -> bool:
+        self.calls.append("fence")
+        if not handle.done:
+            handle.gated = True
+        return True
+
+    def synchronize(self, handle: FakeCopy) -> None:
+        self.calls.append("synchronize")
+        if not handle.done:
+            if handle in self.held:
+                self.held.remove(handle)
+            self._run(handle)
 
     def sync_all(self) -> None:
         pass
