@@ -116,6 +116,7 @@ class CopyHandle:
     engine: str = ""
     gate: int = 0  # host address of this post's gate word (0: no gate, the copy engines)
     fenced: bool = False
+    out: Any = None  # an mm8 post's (sums slot, cell lengths): kvxfer.cuda.digest.result reads it
 
 
 @dataclass(eq=False)
