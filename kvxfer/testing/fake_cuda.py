@@ -60,6 +60,7 @@ class FakeCopy:
     spans: list[tuple[int, int, int]]
     done: bool = False
     gated: bool = False
+    fused: bool = False  # the fused copy and mm8: digests of what it moved, once done
     digests: Any = None
 
 
@@ -80,6 +81,7 @@ class FakeCuda:
     opened: list[_Mapping] = field(default_factory=list)
     copies: int = 0
     hold: bool = False  # copies wait for finish() (an event that has not completed)
+    unfused: bool = False  # the fused copy and mm8 cannot serve (copy_mm8 answers None)
     held: list[FakeCopy] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)  # copy/query/wait/fence/synchronize, in order
 
@@ -144,8 +146,39 @@ class FakeCuda:
             self._run(h)
         return h
 
+    def copy_mm8(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
+                 src_device: int | None, dst_device: int | None) -> FakeCopy | None:
+        """The fused kernel: the copy, and the digests the tensor-core kernel's CPU model
+        (:mod:`kvxfer.cuda._mm8_model`) computes from the bytes it moves."""
+        if self.unfused or ((np.asarray(src, np.uint64) | np.asarray(dst, np.uint64)) & np.uint64(15)).any():
+            return None  # what the real one answers for a span off a 16-byte boundary
+        self.calls.append("copy_mm8")
+        h = FakeCopy(list(zip(dst.tolist(), src.tolist(), sizes.tolist())), fused=True)
+        self.copies += 1
+        if self.hold:
+            self.held.append(h)
+        else:
+            self._run(h)
+        return h
+
+    def digests(self, handle: FakeCopy) -> np.ndarray:
+        self.calls.append("digests")
+        assert handle.done and handle.fused
+        return handle.digests
+
     @staticmethod
     def _run(h: FakeCopy) -> None:
+        if h.fused and not h.gated:
+            from ..cuda._mm8_model import emulate
+            from ..cuda.digest import mm8_table
+            from ..integrity.mm8 import finalize
+
+            src = np.array([s for _, s, _ in h.spans], np.uint64)
+            ln = np.array([n for _, _, n in h.spans], np.uint64)
+            sums = emulate(mm8_table(src, ln), len(h.spans), lambda a, k: np.ctypeslib.as_array(
+                (ctypes.c_uint8 * k).from_address(a)).copy())
+            h.digests = np.array([int(finalize(sums[i:i + 1].view(np.int64), int(n))[0])
+                                  for i, n in enumerate(ln.tolist())], np.int64).view(np.uint64)
         if not h.gated:  # a closed gate: the kernel skips every piece it has not begun
             for d, s, n in h.spans:  # a test double: clarity over speed
                 ctypes.memmove(d, s, n)
