@@ -4,6 +4,11 @@
 # the kernels' tests and digest GB/s, the fixed cost (VRAM, profiled), verified VRAM reads, then
 # every GPU test file, the GDS probe, and the DRAM fixed cost. Needs the cp312 wheels in .whl/.
 #   bash benchmarks/gpu_oneshot.sh     # logs in $OUT/logs.tgz, summaries on stdout
+# It prints, in order: the GPU and torch; the kernel tests' pass/skip line; bench_digest_gpu.py's
+# table (copy, mm8 tc/dp4a/torch, fused GB/s, "fused +" = verified over unverified copy); the
+# device path's fixed cost beside a bare copy (bench_fixed_cost_gpu.py: us and +torch per size);
+# the Agent/Owner fixed cost (bench_fixed_cost.py) and the VRAM Owner tests; verified against
+# unverified VRAM reads (bench_integrity.py); each GPU test file's pass/skip line; the GDS probe.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
@@ -30,5 +35,5 @@ timeout ${BUDGET:-540} bash -c "
 echo "overall rc $?"
 tar czf ${OUT:-/tmp}/logs.tgz -C $L .
 cat $L/info.txt; tail -4 $L/digest_tests.txt; tail -6 $L/digest.txt
-grep -A12 "^size " $L/fixed_VRAM.txt; tail -2 $L/owner_vram.txt; tail -8 $L/verified.txt
+cat $L/fixed_gpu.txt; grep -A12 "^size " $L/fixed_VRAM.txt; tail -2 $L/owner_vram.txt; tail -8 $L/verified.txt
 for f in t_path t_sec t_killed t_nixl; do echo "== $f"; tail -2 $L/$f.txt; done; tail -5 $L/gds_probe.txt

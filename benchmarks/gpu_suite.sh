@@ -5,9 +5,13 @@
 #   bash benchmarks/gpu_suite.sh bench   # bench_nixl.py: two GPUs, then one GPU, two processes
 #   bash benchmarks/gpu_suite.sh tests   # plugins/kvxfer_nixl/tests/test_nixl_backend.py + tests/test_cuda_gpu.py
 #   bash benchmarks/gpu_suite.sh security  # device-path attacks (widened allocation, handle poisoning), one GPU
-#   bash benchmarks/gpu_suite.sh fixedcost   # bench_fixed_cost.py, host and device path; the owner's VRAM conformance
+#   bash benchmarks/gpu_suite.sh fixedcost   # bench_fixed_cost_gpu.py (the device path's event wait against a bare
+#       copy: torch, copier, path wait, path poll, verified, copy+digest, us and +torch per 4 KB/64 KB/4.5 MB block),
+#       then bench_fixed_cost.py through the Agent and the Owner (host and device path), the owner's VRAM conformance
 #   bash benchmarks/gpu_suite.sh store   # benchmarks/gpu_store.sh: VRAM store test, GB/s, the GDS probe (one GPU)
-#   bash benchmarks/gpu_suite.sh digest  # the device path's kernels: GPU tests, digest GB/s against copy GB/s (one GPU)
+#   bash benchmarks/gpu_suite.sh digest  # the device path's kernels: GPU tests + their CPU models (wait, fence,
+#       verified post, tensor-core mm8 model), then bench_digest_gpu.py: copy, mm8 tc/dp4a/torch and fused GB/s,
+#       "fused +" = a verified copy's cost over a plain one (one GPU)
 #   bash benchmarks/gpu_suite.sh verified  # bench_integrity.py on VRAM: verified against unverified reads (one GPU)
 set -u
 LOGS=${LOGS:-${OUT:-/tmp}}
@@ -29,13 +33,15 @@ for stage in "$@"; do
       timeout 120 $B --local-gpu 0 --remote-gpu 0 --modes rows,layers --write \
         --variants kvxfer,kvxfer-ce --json $LOGS/one_gpu.json 2>&1 | tee -a $LOGS/bench.txt ;;
     fixedcost)
+      timeout 120 python3 benchmarks/bench_fixed_cost_gpu.py --json $LOGS/fixed_gpu.json 2>&1 | tee $LOGS/fixed_gpu.txt
       for m in ${FIXED_MEMS:-DRAM VRAM}; do
         timeout 120 python3 benchmarks/bench_fixed_cost.py --memory $m --contention ${FIXED_ARGS:-} --json $LOGS/fixed_$m.json 2>&1 \
           | tee $LOGS/fixed_$m.txt
       done
       timeout 120 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py -k "VRAMOwner" 2>&1 | tee $LOGS/owner_vram.txt ;;
     digest)
-      timeout 120 $T tests/test_cuda_digest_gpu.py tests/test_cuda_prepared.py 2>&1 | tee $LOGS/digest_tests.txt
+      timeout 120 $T tests/test_cuda_digest_gpu.py tests/test_cuda_prepared.py tests/test_cuda_wait.py \
+        tests/test_cuda_verified.py tests/test_cuda_mm8_model.py 2>&1 | tee $LOGS/digest_tests.txt
       timeout 150 python3 benchmarks/bench_digest_gpu.py --json $LOGS/digest.json 2>&1 | tee $LOGS/digest.txt ;;
     verified)
       timeout 150 python3 benchmarks/bench_integrity.py --memory VRAM --backends loopback,nixl --blocks 512 --request 256 \

@@ -1,8 +1,10 @@
 """The device path's kernels on a GPU: the prepared post and the one-pass mm8 digest.
 
-``kvxfer_mm8`` must give exactly :mod:`kvxfer.integrity`'s ``mm8`` (the numpy definition, on a
-host copy of the same bytes) for every cell length, and, when it copies, land exactly the
-source's bytes and nothing else. ``kvxfer_copy_few`` must move exactly its spans. Every
+``kvxfer_mm8_tc`` (tensor cores) and ``kvxfer_mm8`` (``__dp4a``) must give exactly
+:mod:`kvxfer.integrity`'s ``mm8`` (the numpy definition, on a host copy of the same bytes) for
+every cell length, and, when they copy, land exactly the source's bytes and nothing else.
+``kvxfer_copy_few`` must move exactly its spans; a post whose gate is closed before it runs
+moves nothing (the fence; control: the same post with the gate open moves everything). Every
 destination starts as the 0xAA sentinel; references are numpy. Skips without CUDA.
 """
 
@@ -39,8 +41,16 @@ def _want(host: np.ndarray, starts: np.ndarray, lengths: list[int]) -> np.ndarra
     return np.array([int(_mm8_rows(host[None, s:s + n])[0]) for s, n in zip(starts.tolist(), lengths)]).view(np.uint64)
 
 
+@pytest.fixture(params=["kvxfer_mm8_tc", "kvxfer_mm8"])
+def kernel(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    from kvxfer.cuda import digest
+
+    monkeypatch.setattr(digest, "KERNEL", [request.param])
+    return str(request.param)
+
+
 @pytest.mark.parametrize("copy", [False, True])
-def test_mm8_kernel_equals_the_integrity_definition(copy: bool) -> None:
+def test_mm8_kernel_equals_the_integrity_definition(copy: bool, kernel: str) -> None:
     from kvxfer.cuda.digest import mm8
 
     starts = _layout(LENGTHS)
@@ -60,7 +70,7 @@ def test_mm8_kernel_equals_the_integrity_definition(copy: bool) -> None:
     np.testing.assert_array_equal(dst.cpu().numpy(), ref)  # moved bytes, and nothing else
 
 
-def test_one_changed_byte_changes_its_cell_digest_only() -> None:
+def test_one_changed_byte_changes_its_cell_digest_only(kernel: str) -> None:
     """The control: the comparison above can fail (a flipped byte shows in its cell alone)."""
     from kvxfer.cuda.digest import mm8
 
@@ -117,4 +127,45 @@ def test_prepared_post_moves_exactly_its_spans(sizes: list[int]) -> None:
     host, ref = src.cpu().numpy(), np.full(dst.shape[0], SENTINEL, np.uint8)
     for a, b, k in zip(do.tolist(), so.tolist(), sizes):
         ref[a:a + k] = host[b:b + k]
+    np.testing.assert_array_equal(dst.cpu().numpy(), ref)
+
+
+@pytest.mark.parametrize("closed", [True, False])
+@pytest.mark.parametrize("what", ["few", "table", "mm8"])
+def test_a_closed_gate_moves_nothing(what: str, closed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fence on hardware: the kernels read the post's gate before each piece. Closed before
+    the launch, nothing lands; open (the control), every span does."""
+    import ctypes
+
+    from kvxfer.cuda import digest
+
+    cp = _copier()
+    sizes = {"few": [4096, 70001], "table": [4096] * 20, "mm8": [4096, 70001]}[what]
+    n = np.array(sizes, dtype=np.int64)
+    so, do = _layout(sizes, gap=0), _layout(sizes, gap=512)
+    src = torch.randint(0, 256, (int(so[-1]) + sizes[-1] + 64,), dtype=torch.uint8, device="cuda")
+    dst = torch.full((int(do[-1]) + sizes[-1] + 64,), SENTINEL, dtype=torch.uint8, device="cuda")
+    dev = src.device.index or 0
+    real = cp._event
+
+    def event(d: Any) -> int:
+        ev = real(d)
+        ctypes.c_uint64.from_address(d.gates[ev][0]).value = int(closed)
+        return ev
+
+    monkeypatch.setattr(cp, "_event", event)
+    monkeypatch.setattr(digest, "KERNEL", ["kvxfer_mm8_tc"])
+    d_addr, s_addr = (do + dst.data_ptr()).astype(np.uint64), (so + src.data_ptr()).astype(np.uint64)
+    if what == "mm8":
+        h = digest.post(cp, dev, s_addr, n.astype(np.uint64), d_addr)
+        assert h is not None
+    else:
+        h = cp.copy(d_addr, s_addr, n.astype(np.uint64), dev)
+    cp.synchronize(h)
+    monkeypatch.setattr(cp, "_event", real)
+    ctypes.c_uint64.from_address(cp._devices[dev].gates[h.event][0]).value = 0
+    host, ref = src.cpu().numpy(), np.full(dst.shape[0], SENTINEL, np.uint8)
+    if not closed:
+        for a, b, k in zip(do.tolist(), so.tolist(), sizes):
+            ref[a:a + k] = host[b:b + k]
     np.testing.assert_array_equal(dst.cpu().numpy(), ref)

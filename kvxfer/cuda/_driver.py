@@ -80,6 +80,7 @@ _RT: dict[str, list[Any]] = {
     "cudaMemsetAsync": [c_void_p, c_int, c_size_t, c_void_p],
     "cudaHostAlloc": [ctypes.POINTER(c_void_p), c_size_t, c_uint],
     "cudaFreeHost": [c_void_p],
+    "cudaHostGetDevicePointer": [ctypes.POINTER(c_void_p), c_void_p, c_uint],
 }
 _DRV: dict[str, list[Any]] = {
     "cuInit": [c_uint],

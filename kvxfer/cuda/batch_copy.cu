@@ -6,6 +6,9 @@
 // of at most a fixed size, so no thread ever searches for its span.
 //
 // table layout (uint64, n pieces): dst[n], src[n], len[n].
+// gate: a word of pinned host memory (0: none). The host closes it when a post missed its
+// deadline; a CTA reads it before each piece and skips the rest once it is closed, so a
+// fenced copy writes no piece it had not begun (kvxfer/cuda/copy.py, Copier.fence).
 // kvxfer_copy_few takes up to FEW spans by value (no table to upload: the fixed cost of a
 // one-block post is one launch); kvxfer_mm8 hashes what it reads (and copies it when dst is
 // set) with kvxfer.integrity's mm8 definition, so a verified copy reads its bytes once.
@@ -15,6 +18,11 @@
 #define UNROLL 4
 
 #define FEW 16
+
+__device__ __forceinline__ bool closed(const unsigned long long gate)
+{
+    return gate && *(volatile const unsigned long long*)gate;
+}
 
 // Copy one piece with the whole CTA: head bytes to 16-byte alignment, vectors, then the tail.
 __device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char* s, unsigned long long len)
@@ -45,21 +53,24 @@ __device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-kvxfer_batch_copy(const unsigned long long* __restrict__ table, unsigned long long n)
+kvxfer_batch_copy(const unsigned long long* __restrict__ table, unsigned long long n, unsigned long long gate)
 {
-    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x)
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        if (closed(gate)) return;
         copy_piece((unsigned char*)table[p], (const unsigned char*)table[n + p], table[2 * n + p]);
+    }
 }
 
 // A few spans by value. Span i owns pieces first[i] .. first[i+1]-1 of `piece` bytes each.
 struct Few {
-    unsigned long long n, piece, first[FEW + 1], dst[FEW], src[FEW], len[FEW];
+    unsigned long long n, piece, first[FEW + 1], dst[FEW], src[FEW], len[FEW], gate;
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 kvxfer_copy_few(const __grid_constant__ Few f)
 {
     for (unsigned long long p = blockIdx.x; p < f.first[f.n]; p += gridDim.x) {
+        if (closed(f.gate)) return;
         unsigned long long i = 0;
         while (i + 1 < f.n && f.first[i + 1] <= p) ++i;
         unsigned long long off = (p - f.first[i]) * f.piece;
@@ -149,6 +160,90 @@ kvxfer_mm8(const unsigned long long* __restrict__ table, unsigned long long n,
             unsigned long long t = 0;
             for (int w = 0; w < DTHREADS / 32; ++w) t += part[w];
             atomicAdd(out + (meta & 0xffffffffull), t);
+        }
+        __syncthreads();
+    }
+}
+
+// mm8 on the tensor cores (sm_80+), copying what it hashes when dst is set: the same sums as
+// kvxfer_mm8, at the copy's pace instead of a third of it (a __dp4a and a 64-bit product per
+// 16 bytes made kvxfer_mm8 compute-bound at 640-670 GB/s on an H200).
+//
+// A tile is 16 chunks (rows) of a piece. Warp w owns the 64-byte column slices w and w + 8 of
+// every chunk; lane (g = lane >> 2, t = lane & 3) loads 16 bytes at t * 16 of its slices in
+// rows g and g + 8, and feeds them as the A fragments of two mma.m16n8k32 (s8): the 16 bytes
+// x, y, z, w of a row go to (a0 | a1, a2 | a3) as (x, y) and (z, w). Which byte meets which
+// sketch entry is fixed by the B fragments, packed on the host (kvxfer/cuda/_mm8_model.py,
+// pack_b: bp[slice][lane][4], word k = sketch bytes slice*64 + t*16 + 4k .. +3 of column g).
+// The int32 products of one chunk are exact (< 2^24); each lane weights its 4 results (rows
+// g, g + 8; columns 2t, 2t + 1) by R[s0 + chunk][col] modulo 2^64, and the block adds its
+// lanes' sums into the cell with one atomic, as kvxfer_mm8 does.
+#define TILE 16
+
+__device__ __forceinline__ void mma8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                     unsigned b0, unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(DTHREADS)
+kvxfer_mm8_tc(const unsigned long long* __restrict__ table, unsigned long long n,
+              const unsigned int* __restrict__ bp, const long long* __restrict__ r,
+              unsigned long long* __restrict__ out, unsigned long long gate)
+{
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned g = lane >> 2, t = lane & 3u;
+    unsigned b[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) b[h][k] = bp[((warp + 8 * h) * 32 + lane) * 4 + k];
+    __shared__ unsigned long long part[DTHREADS / 32];
+    __shared__ int stop;
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        if (threadIdx.x == 0) stop = closed(gate);
+        __syncthreads();
+        if (stop) return;  // the whole block: the gate was read once for it
+        unsigned char* d = (unsigned char*)table[p];
+        const unsigned char* s = (const unsigned char*)table[n + p];
+        const unsigned long long len = table[2 * n + p], meta = table[3 * n + p];
+        const long long* rw = r + (meta >> 32) * 8;
+        const unsigned long long chunks = (len + CHUNK - 1) / CHUNK;
+        unsigned long long acc = 0;
+        for (unsigned long long c = 0; c < chunks; c += TILE) {
+            uint4 v[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned long long off = (warp + 8 * h) * 64 + t * 16;
+                v[h][0] = take16(d, s, (c + g) * CHUNK + off, len);
+                v[h][1] = take16(d, s, (c + g + 8) * CHUNK + off, len);
+            }
+            int y[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mma8(y, v[h][0].x, v[h][1].x, v[h][0].y, v[h][1].y, b[h][0], b[h][1]);
+                mma8(y, v[h][0].z, v[h][1].z, v[h][0].w, v[h][1].w, b[h][2], b[h][3]);
+            }
+            if (c + g < chunks) {
+                const long long* w = rw + (c + g) * 8 + 2 * t;
+                acc += (unsigned long long)((long long)y[0] * w[0]) + (unsigned long long)((long long)y[1] * w[1]);
+            }
+            if (c + g + 8 < chunks) {
+                const long long* w = rw + (c + g + 8) * 8 + 2 * t;
+                acc += (unsigned long long)((long long)y[2] * w[0]) + (unsigned long long)((long long)y[3] * w[1]);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) part[warp] = acc;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long tot = 0;
+            for (int w = 0; w < DTHREADS / 32; ++w) tot += part[w];
+            atomicAdd(out + (meta & 0xffffffffull), tot);
         }
         __syncthreads();
     }

@@ -75,9 +75,35 @@ class CudaCapability:
         return self._copier.copy(dst, src, sizes, device, engine=engine, src_device=src_device,
                                  dst_device=dst_device)
 
+    def copy_mm8(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
+                 src_device: int | None, dst_device: int | None) -> CopyHandle | None:
+        """The fused copy and mm8 (one read of the bytes), or None where its kernel cannot serve."""
+        from . import digest
+
+        c = self.c  # creates the copier
+        assert self._copier is not None
+        for other in (src_device, dst_device):
+            if other is not None and other != device:
+                c.enable_peer(device, other)
+        return digest.post(self._copier, device, src, sizes, dst)
+
+    def digests(self, handle: CopyHandle) -> np.ndarray:
+        from . import digest
+
+        assert self._copier is not None
+        return digest.result(self._copier, handle)
+
     def query(self, handle: CopyHandle) -> bool:
         assert self._copier is not None
         return self._copier.query(handle)
+
+    def wait(self, handle: CopyHandle, deadline: float) -> bool:
+        assert self._copier is not None
+        return self._copier.wait(handle, deadline)
+
+    def fence(self, handle: CopyHandle) -> bool:
+        assert self._copier is not None
+        return self._copier.fence(handle)
 
     def synchronize(self, handle: CopyHandle) -> None:
         assert self._copier is not None

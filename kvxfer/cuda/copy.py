@@ -11,14 +11,21 @@ Two engines move a post's ``(dst, src, len)`` spans:
 * ``"ce"``: one ``cudaMemcpyBatchAsync`` (CUDA 12.8+): the copy engines, no SM time taken
   from the engine's own kernels.
 
-Completion is a CUDA event recorded after the copy; :meth:`Copier.query` polls it. Nothing
-here knows about peers or bounds: callers pass spans they have already checked.
+Completion is one CUDA event recorded after the copy: :meth:`Copier.query` looks once,
+:meth:`Copier.wait` waits on it until a deadline (no naps: a one-block copy ends in ~20 us,
+and a nap of even 1 us sleeps the kernel's timer slack, ~50 us). Every event carries a
+*gate*, a word of pinned host memory the kernels read before each piece: :meth:`Copier.fence`
+closes it, so a copy that missed its deadline writes no piece it had not begun (the fence:
+nothing lands after a transfer has ended). The copy engines (``"ce"``) have no gate; their
+posts are waited for. Nothing here knows about peers or bounds: callers pass spans they
+have already checked.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,15 +43,16 @@ MIN_PIECE = 32 << 10
 TARGET_PIECES = 1024
 THREADS = 512  # must match batch_copy.cu
 #: Spans a post may have to go by value (``struct Few`` in batch_copy.cu: n, piece, first[FEW+1],
-#: dst[FEW], src[FEW], len[FEW], all uint64).
+#: dst[FEW], src[FEW], len[FEW], gate, all uint64).
 FEW = 16
-_FEW_WORDS = 2 + (FEW + 1) + 3 * FEW
+_FEW_WORDS = 2 + (FEW + 1) + 3 * FEW + 1
 _MAX_SHAPES = 1024  # prepared launch shapes kept per device (a serving engine repeats a handful)
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOC_DEVICE, _LOC_HOST = 1, 2
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
 _H2D = 1
+_HOST_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped: the GPU reads the gate where it lies
 
 
 def piece_size(total: int) -> int:
@@ -106,6 +114,9 @@ class CopyHandle:
     done: bool = False
     spans: int = 0
     engine: str = ""
+    gate: int = 0  # host address of this post's gate word (0: no gate, the copy engines)
+    fenced: bool = False
+    out: Any = None  # an mm8 post's (sums slot, cell lengths): kvxfer.cuda.digest.result reads it
 
 
 @dataclass(eq=False)
@@ -116,6 +127,7 @@ class _Device:
     kernel_error: str | None = None
     free_slots: list[_Slot] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
+    gates: dict[int, tuple[int, int]] = field(default_factory=dict)  # event -> (host, device) address of its gate
     # the prepared post: launch shapes by span lengths, and one parameter block passed by value
     # (cuLaunchKernel copies it at the call, so it is refilled under a lock and reused)
     shapes: dict[bytes, tuple[int, np.ndarray, int]] = field(default_factory=dict)
@@ -179,13 +191,22 @@ class Copier:
         return fn
 
     def _event(self, d: _Device) -> int:
+        """A recycled (or new) event whose gate is open: each event owns one gate word for life."""
         with self._pool:
-            if d.events:
-                return d.events.pop()
-        e = ctypes.c_void_p()
-        self.c.check(self.c.rt.cudaEventCreateWithFlags(ctypes.byref(e), _EVENT_DISABLE_TIMING),
-                     "cudaEventCreateWithFlags")
-        return int(e.value or 0)
+            ev = d.events.pop() if d.events else 0
+        if not ev:
+            e = ctypes.c_void_p()
+            self.c.check(self.c.rt.cudaEventCreateWithFlags(ctypes.byref(e), _EVENT_DISABLE_TIMING),
+                         "cudaEventCreateWithFlags")
+            ev = int(e.value or 0)
+            h, g = ctypes.c_void_p(), ctypes.c_void_p()
+            self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), 8, _HOST_MAPPED), "cudaHostAlloc(gate)")
+            self.c.check(self.c.rt.cudaHostGetDevicePointer(ctypes.byref(g), h, 0), "cudaHostGetDevicePointer")
+            d.gates[ev] = (int(h.value or 0), int(g.value or 0))
+        host = d.gates[ev][0]
+        if host:
+            ctypes.c_uint64.from_address(host).value = 0
+        return ev
 
     def _slot(self, d: _Device, nbytes: int) -> _Slot:
         with self._pool:
@@ -216,21 +237,28 @@ class Copier:
             if other is not None and other != device:
                 self.c.enable_peer(device, other)
         with self.c.on(device):
-            if engine == "sm":
-                h = self._copy_sm(d, dst, src, sizes, device)
-            else:
-                h = self._copy_ce(d, dst, src, sizes, device, src_device, dst_device)
-            h.event = self._event(d)
-            self.c.check(self.c.rt.cudaEventRecord(h.event, d.stream), "cudaEventRecord")
+            ev = self._event(d)  # first: the kernel is handed its gate
+            try:
+                if engine == "sm":
+                    h = self._copy_sm(d, dst, src, sizes, device, d.gates[ev])
+                else:
+                    h = self._copy_ce(d, dst, src, sizes, device, src_device, dst_device)
+            except BaseException:
+                with self._pool:
+                    d.events.append(ev)
+                raise
+            h.event = ev
+            self.c.check(self.c.rt.cudaEventRecord(ev, d.stream), "cudaEventRecord")
         h.spans = int(sizes.shape[0])
         return h
 
-    def _copy_sm(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int) -> CopyHandle:
+    def _copy_sm(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
+                 gate: tuple[int, int]) -> CopyHandle:
         fn = self._function(device)
         if fn is None:
             raise CudaError(f"the copy kernel is not available on device {device}: {d.kernel_error}")
         if 0 < sizes.shape[0] <= FEW:
-            return self._copy_few(d, dst, src, sizes, device)
+            return self._copy_few(d, dst, src, sizes, device, gate)
         table = pieces(dst, src, sizes)
         n = table.shape[0] // 3
         slot = self._slot(d, table.nbytes)
@@ -238,8 +266,8 @@ class Copier:
             slot.view[: table.shape[0]] = table
             self.c.check(self.c.rt.cudaMemcpyAsync(slot.dev, slot.host, table.nbytes, _H2D, d.stream),
                          "uploading the copy table")
-            arg_t, arg_n = ctypes.c_ulonglong(slot.dev), ctypes.c_ulonglong(n)
-            args = (ctypes.c_void_p * 2)(ctypes.addressof(arg_t), ctypes.addressof(arg_n))
+            arg_t, arg_n, arg_g = ctypes.c_ulonglong(slot.dev), ctypes.c_ulonglong(n), ctypes.c_ulonglong(gate[1])
+            args = (ctypes.c_void_p * 3)(ctypes.addressof(arg_t), ctypes.addressof(arg_n), ctypes.addressof(arg_g))
             grid = max(1, min(n, (1 << 31) - 1))
             self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, args, None),
                              "launching the copy kernel")
@@ -247,9 +275,10 @@ class Copier:
             with self._pool:
                 d.free_slots.append(slot)
             raise
-        return CopyHandle(device, 0, slot=slot, engine="sm")
+        return CopyHandle(device, 0, slot=slot, engine="sm", gate=gate[0])
 
-    def _copy_few(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int) -> CopyHandle:
+    def _copy_few(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
+                  gate: tuple[int, int]) -> CopyHandle:
         """The prepared post: no table upload, no slot; the shape is looked up, not recomputed."""
         fn = d.functions.get("kvxfer_copy_few") or self._function(device, "kvxfer_copy_few")
         if fn is None:
@@ -270,11 +299,12 @@ class Copier:
             f[2 + FEW + 1:2 + FEW + 1 + n] = dst
             f[2 + 2 * FEW + 1:2 + 2 * FEW + 1 + n] = src
             f[2 + 3 * FEW + 1:2 + 3 * FEW + 1 + n] = sizes
+            f[_FEW_WORDS - 1] = gate[1]
             if d.few_args is None:
                 d.few_args = (ctypes.c_void_p * 1)(f.ctypes.data)
             self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, d.few_args, None),
                              "launching the copy kernel")
-        return CopyHandle(device, 0, engine="sm")
+        return CopyHandle(device, 0, engine="sm", gate=gate[0])
 
     def _copy_ce(self, d: _Device, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
                  src_device: int | None, dst_device: int | None) -> CopyHandle:
@@ -307,6 +337,35 @@ class Copier:
             return False
         self._recycle(h)
         self.c.check(rc, "copy")  # a failed copy surfaces here
+        return True
+
+    def wait(self, h: CopyHandle, deadline: float) -> bool:
+        """Wait on the batch's event until ``deadline`` (a monotonic reading: the core's
+        :class:`~kvxfer.deadlines.Deadline`); True once done, False past the deadline.
+
+        Why looks and no naps: the copy ends microseconds after the post, and ``time.sleep``
+        of any length costs the kernel's timer slack (~50 us), which was the device path's
+        whole fixed cost. Each look is one ``cudaEventQuery`` (ctypes lets other threads run
+        meanwhile); ``cudaEventSynchronize`` is not used because it cannot be bounded."""
+        if h.done:
+            return True
+        query, ev, now = self.c.rt.cudaEventQuery, h.event, time.monotonic
+        rc = query(ev)
+        while rc == NOT_READY:
+            if now() >= deadline:
+                return False
+            rc = query(ev)
+        self._recycle(h)
+        self.c.check(rc, "copy")
+        return True
+
+    def fence(self, h: CopyHandle) -> bool:
+        """Close the batch's gate: its kernel writes no piece it has not begun. True when the
+        batch has a gate (the copy engines have none: such a post can only be waited for)."""
+        if h.done or not h.gate:
+            return h.done
+        ctypes.c_uint64.from_address(h.gate).value = 1
+        h.fenced = True
         return True
 
     def synchronize(self, h: CopyHandle) -> None:

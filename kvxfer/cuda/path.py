@@ -29,7 +29,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError
+from ..deadlines import Deadline
+from ..errors import (BackendError, IdentityError, IntegrityError, MetadataError, PeerDisconnectedError,
+                      StalePeerError, TransferTimeoutError)
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 from ..peers import ProofUnavailable
 from ..spans import SpanIndex, merge_runs
@@ -39,6 +41,7 @@ from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 __all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
+_GRACE = 0.5  # seconds a cancelled post's running pieces get to finish (a gated kernel ends in microseconds)
 COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
 
@@ -89,6 +92,12 @@ class PathXfer:
     kind: str  # the route taken: SAME_PROCESS or CUDA_IPC
     done: bool = False
     released: bool = False
+    fenced: bool = False
+    expect: np.ndarray | None = None  # a verified post: the source's digest of each descriptor
+
+    @property
+    def verified(self) -> bool:  # completion compares what the fused kernel hashed with expect
+        return self.expect is not None
 
 
 class DevicePath:
@@ -321,8 +330,16 @@ class DevicePath:
         return Spans(local, n.copy(), p.device[slot].astype(np.int64), key, p.epoch)
 
     # -- transfers -----------------------------------------------------------------------
-    def post(self, op: Op, local: Spans, li: np.ndarray, remote: Spans, ri: np.ndarray) -> PathXfer:
-        """One batched copy per GPU pair (usually exactly one) on the copier's private stream."""
+    def post(self, op: Op, local: Spans, li: np.ndarray, remote: Spans, ri: np.ndarray,
+             expect: np.ndarray | None = None) -> PathXfer:
+        """One batched copy per GPU pair (usually exactly one) on the copier's private stream.
+
+        ``expect`` (uint64, one mm8 digest per descriptor pair, of the source's bytes) makes it
+        a verified post: one launch of the fused kernel copies every descriptor and hashes what
+        it moves (kvxfer/cuda/digest.py), and completion compares the two, so the bytes are read
+        once; a mismatch is :class:`IntegrityError`. Where the kernel cannot serve (a span off a
+        16-byte boundary, descriptors on several GPU pairs) the post is a plain copy and
+        ``verified`` stays False: the caller's own check after DONE still runs."""
         p = self._peers.get(remote.peer or "")
         if p is None or p.epoch != remote.epoch:
             raise StalePeerError(f"the list was prepared for {remote.peer!r}, which was removed or re-added since")
@@ -340,6 +357,12 @@ class DevicePath:
         handles = []
         with self._lock:
             self._alive(p)
+            if expect is not None and len(groups) == 1:
+                d, s, n, dd, sd = groups[0]
+                run_on = (dd if op is Op.READ else sd) if self.copy_on == "local" else (sd if op is Op.READ else dd)
+                h = self.cap.copy_mm8(d, s, n, run_on, sd, dd)  # every descriptor its own cell: no merging
+                if h is not None:
+                    return PathXfer(p, [h], p.route.kind or "", expect=np.asarray(expect, np.uint64).reshape(-1))
             for d, s, n, dd, sd in groups:
                 d, s, n = merge_runs(d, s, n)
                 mine = dd if op is Op.READ else sd
@@ -361,7 +384,12 @@ class DevicePath:
         return self.post(op, local.device, li, remote.device, ri)
 
     def cancel(self, x: PathXfer) -> None:
-        self.release(x)  # a copy cannot be aborted: it is waited for (milliseconds)
+        """Fence the post, then give the pieces already running a short grace to finish."""
+        self._fence(x)
+        grace = Deadline.within(_GRACE)
+        for h in x.handles:
+            self.cap.wait(h, grace)
+        self.release(x)
 
     @staticmethod
     def kind(x: PathXfer) -> str:
@@ -385,14 +413,51 @@ class DevicePath:
                 return False
         self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
         x.done = True
+        self._compare(x)
         return True
 
+    def _compare(self, x: PathXfer) -> None:
+        if x.expect is None:  # not verified; else the digests of what the kernel moved against the source's
+            return
+        got = self.cap.digests(x.handles[0])
+        bad = np.flatnonzero(got != x.expect)
+        if bad.shape[0]:
+            raise IntegrityError(f"{bad.shape[0]} of {got.shape[0]} descriptors of a device-path post arrived with "
+                                 f"another mm8 digest than the source's (first: descriptor {int(bad[0])}); the "
+                                 "destination holds bytes nobody vouches for", mismatches=int(bad.shape[0]))
+
+    def wait(self, x: PathXfer, deadline: float) -> bool:
+        """Block on the post's own events (no naps: kvxfer/cuda/copy.py says why) until done or
+        ``deadline`` (the core's Deadline): then the post is fenced, so nothing it had not begun
+        lands later, and :class:`TransferTimeoutError` is raised."""
+        if x.done:
+            return True
+        if x.released:
+            raise BackendError("transfer was released")
+        for h in x.handles:
+            if not self.cap.wait(h, deadline):
+                self._fence(x)
+                raise TransferTimeoutError("the device path's copy did not finish by its deadline; it was fenced "
+                                           "(no piece it had not begun will land)")
+        self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
+        x.done = True
+        self._compare(x)
+        return True
+
+    def _fence(self, x: PathXfer) -> None:
+        if not (x.done or x.fenced):  # a copy-engine post has no gate: not fenced, release() waits for it
+            x.fenced = all([self.cap.fence(h) for h in x.handles])
+
     def release(self, x: PathXfer) -> None:
-        """Forget a post; one still running is waited for (a copy cannot be aborted)."""
+        """Forget a post; one still running is waited for, unless fenced (its kernels skip the rest)."""
         if x.released:
             return
         x.released = True
+        if x.done:  # its events were recycled when it was seen done
+            return
         for h in x.handles:
+            if x.fenced:
+                continue  # its slot and event stay with it (never recycled while it may run)
             try:
                 self.cap.synchronize(h)
             except BackendError:
