@@ -23,7 +23,7 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import StoreBusyError, StoreCorruptError, StoreError, StoreFullError
-from kvxfer.store import fileio, journal
+from kvxfer.store import fileio, journal, rungroups
 from kvxfer.store.slab import HEADER
 from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
 from common import has_nixl
@@ -123,7 +123,25 @@ def _slot_of(path: Path, row: bytes, stride: int = 16384) -> int:
     return int(hit[0])
 
 
-def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog, via) -> None:
+def _never_served(dst, blocks) -> bool:
+    """Each block holds only the sentinel (never read) or only zeros (read into the cache,
+    then wiped when its group failed): no byte read from the slab is left unchecked."""
+    out = True
+    for b in blocks:
+        x = np.ascontiguousarray(dst.logical()[:, :, b]).view(np.uint8)
+        out &= bool((x == SENTINEL).all() or (x == 0).all())
+    return out
+
+
+@pytest.mark.parametrize("wiped", [True, False], ids=["wiped", "control-no-wipe"])
+def test_a_corrupted_byte_is_detected_and_never_served(tmp_path, caplog, via, wiped, monkeypatch) -> None:
+    """A host cache's restore reads a group of rows into the cache, then checks them there:
+    a failed row's group is zeroed before the job ends (the staged path checks in the slab
+    first and copies nothing). Control: with the wipe off, the damaged row lands, one bit off."""
+    if not wiped:
+        if via.staged:
+            pytest.skip("the staged path checks before it copies: there is no wipe to turn off")
+        monkeypatch.setattr(rungroups, "wipe", lambda c: None)
     X = logical(DIMS_A)
     src = cache("row", DIMS_A, X)
     with _open(tmp_path) as st:
@@ -150,10 +168,16 @@ def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog, via) ->
             st.restore(keys(3), via(dst), [0, 1, 2]).wait()
         assert e.value.keys == [b"k2"]
         assert [r.kvxfer["dropped"] for r in caplog.records if getattr(r, "kvxfer", {}).get("event") == "store_corrupt"] == [1]
-        assert dst.untouched([])  # no row of the failed restore was copied
+        if not wiped:  # the control: the damaged row is what the cache would be handed
+            got = np.ascontiguousarray(dst.logical()[:, :, 2]).view(np.uint8)
+            assert np.count_nonzero(got != np.ascontiguousarray(X[:, :, 6]).view(np.uint8)) == 1
+            return
+        assert dst.untouched([]) if via.staged else _never_served(dst, [0, 1, 2])  # no unchecked byte stays
+        assert not _never_served(cache("row", DIMS_A, X), [2])  # (the helper's own control)
         assert st.lookup(keys(3)).tolist() == [True, True, False]  # dropped: the next lookup is a miss
         st.restore(keys(2), via(dst), [0, 1]).wait()
-        assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]]) and dst.untouched([0, 1])
+        assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]])
+        assert dst.untouched([0, 1]) if via.staged else dst.untouched([0, 1, 2]) and _never_served(dst, [2])
 
 
 def test_a_truncated_or_missing_slab_is_a_typed_miss(tmp_path, via) -> None:
@@ -357,7 +381,7 @@ def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path, via) -> None
                     assert pad and np.array_equal(dst.logical()[:, :, 0], X[:, :, b])
                 except StoreCorruptError:
                     detected += not pad
-                    assert not pad and dst.untouched([])
+                    assert not pad and _never_served(dst, [0])
                 os.pwrite(fd, bytes([0]) if pad else bytes([old]), at)
                 st.discard([b"r"])
         finally:
