@@ -361,9 +361,10 @@ class Store:
                            row_len=g.row_len if mover.bridges else g.stride)
 
     def _in_place(self, spec: KVCacheSpec, mover: Mover) -> bool:
-        """Rows are hashed where the host cache holds them (not in the slab's map) unless they
-        pass through the stage, whose rows are checked in the slab before they are copied."""
-        return MemoryKind.VRAM not in spec.kinds and not mover.staged
+        """Rows are hashed where a host cache holds them, not in the slab's map, when the cache
+        is one region (a row is one run: one hash call); a per-layer cache would stream 160
+        cells a row in Python, and staged rows are checked in the slab before they are copied."""
+        return MemoryKind.VRAM not in spec.kinds and not mover.staged and len(spec.regions) == 1
 
     def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover,
              local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
