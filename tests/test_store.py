@@ -268,13 +268,13 @@ def test_replacing_a_pinned_entry_never_writes_under_the_read(tmp_path, via) -> 
         gate, entered = threading.Event(), threading.Event()
 
         def hold(stage: str) -> None:
-            if stage in ("reading", "verified") and not entered.is_set():  # before the read (host), or the copy
+            if stage == "verified" and not entered.is_set():
                 entered.set()
                 gate.wait(60)
 
         st._fault = hold
         first = cache("row", dims)
-        t = st.restore([b"k"], via(first), [0])  # k pinned, not yet read (or checked, not yet copied)
+        t = st.restore([b"k"], via(first), [0])  # k checked, pinned, not yet copied
         assert entered.wait(60)
         st.offload(via(new), [3], [b"k"]).wait()  # replaces k: the other slot
         st.offload(via(new), [4], [b"j"]).wait()  # evicts the new k; the old k's slot stays pinned

@@ -133,11 +133,13 @@ def _never_served(dst, blocks) -> bool:
     return out
 
 
-@pytest.mark.parametrize("wiped", [True, False], ids=["wiped", "control-no-wipe"])
-def test_a_corrupted_byte_is_detected_and_never_served(tmp_path, caplog, via, wiped, monkeypatch) -> None:
-    """A host cache's restore reads a group of rows into the cache, then checks them there:
-    a failed row's group is zeroed before the job ends (the staged path checks in the slab
-    first and copies nothing). Control: with the wipe off, the damaged row lands, one bit off."""
+@pytest.mark.parametrize("mode", ["checked-first", "in-place", "control-in-place-no-wipe"])
+def test_a_corrupted_byte_is_detected_and_never_served(tmp_path, caplog, via, mode, monkeypatch) -> None:
+    """By default a restore checks rows in the slab and copies nothing of a failed group;
+    ``in_place=True`` reads a group into the (host) cache, checks it there and zeroes the
+    group when a row fails (the staged path always checks first). Control: with the wipe
+    off, the in-place read leaves the damaged row in the cache, one bit off."""
+    in_place, wiped = mode != "checked-first", mode != "control-in-place-no-wipe"
     if not wiped:
         if via.staged:
             pytest.skip("the staged path checks before it copies: there is no wipe to turn off")
@@ -165,19 +167,20 @@ def test_a_corrupted_byte_is_detected_and_never_served(tmp_path, caplog, via, wi
     with _open(tmp_path) as st:
         dst = cache("row", DIMS_A)
         with pytest.raises(StoreCorruptError) as e:
-            st.restore(keys(3), via(dst), [0, 1, 2]).wait()
+            st.restore(keys(3), via(dst), [0, 1, 2], in_place=in_place).wait()
         assert e.value.keys == [b"k2"]
         assert [r.kvxfer["dropped"] for r in caplog.records if getattr(r, "kvxfer", {}).get("event") == "store_corrupt"] == [1]
         if not wiped:  # the control: the damaged row is what the cache would be handed
             got = np.ascontiguousarray(dst.logical()[:, :, 2]).view(np.uint8)
             assert np.count_nonzero(got != np.ascontiguousarray(X[:, :, 6]).view(np.uint8)) == 1
             return
-        assert dst.untouched([]) if via.staged else _never_served(dst, [0, 1, 2])  # no unchecked byte stays
+        assert dst.untouched([]) if via.staged or not in_place else _never_served(dst, [0, 1, 2])  # none unchecked
         assert not _never_served(cache("row", DIMS_A, X), [2])  # (the helper's own control)
         assert st.lookup(keys(3)).tolist() == [True, True, False]  # dropped: the next lookup is a miss
         st.restore(keys(2), via(dst), [0, 1]).wait()
         assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]])
-        assert dst.untouched([0, 1]) if via.staged else dst.untouched([0, 1, 2]) and _never_served(dst, [2])
+        assert dst.untouched([0, 1]) if via.staged or not in_place else \
+            dst.untouched([0, 1, 2]) and _never_served(dst, [2])
 
 
 def test_a_truncated_or_missing_slab_is_a_typed_miss(tmp_path, via) -> None:
@@ -381,7 +384,7 @@ def test_random_byte_damage_anywhere_in_a_row_is_detected(tmp_path, via) -> None
                     assert pad and np.array_equal(dst.logical()[:, :, 0], X[:, :, b])
                 except StoreCorruptError:
                     detected += not pad
-                    assert not pad and _never_served(dst, [0])
+                    assert not pad and dst.untouched([])
                 os.pwrite(fd, bytes([0]) if pad else bytes([old]), at)
                 st.discard([b"r"])
         finally:

@@ -222,7 +222,7 @@ class Store:
         return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, mover, spec)
 
     def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
-                timeout: float | None = None) -> Transfer:
+                timeout: float | None = None, in_place: bool = False) -> Transfer:
         """Read the rows stored under ``keys[i]`` into ``spec``'s ``local_blocks[i]``.
 
         A key not stored raises :class:`~kvxfer.errors.StoreMissError` before any byte
@@ -231,7 +231,9 @@ class Store:
         fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not copied, and
         its entry is dropped (the next lookup is a miss). Rows of other groups may have been
         copied by then; they passed their check, and the failed transfer's blocks are the
-        caller's to recompute.
+        caller's to recompute. ``in_place`` (a one-region host cache): read each group into the
+        cache and check it there instead (one pass over the page cache, not two); a group with
+        a failed row, or whose read was cut short, is zeroed before the transfer ends.
         """
         t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
                                           else getattr(spec, "timeout", None))
@@ -249,7 +251,8 @@ class Store:
             want = np.fromiter((e.digest for e in got), dtype=np.uint64, count=len(got))
             p = plan(spec, self.spec, local_blocks, slots, Op.READ, coalesce=True, pairing=self._pairing(spec))
             calls = self._calls(p, mover)
-            local = (spec, as_block_ids(local_blocks, spec.num_blocks, "local")) if self._in_place(spec, mover) else None
+            local = (spec, as_block_ids(local_blocks, spec.num_blocks, "local")) \
+                if in_place and self._in_place(spec, mover) else None
         except BaseException:
             with self._lock:
                 self._index.unpin(got)
