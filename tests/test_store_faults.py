@@ -23,7 +23,7 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import StoreBusyError, StoreCorruptError, StoreError, StoreFullError
-from kvxfer.store import fileio, journal
+from kvxfer.store import fileio, journal, rungroups
 from kvxfer.store.slab import HEADER
 from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
 from common import has_nixl
@@ -123,7 +123,27 @@ def _slot_of(path: Path, row: bytes, stride: int = 16384) -> int:
     return int(hit[0])
 
 
-def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog, via) -> None:
+def _never_served(dst, blocks) -> bool:
+    """Each block holds only the sentinel (never read) or only zeros (read into the cache,
+    then wiped when its group failed): no byte read from the slab is left unchecked."""
+    out = True
+    for b in blocks:
+        x = np.ascontiguousarray(dst.logical()[:, :, b]).view(np.uint8)
+        out &= bool((x == SENTINEL).all() or (x == 0).all())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["checked-first", "in-place", "control-in-place-no-wipe"])
+def test_a_corrupted_byte_is_detected_and_never_served(tmp_path, caplog, via, mode, monkeypatch) -> None:
+    """By default a restore checks rows in the slab and copies nothing of a failed group;
+    ``in_place=True`` reads a group into the (host) cache, checks it there and zeroes the
+    group when a row fails (the staged path always checks first). Control: with the wipe
+    off, the in-place read leaves the damaged row in the cache, one bit off."""
+    in_place, wiped = mode != "checked-first", mode != "control-in-place-no-wipe"
+    if not wiped:
+        if via.staged:
+            pytest.skip("the staged path checks before it copies: there is no wipe to turn off")
+        monkeypatch.setattr(rungroups, "wipe", lambda c: None)
     X = logical(DIMS_A)
     src = cache("row", DIMS_A, X)
     with _open(tmp_path) as st:
@@ -147,13 +167,20 @@ def test_a_corrupted_byte_is_detected_and_never_copied(tmp_path, caplog, via) ->
     with _open(tmp_path) as st:
         dst = cache("row", DIMS_A)
         with pytest.raises(StoreCorruptError) as e:
-            st.restore(keys(3), via(dst), [0, 1, 2]).wait()
+            st.restore(keys(3), via(dst), [0, 1, 2], in_place=in_place).wait()
         assert e.value.keys == [b"k2"]
         assert [r.kvxfer["dropped"] for r in caplog.records if getattr(r, "kvxfer", {}).get("event") == "store_corrupt"] == [1]
-        assert dst.untouched([])  # no row of the failed restore was copied
+        if not wiped:  # the control: the damaged row is what the cache would be handed
+            got = np.ascontiguousarray(dst.logical()[:, :, 2]).view(np.uint8)
+            assert np.count_nonzero(got != np.ascontiguousarray(X[:, :, 6]).view(np.uint8)) == 1
+            return
+        assert dst.untouched([]) if via.staged or not in_place else _never_served(dst, [0, 1, 2])  # none unchecked
+        assert not _never_served(cache("row", DIMS_A, X), [2])  # (the helper's own control)
         assert st.lookup(keys(3)).tolist() == [True, True, False]  # dropped: the next lookup is a miss
         st.restore(keys(2), via(dst), [0, 1]).wait()
-        assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]]) and dst.untouched([0, 1])
+        assert np.array_equal(dst.logical()[:, :, [0, 1]], X[:, :, [4, 5]])
+        assert dst.untouched([0, 1]) if via.staged or not in_place else \
+            dst.untouched([0, 1, 2]) and _never_served(dst, [2])
 
 
 def test_a_truncated_or_missing_slab_is_a_typed_miss(tmp_path, via) -> None:

@@ -28,10 +28,11 @@ DIMS_A = DIMS["aligned"]
 N = 16  # blocks restored per request, out of DIMS_A's 24: the last 8 must keep the sentinel
 
 
-def _late_writes(tmp_path, end: str, via: Via, trials: int) -> list[bool]:
-    """Per trial: did the destination change after the restore reported its end?"""
+def _late_writes(tmp_path, end: str, via: Via, trials: int, in_place: bool = False) -> list[bool]:
+    """Per trial: did the destination change after the restore reported its end?
+    ``in_place``: a one-region cache read in place, where a cut-short group is zeroed."""
     X = logical(DIMS_A)
-    src, dst = cache("row", DIMS_A, X), cache("layer", DIMS_A)
+    src, dst = cache("row", DIMS_A, X), cache("row" if in_place else "layer", DIMS_A)
     late = []
     with kvxfer.Store(tmp_path, capacity=32 * row_bytes(DIMS_A), layout=src.spec) as st:
         st.offload(via(src), np.arange(N), keys(N)).wait()
@@ -46,7 +47,7 @@ def _late_writes(tmp_path, end: str, via: Via, trials: int) -> list[bool]:
                     time.sleep(0.1)  # a slow device: this call is past its cancellation check
 
             st._fault = hook
-            t = st.restore(keys(N), via(dst), np.arange(N))
+            t = st.restore(keys(N), via(dst), np.arange(N), in_place=in_place)
             assert issuing.wait(60)
             if end == "cancel":
                 t.cancel()
@@ -61,7 +62,8 @@ def _late_writes(tmp_path, end: str, via: Via, trials: int) -> list[bool]:
             got = dst.logical()
             for b in range(N):  # a block holds the right row or is untouched, never anything else
                 blk = np.ascontiguousarray(got[:, :, b])
-                assert np.array_equal(blk, X[:, :, b]) or (blk.view(np.uint8) == SENTINEL).all()
+                u8 = blk.view(np.uint8)
+                assert np.array_equal(blk, X[:, :, b]) or (u8 == SENTINEL).all() or (in_place and not u8.any())
             assert dst.untouched(np.arange(N))
     return late
 
@@ -78,3 +80,16 @@ def test_control_without_the_fence_late_writes_land(tmp_path, end, via, monkeypa
 
     monkeypatch.setattr(fileio.Job, "cancel", flag_only)
     assert any(_late_writes(tmp_path, end, via, trials=3))
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["fenced", "control-flag-only"])
+def test_an_in_place_restore_cut_short_lands_nothing_after(tmp_path, via, in_place, monkeypatch) -> None:
+    """The in-place read zeroes a cut-short group inside the fence: that wipe, too, ends
+    before the cancel returns. Control: the flag-only cancel sees late writes (read or wipe)."""
+    if via.staged:
+        pytest.skip("the staged path copies from its stage after checking: covered above")
+    if not in_place:
+        monkeypatch.setattr(fileio.Job, "cancel", lambda job: setattr(job, "cancelled", True))
+        assert any(_late_writes(tmp_path, "cancel", via, trials=3, in_place=True))
+        return
+    assert _late_writes(tmp_path, "cancel", via, trials=4, in_place=True) == [False] * 4

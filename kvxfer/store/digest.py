@@ -21,7 +21,7 @@ from ..integrity import compute
 from ..integrity.cells import Cells, source_spans
 from ..integrity.digests import _combine, hash_spans
 
-__all__ = ["row_digests", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
+__all__ = ["row_digests", "local_row_digests", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
 
 DIGEST_NAME = "integrity-xxh3-row2"
 LEGACY_NAME = "integrity-xxh3-rows"
@@ -33,6 +33,15 @@ def row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
     if slots.shape[0] == 0:
         return np.zeros(0, dtype=np.uint64)
     return compute(mapped, slots, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
+
+
+def local_row_digests(spec: KVCacheSpec, blocks: np.ndarray) -> np.ndarray:
+    """The same digest of ``blocks`` of a host cache, where the cache holds them: an offload
+    hashes its source (warm, already mapped) instead of the slab's map (cold pages, a page
+    fault each), a restore the rows it just read (:meth:`kvxfer.Store._run`)."""
+    if blocks.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    return compute(spec, blocks, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
 
 
 def legacy_row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import StoreError, StoreFullError, TransferCancelledError
 from ..plugin.backend import Backend, Capabilities
 
-__all__ = ["Calls", "build_calls", "groups", "run_calls", "Job", "FileEngine", "IOV_MAX"]
+__all__ = ["Calls", "build_calls", "groups", "run_calls", "wipe", "Job", "FileEngine", "IOV_MAX"]
 
 IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -141,6 +141,18 @@ def run_calls(fd: int, write: bool, c: Calls, cancelled: Callable[[], bool],
             _finish_short(fn, fd, write, c.iov[first:first + count], off, got)
         if hook is not None:
             hook("call")
+
+
+def wipe(c: Calls) -> None:
+    """Zero the local memory of ``c``'s calls (a restore's rows that failed or were cut short:
+    no unchecked byte stays where the caller reads); the padding scratch is left alone."""
+    if not len(c):
+        return
+    lo, hi = int(c.first[0]), int(c.first[-1] + c.count[-1])
+    scratch = _SCRATCH.ctypes.data
+    for addr, n in c.iov[lo:hi].tolist():
+        if addr != scratch:
+            ctypes.memset(addr, 0, n)
 
 
 def _finish_short(fn: Any, fd: int, write: bool, iov: np.ndarray, off: int, got: int) -> None:

@@ -50,7 +50,10 @@ class Mover:
     """Moves one group of calls: ``mover(write, part, cancelled, hook)``; ``name`` is the path.
 
     ``bridges``: it can bridge row padding (scratch iovecs); ``per_run``: it does one I/O per
-    contiguous file run (a system call, or a staged run), not one per descriptor."""
+    contiguous file run (a system call, or a staged run), not one per descriptor. ``staged``:
+    rows pass through the stage (:mod:`.stage`), which checks them in the slab, not in the cache."""
+
+    staged = False
 
     def __init__(self, name: str, bridges: bool, run: Callable[[bool, Calls, Callable[[], bool], Hook], None],
                  per_run: bool = True) -> None:

@@ -179,7 +179,9 @@ class Stage:
     def mover(self, allocations: Sequence[Allocation] = ()) -> Mover:
         """The mover for a cache of ``allocations`` (the only local memory a host copy may touch)."""
         memory = [(a.address, a.nbytes) for a in allocations] + [(a, self.unit) for a, _ in self._all]
-        return Mover(self.name, False, lambda w, p, c, h: self._move(w, p, c, h, memory))
+        m = Mover(self.name, False, lambda w, p, c, h: self._move(w, p, c, h, memory))
+        m.staged = True
+        return m
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, to_local: bool,
               memory: Sequence[tuple[int, int]]) -> None:

@@ -28,8 +28,9 @@ from ..pairing._templates import Pairing, pair
 from ..planner import TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
-from .digest import row_digests
+from .digest import local_row_digests, row_digests
 from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
+from .rungroups import _Damaged, run
 from .index import Entry, Index, check_keys as _keys
 from .migrate import migrate
 from .dirs import StoreDir, run_all as _all
@@ -39,14 +40,6 @@ from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
 
 __all__ = ["Store"]
-
-
-class _Damaged(Exception):
-    """Rows that failed their digest during a restore (internal: becomes StoreCorruptError)."""
-
-    def __init__(self, slots: np.ndarray) -> None:
-        super().__init__(f"{slots.shape[0]} damaged rows")
-        self.slots = slots
 
 
 class Store:
@@ -200,8 +193,10 @@ class Store:
                 self._index.unreserve(slots)
             raise
 
+        local = (spec, blocks) if self._in_place(spec, mover) else None
+
         def body(job: Job) -> None:
-            digests = self._run(job, calls, slots, None, mover)
+            digests = self._run(job, calls, slots, None, mover, local)
             if self.durable:
                 try:
                     os.fdatasync(self._slab.fd)
@@ -227,7 +222,7 @@ class Store:
         return self._transfer(p, calls, body, cleanup, Op.WRITE, t0, deadline, limit, mover, spec)
 
     def restore(self, keys: Sequence[bytes], spec: Any, local_blocks: Any, *,
-                timeout: float | None = None) -> Transfer:
+                timeout: float | None = None, in_place: bool = False) -> Transfer:
         """Read the rows stored under ``keys[i]`` into ``spec``'s ``local_blocks[i]``.
 
         A key not stored raises :class:`~kvxfer.errors.StoreMissError` before any byte
@@ -236,7 +231,9 @@ class Store:
         fails the transfer with :class:`~kvxfer.errors.StoreCorruptError`, is not copied, and
         its entry is dropped (the next lookup is a miss). Rows of other groups may have been
         copied by then; they passed their check, and the failed transfer's blocks are the
-        caller's to recompute.
+        caller's to recompute. ``in_place`` (a one-region host cache): read each group into the
+        cache and check it there instead (one pass over the page cache, not two); a group with
+        a failed row, or whose read was cut short, is zeroed before the transfer ends.
         """
         t0, deadline, limit = self._begin(timeout if timeout is not None or isinstance(spec, KVCacheSpec)
                                           else getattr(spec, "timeout", None))
@@ -254,6 +251,8 @@ class Store:
             want = np.fromiter((e.digest for e in got), dtype=np.uint64, count=len(got))
             p = plan(spec, self.spec, local_blocks, slots, Op.READ, coalesce=True, pairing=self._pairing(spec))
             calls = self._calls(p, mover)
+            local = (spec, as_block_ids(local_blocks, spec.num_blocks, "local")) \
+                if in_place and self._in_place(spec, mover) else None
         except BaseException:
             with self._lock:
                 self._index.unpin(got)
@@ -261,7 +260,7 @@ class Store:
 
         def body(job: Job) -> None:
             try:
-                self._run(job, calls, slots, want, mover)
+                self._run(job, calls, slots, want, mover, local)
             except _Damaged as exc:
                 lost = [got[i].key for i in np.flatnonzero(np.isin(slots, exc.slots)).tolist()]
                 with self._lock:
@@ -364,53 +363,27 @@ class Store:
         return build_calls(la[:, 0], off, la[:, 1], base=HEADER, stride=g.stride,
                            row_len=g.row_len if mover.bridges else g.stride)
 
-    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover) -> np.ndarray:
-        """Move the calls group by group on the worker threads (:func:`~.fileio.groups`): a
-        restore (``want``: the digests on record) checks a group's rows right before copying
-        them, an offload digests its rows right after writing them; returns the digests."""
-        if not self._slab.intact():
-            raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
-        write = want is None
-        uniq, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
-        dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
-        bad: list[np.ndarray] = []
-        cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
-        hook = self._stage if self._fault is not None else None
+    def _in_place(self, spec: KVCacheSpec, mover: Mover) -> bool:
+        """Rows are hashed where a host cache holds them, not in the slab's map, when the cache
+        is one region (a row is one run: one hash call); a per-layer cache would stream 160
+        cells a row in Python, and staged rows are checked in the slab before they are copied."""
+        return MemoryKind.VRAM not in spec.kinds and not mover.staged and len(spec.regions) == 1
 
-        def one(a: int, b: int, lo: int, hi: int) -> None:
-            i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
-            part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
-            if not write:
-                wrong = uniq[i:j][self._digest_slots(uniq[i:j]) != dig[i:j]]
-                if wrong.size:
-                    bad.append(wrong)
-                    return
-                self._stage("verified")
-            with job.io():  # the fence: a cancel returns only once this call has ended
-                mover(write, part, cancelled, hook)
-            if write:
-                dig[i:j] = self._digest_slots(uniq[i:j])
-
-        todo = self._groups(calls, mover)
-        if len(todo) == 1:
-            one(*todo[0])
-        else:
-            futs = [self._pool.submit(one, *g) for g in todo]
-            for f in futs:  # wait for all (no call may outlive the job), then raise the first error
-                f.exception()
-            if bad:  # the other groups stopped early because of it: report the damage
-                raise _Damaged(np.concatenate(bad))
-            for f in futs:
-                f.result()
-        if bad:
-            raise _Damaged(np.concatenate(bad))
-        return dig[inverse]
+    def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover,
+             local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
+        """Move the calls group by group on the worker threads and digest or check the rows
+        (:func:`.rungroups.run`); returns the digests (raises ``_Damaged`` for rows that failed)."""
+        return run(self, job, calls, slots, want, mover, local)
 
     def _groups(self, calls: Calls, mover: Mover) -> list[tuple[int, int, int, int]]:
         """Groups of whole rows, one task each: runs of calls for the store's own path, cells of
         about :data:`~.fileio.MAX_CALL` bytes for a file path (one post each, gaps and all)."""
         stride = self.geometry.stride
         return groups(calls, HEADER, stride, None if mover.bridges else max(1, MAX_CALL // stride) * stride)
+
+    def _digest_local(self, spec: KVCacheSpec, blocks: np.ndarray) -> np.ndarray:
+        """Digests of a host cache's blocks (:mod:`.digest`: the same definition)."""
+        return local_row_digests(spec, blocks)
 
     def _digest_slots(self, sorted_slots: np.ndarray) -> np.ndarray:
         """Digests of these rows as the slab holds them (:mod:`.digest`: kvxfer.integrity's row digest)."""

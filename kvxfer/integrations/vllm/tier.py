@@ -7,8 +7,9 @@ The tier is a :class:`kvxfer.Store` (``store_path``: one machine's slab) or a
 vLLM's ``TieringOffloadingManager`` keeps a CPU primary tier (an mmap of ``num_chunks`` rows)
 and cascades chunks to secondary tiers, then promotes them back on a prefix hit. This tier is
 one of those: each chunk is one whole row of a slab, so a job over consecutive rows is one
-system call per 8 MiB, every promoted row is checked against its digest before it is copied
-(a damaged row fails the job for vLLM to recompute, never reaches the primary), and a store
+system call per 8 MiB, every promoted row is read into its chunk and checked there against its
+digest before the job is reported (a damaged row fails the job for vLLM to recompute, and its
+group's chunks are zeroed: none of its bytes stays in the primary), and a store
 killed mid-way publishes nothing (docs/storage.md, "Crash consistency").
 
 Everything here runs in vLLM's scheduler process, which has no handler around these calls:
@@ -196,7 +197,8 @@ class KvxferStoreTier(SecondaryTierManager):
     @boundary(lambda: None, salvage=_failed)
     def submit_load(self, job_metadata: TransferJob) -> None:
         jid, keys, ids = self._job(job_metadata)
-        t = self.store.restore(keys, self.spec, ids) if keys else None  # a missing key: StoreMissError here
+        # Read into the primary's chunks and checked there (one pass); a failed group is zeroed before the job ends.
+        t = self.store.restore(keys, self.spec, ids, in_place=True) if keys else None  # a missing key: StoreMissError
         self._jobs[jid] = _Job(jid, t, len(keys) * self.block_size_bytes, time.monotonic())
 
     @boundary(list)

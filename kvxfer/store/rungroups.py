@@ -1,0 +1,99 @@
+"""How a store request moves its groups of rows and digests or checks them (:meth:`kvxfer.Store._run`).
+
+Split from :mod:`.store` to keep each file to one concern: the store decides *what* moves
+(plans, reservations, publishing); this decides *when* a row is hashed or checked relative to
+its I/O, which is where a corrupted row is stopped (docs/storage.md, "Digests").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreCorruptError
+from ..geometry._spec import KVCacheSpec
+from .fileio import Calls, Job, wipe
+from .paths import Mover
+
+__all__ = ["run"]
+
+
+class _Damaged(Exception):
+    """Rows that failed their digest during a restore (internal: becomes StoreCorruptError)."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        super().__init__(f"{slots.shape[0]} damaged rows")
+        self.slots = slots
+
+
+def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover,
+        local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
+    """Move the calls group by group on the worker threads (:func:`~.fileio.groups`); returns
+    the digests. ``local`` (a host cache and its blocks): an offload digests a group's rows
+    in the cache right before writing them; a restore reads a group into the cache, then
+    checks its rows there while warm, and zeroes the group's memory if any row fails or
+    the read is cut short, inside the fence (no unchecked byte stays, none lands after).
+    Otherwise a restore (``want``: the digests on record) checks a group's rows in the slab
+    right before copying them, an offload digests them in the slab right after writing."""
+    if not st._slab.intact():
+        raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
+    write = want is None
+    uniq, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
+    dig = np.zeros(uniq.shape[0], dtype=np.uint64) if write else want[first]  # type: ignore[index]
+    order = np.argsort(slots, kind="stable")
+    by_slot, out = slots[order], np.zeros(slots.shape[0], dtype=np.uint64)
+    bad: list[np.ndarray] = []
+    cancelled = lambda: job.cancelled or bool(bad)  # noqa: E731
+    hook = st._stage if st._fault is not None else None
+
+    def one(a: int, b: int, lo: int, hi: int) -> None:
+        i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
+        part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
+        if local is not None:
+            k, m = np.searchsorted(by_slot, [lo, hi + 1]).tolist()
+            ix = order[k:m]
+            if write:
+                out[ix] = st._digest_local(local[0], local[1][ix])
+                with job.io():
+                    mover(True, part, cancelled, hook)
+                return
+            st._stage("reading")
+            with job.io():
+                try:
+                    mover(False, part, cancelled, hook)
+                    wrong = st._digest_local(local[0], local[1][ix]) != want[ix]  # type: ignore[index]
+                except BaseException:
+                    wipe(part)
+                    raise
+                if wrong.any():
+                    bad.append(np.unique(by_slot[k:m][wrong]))
+                    wipe(part)
+                    return
+            st._stage("verified")
+            return
+        if not write:
+            wrong = uniq[i:j][st._digest_slots(uniq[i:j]) != dig[i:j]]
+            if wrong.size:
+                bad.append(wrong)
+                return
+            st._stage("verified")
+        with job.io():  # the fence: a cancel returns only once this call has ended
+            mover(write, part, cancelled, hook)
+        if write:
+            dig[i:j] = st._digest_slots(uniq[i:j])
+
+    todo = st._groups(calls, mover)
+    if len(todo) == 1:
+        one(*todo[0])
+    else:
+        futs = [st._pool.submit(one, *g) for g in todo]
+        for f in futs:  # wait for all (no call may outlive the job), then raise the first error
+            f.exception()
+        if bad:  # the other groups stopped early because of it: report the damage
+            raise _Damaged(np.concatenate(bad))
+        for f in futs:
+            f.result()
+    if bad:
+        raise _Damaged(np.concatenate(bad))
+    return out if local is not None else dig[inverse]
