@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import TOKEN_ENV, Engine, free_port, pair_cpus, start_engine
+from harness import TOKEN_ENV, Engine, free_port, pair_cpus, start_engine, stop_all
 
 #: Prompts as token ids, seeded: lengths chosen for 1, 2 (exactly full), 3 and 6 blocks of 128.
 PROMPT_LENGTHS = (97, 256, 300, 700)
@@ -161,8 +161,7 @@ class Pairs:
                 e.wait_ready()
             warm_up(pair)
         except BaseException as exc:
-            for e in pair.engines:
-                e.stop()
+            stop_all(pair.engines)
             self.failed[layout] = exc
             raise
         self.current = pair
@@ -170,8 +169,7 @@ class Pairs:
 
     def stop(self) -> None:
         if self.current is not None:
-            for e in self.current.engines:
-                e.stop()
+            stop_all(self.current.engines)
             self.current = None
 
     def __enter__(self) -> "Pairs":
