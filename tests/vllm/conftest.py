@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,22 @@ def model_dir(workdir: Path) -> Path:
     from harness import write_tiny_llama
 
     return write_tiny_llama(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reference_boots_first(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When a collected test needs the reference, its plain instance starts with the session and
+    boots while the tests that need no engine run (the ``reference`` fixture waits for it)."""
+    if not any("reference" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield
+        return
+    import e2e
+
+    e2e.boot_reference(request.getfixturevalue("model_dir"), request.getfixturevalue("workdir"))
+    try:
+        yield
+    finally:
+        e2e.stop_reference()
 
 
 @pytest.fixture(scope="session")

@@ -120,19 +120,39 @@ def start_nixl_pair(model: Path, logdir: Path, layout: str) -> Pair:
     return Pair("NixlConnector", layout, *engines)
 
 
+#: The plain instance once :func:`boot_reference` started it, until :func:`ensure_reference` used it;
+#: then, asked to exit, until the session's end waits for it (:func:`stop_reference`).
+_REFERENCE_ENGINE: list[Engine] = []
+
+
+def boot_reference(model: Path, logdir: Path) -> None:
+    """Start the plain instance without waiting for it: it boots (about 20 s) while the tests
+    that need no engine run, and :func:`ensure_reference` finds it ready."""
+    if not _REFERENCE_ENGINE and not all(tuple(p) in REFERENCE for p in all_prompts()):
+        _REFERENCE_ENGINE.append(start_engine("reference", model, logdir))
+
+
 def ensure_reference(model: Path, logdir: Path) -> None:
-    """Fill :data:`REFERENCE` from a plain instance (no connector), started alone and stopped.
+    """Fill :data:`REFERENCE` from a plain instance (no connector), then ask it to exit; its
+    shutdown (seconds) overlaps what runs next, and :func:`stop_reference` reaps it.
 
     Once per session: every test module compares against the same tokens.
     """
     if all(tuple(p) in REFERENCE for p in all_prompts()):
         return
-    ref = start_engine("reference", model, logdir)
+    boot_reference(model, logdir)
+    ref = _REFERENCE_ENGINE[0]
     try:
         ref.wait_ready()
         fill_reference(ref)
     finally:
-        ref.stop()
+        ref.ask_to_exit()
+
+
+def stop_reference() -> None:
+    """Reap the plain instance (its group killed if it is still there)."""
+    while _REFERENCE_ENGINE:
+        _REFERENCE_ENGINE.pop().stop()
 
 
 class Pairs:
