@@ -46,19 +46,20 @@ def model_dir(workdir: Path) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _reference_boots_first(request: pytest.FixtureRequest) -> Iterator[None]:
+def _engines(request: pytest.FixtureRequest) -> Iterator[None]:
     """When a collected test needs the reference, its plain instance starts with the session and
-    boots while the tests that need no engine run (the ``reference`` fixture waits for it)."""
-    if not any("reference" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        yield
-        return
-    import e2e
+    boots while the tests that need no engine run (the ``reference`` fixture waits for it). At
+    the end, every engine still shutting down is waited for (e2e.leave)."""
+    if any("reference" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        import e2e
 
-    e2e.boot_reference(request.getfixturevalue("model_dir"), request.getfixturevalue("workdir"))
+        e2e.boot_reference(request.getfixturevalue("model_dir"), request.getfixturevalue("workdir"))
     try:
         yield
     finally:
-        e2e.stop_reference()
+        e2e_module = sys.modules.get("e2e")
+        if e2e_module is not None:
+            e2e_module.stop_engines()
 
 
 @pytest.fixture(scope="session")

@@ -120,9 +120,23 @@ def start_nixl_pair(model: Path, logdir: Path, layout: str) -> Pair:
     return Pair("NixlConnector", layout, *engines)
 
 
-#: The plain instance once :func:`boot_reference` started it, until :func:`ensure_reference` used it;
-#: then, asked to exit, until the session's end waits for it (:func:`stop_reference`).
+#: The plain instance once :func:`boot_reference` started it, until :func:`ensure_reference` uses it.
 _REFERENCE_ENGINE: list[Engine] = []
+#: Engines asked to exit and not yet waited for: vLLM's shutdown (about 5 s) overlaps what runs next.
+_LEAVING: list[Engine] = []
+
+
+def leave(engines: list[Engine]) -> None:
+    """Ask ``engines`` to exit without waiting; :func:`reap` waits for them (and kills their groups)."""
+    for e in engines:
+        e.ask_to_exit()
+    _LEAVING.extend(engines)
+
+
+def reap() -> None:
+    """Wait for every engine that was asked to exit, as :meth:`Engine.stop` does (60 s, then SIGKILL)."""
+    while _LEAVING:
+        _LEAVING.pop(0).stop()
 
 
 def boot_reference(model: Path, logdir: Path) -> None:
@@ -133,35 +147,36 @@ def boot_reference(model: Path, logdir: Path) -> None:
 
 
 def ensure_reference(model: Path, logdir: Path) -> None:
-    """Fill :data:`REFERENCE` from a plain instance (no connector), then ask it to exit; its
-    shutdown (seconds) overlaps what runs next, and :func:`stop_reference` reaps it.
+    """Fill :data:`REFERENCE` from a plain instance (no connector), then let it leave.
 
     Once per session: every test module compares against the same tokens.
     """
     if all(tuple(p) in REFERENCE for p in all_prompts()):
         return
     boot_reference(model, logdir)
-    ref = _REFERENCE_ENGINE[0]
+    ref = _REFERENCE_ENGINE.pop()
     try:
         ref.wait_ready()
         fill_reference(ref)
     finally:
-        ref.ask_to_exit()
+        leave([ref])
 
 
-def stop_reference() -> None:
-    """Reap the plain instance (its group killed if it is still there)."""
-    while _REFERENCE_ENGINE:
-        _REFERENCE_ENGINE.pop().stop()
+def stop_engines() -> None:
+    """At the session's end: the reference if it was never used, and every engine still leaving."""
+    leave(_REFERENCE_ENGINE)
+    _REFERENCE_ENGINE.clear()
+    reap()
 
 
 class Pairs:
     """The pairs of one test module, started on first use and one at a time.
 
     On two cores engines started together share them (see ``start_times.py``); asking for a
-    layout stops the pair that runs before starting the next. ``starts`` maps a layout to
-    its start function. A pair that failed to start is not started again: its later tests
-    get the same error.
+    layout stops the pair that runs before starting the next (its shutdown, mostly waiting,
+    overlaps the new pair's first seconds: it is reaped once the new processes exist).
+    ``starts`` maps a layout to its start function. A pair that failed to start is not
+    started again: its later tests get the same error.
     """
 
     def __init__(self, model: Path, logdir: Path, starts: dict[str, Any]) -> None:
@@ -176,6 +191,7 @@ class Pairs:
             raise RuntimeError(f"the {layout} pair did not start") from self.failed[layout]
         self.stop()
         pair = self.starts[layout](self.model, self.logdir, layout)
+        reap()
         try:
             for e in pair.engines:
                 e.wait_ready()
@@ -189,7 +205,7 @@ class Pairs:
 
     def stop(self) -> None:
         if self.current is not None:
-            stop_all(self.current.engines)
+            leave(self.current.engines)
             self.current = None
 
     def __enter__(self) -> "Pairs":

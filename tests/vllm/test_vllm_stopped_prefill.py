@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from e2e import MAX_TOKENS, PROMPTS, REFERENCE, TOKEN, WARMUP, kvxfer_config
-from harness import TOKEN_ENV, free_port, pair_cpus, start_engine, stop_all
+from e2e import MAX_TOKENS, PROMPTS, REFERENCE, TOKEN, WARMUP, kvxfer_config, leave
+from harness import TOKEN_ENV, free_port, pair_cpus, start_engine
 
 pytestmark = [pytest.mark.timeout(3000), pytest.mark.multiprocess, pytest.mark.nixl]
 
@@ -89,4 +89,4 @@ def test_a_stopped_prefill_fails_only_its_own_requests(model_dir: Path, workdir:
                 os.killpg(e.proc.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        stop_all(list(engines.values()))
+        leave(list(engines.values()))  # they shut down while what follows runs; reaped at the session's end
