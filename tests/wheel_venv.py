@@ -54,6 +54,11 @@ def make(work: Path) -> Path:
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
-    pip(py, "install", "-q", torch_spec())
-    pip(py, "install", "-q", f"{whl}[{EXTRAS}]")
+    # Without pip's byte-compiling, one file at a time (most of torch's install): compileall
+    # does the same on every core afterwards, so the venv ends as pip would leave it.
+    pip(py, "install", "-q", "--no-compile", torch_spec())
+    pip(py, "install", "-q", "--no-compile", f"{whl}[{EXTRAS}]")
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    subprocess.run([str(py), "-m", "compileall", "-q", "-j", "0", site], capture_output=True, timeout=900)
     return venv

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,23 @@ def model_dir(workdir: Path) -> Path:
     from harness import write_tiny_llama
 
     return write_tiny_llama(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When a collected test needs the reference, its plain instance starts with the session and
+    boots while the tests that need no engine run (the ``reference`` fixture waits for it). At
+    the end, every engine still shutting down is waited for (e2e.leave)."""
+    if any("reference" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        import e2e
+
+        e2e.boot_reference(request.getfixturevalue("model_dir"), request.getfixturevalue("workdir"))
+    try:
+        yield
+    finally:
+        e2e_module = sys.modules.get("e2e")
+        if e2e_module is not None:
+            e2e_module.stop_engines()
 
 
 @pytest.fixture(scope="session")

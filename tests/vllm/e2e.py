@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import TOKEN_ENV, Engine, free_port, pair_cpus, start_engine
+from harness import TOKEN_ENV, Engine, free_port, pair_cpus, start_engine, stop_all
 
 #: Prompts as token ids, seeded: lengths chosen for 1, 2 (exactly full), 3 and 6 blocks of 128.
 PROMPT_LENGTHS = (97, 256, 300, 700)
@@ -120,28 +120,63 @@ def start_nixl_pair(model: Path, logdir: Path, layout: str) -> Pair:
     return Pair("NixlConnector", layout, *engines)
 
 
+#: The plain instance once :func:`boot_reference` started it, until :func:`ensure_reference` uses it.
+_REFERENCE_ENGINE: list[Engine] = []
+#: Engines asked to exit and not yet waited for: vLLM's shutdown (about 5 s) overlaps what runs next.
+_LEAVING: list[Engine] = []
+
+
+def leave(engines: list[Engine]) -> None:
+    """Ask ``engines`` to exit without waiting; :func:`reap` waits for them (and kills their groups)."""
+    for e in engines:
+        e.ask_to_exit()
+    _LEAVING.extend(engines)
+
+
+def reap() -> None:
+    """Wait for every engine that was asked to exit, as :meth:`Engine.stop` does (60 s, then SIGKILL)."""
+    while _LEAVING:
+        _LEAVING.pop(0).stop()
+
+
+def boot_reference(model: Path, logdir: Path) -> None:
+    """Start the plain instance without waiting for it: it boots (about 20 s) while the tests
+    that need no engine run, and :func:`ensure_reference` finds it ready."""
+    if not _REFERENCE_ENGINE and not all(tuple(p) in REFERENCE for p in all_prompts()):
+        _REFERENCE_ENGINE.append(start_engine("reference", model, logdir))
+
+
 def ensure_reference(model: Path, logdir: Path) -> None:
-    """Fill :data:`REFERENCE` from a plain instance (no connector), started alone and stopped.
+    """Fill :data:`REFERENCE` from a plain instance (no connector), then let it leave.
 
     Once per session: every test module compares against the same tokens.
     """
     if all(tuple(p) in REFERENCE for p in all_prompts()):
         return
-    ref = start_engine("reference", model, logdir)
+    boot_reference(model, logdir)
+    ref = _REFERENCE_ENGINE.pop()
     try:
         ref.wait_ready()
         fill_reference(ref)
     finally:
-        ref.stop()
+        leave([ref])
+
+
+def stop_engines() -> None:
+    """At the session's end: the reference if it was never used, and every engine still leaving."""
+    leave(_REFERENCE_ENGINE)
+    _REFERENCE_ENGINE.clear()
+    reap()
 
 
 class Pairs:
     """The pairs of one test module, started on first use and one at a time.
 
     On two cores engines started together share them (see ``start_times.py``); asking for a
-    layout stops the pair that runs before starting the next. ``starts`` maps a layout to
-    its start function. A pair that failed to start is not started again: its later tests
-    get the same error.
+    layout stops the pair that runs before starting the next (its shutdown, mostly waiting,
+    overlaps the new pair's first seconds: it is reaped once the new processes exist).
+    ``starts`` maps a layout to its start function. A pair that failed to start is not
+    started again: its later tests get the same error.
     """
 
     def __init__(self, model: Path, logdir: Path, starts: dict[str, Any]) -> None:
@@ -156,13 +191,13 @@ class Pairs:
             raise RuntimeError(f"the {layout} pair did not start") from self.failed[layout]
         self.stop()
         pair = self.starts[layout](self.model, self.logdir, layout)
+        reap()
         try:
             for e in pair.engines:
                 e.wait_ready()
             warm_up(pair)
         except BaseException as exc:
-            for e in pair.engines:
-                e.stop()
+            stop_all(pair.engines)
             self.failed[layout] = exc
             raise
         self.current = pair
@@ -170,8 +205,7 @@ class Pairs:
 
     def stop(self) -> None:
         if self.current is not None:
-            for e in self.current.engines:
-                e.stop()
+            leave(self.current.engines)
             self.current = None
 
     def __enter__(self) -> "Pairs":

@@ -3,8 +3,9 @@
 One pair of real vLLM instances on CPU, both on kvxfer's corrupting fault backend around
 NIXL (``faults_site`` makes it exist in the engines; it damages nothing until the test's
 trigger file names a kind). Prefix caching is off so every decode loads the whole prompt
-and a freed prefill block is reused by the next request. The prefill's lease (60 s, with
-20 s + 10 s for a load) makes its params expire 30 s after they are handed out.
+and a freed prefill block is reused by the next request. The prefill's lease (36 s, with
+12 s + 6 s for a load) makes its params expire 18 s after they are handed out: the last case
+waits for that.
 
 Each case checks decode's tokens against a plain instance and the counter that names why
 it recomputed. The controls run the same damage without digests: the load then passes as
@@ -42,7 +43,7 @@ def _start(model: Path, logdir: Path, layout: str) -> Pair:
     opts = {"backend": "corrupting", "backend_options": {"inner": "nixl"}}
     dec = {"backend": "corrupting",
            "backend_options": {"inner": "nixl", "corruption": {"trigger": str(TRIGGER), "page": 4096}}}
-    lease = {"lease_seconds": 60, "transfer_timeout": 20, "handshake_timeout": 10}
+    lease = {"lease_seconds": 36, "transfer_timeout": 12, "handshake_timeout": 6}
     return Pair("kvxfer", layout,
                 start_engine("integrity-prefill", model, logdir, env=env, cpus=p_cpus, num_blocks=24,
                              llm_args=NO_PREFIX, kv_transfer_config=kvxfer_config("kv_producer", port, **opts, **lease)),
@@ -164,10 +165,10 @@ def test_replay_after_the_blocks_were_reused_fails_verification(pair):
 
 
 def test_expired_params_recompute(pair, early):
-    """Last: the params handed out first, used after their expiry (30 s after they were issued)."""
+    """Last: the params handed out first, used after their expiry (18 s after they were issued)."""
     params, issued = early
     wait = params["kvxfer"]["exp"] - time.time() + 1.0
-    assert params["kvxfer"]["exp"] - issued <= 31
+    assert params["kvxfer"]["exp"] - issued <= 19
     if wait > 0:
         time.sleep(wait)
     out = decode(pair, FAULT_PROMPTS["killed"], params)
