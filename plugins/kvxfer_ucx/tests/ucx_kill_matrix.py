@@ -31,7 +31,6 @@ import json
 import mmap
 import os
 import random
-import select
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+
+from kvxfer.testing.lines import Channel, Inbox
 
 PAGE = 64 << 10  # one layer page; a row is LAYERS pages
 LAYERS = 16
@@ -88,9 +89,14 @@ def serve(path: str, name: str, rows: int, seed: int, backing: str) -> None:
     agent.register(cache(buf), replicated=True)
     out.write(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "pid": os.getpid()}) + "\n")
     out.flush()
+    inbox = Inbox(sys.stdin.fileno())
     while True:  # keep progressing (software RMA needs the target to) until stdin closes
         agent.progress()
-        if select.select([sys.stdin], [], [], 0.0005)[0] and not sys.stdin.readline():
+        try:
+            inbox.line(0.0005)  # a line is ignored: only the end of input matters
+        except TimeoutError:
+            continue
+        except EOFError:
             break
     agent.close()
 
@@ -103,11 +109,11 @@ class Peer:
                                       "--seed", str(seed), "--backing", self.backing,
                                       f"--set={path}={json.dumps(PATHS[path])}"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], 60)[0]:
+        try:
+            hello = Channel(self.proc).read(60)
+        except (EOFError, TimeoutError) as exc:
             self.proc.kill()
-            raise RuntimeError("peer did not start")
-        hello = json.loads(self.proc.stdout.readline())
+            raise RuntimeError("peer did not start") from exc
         self.metadata = base64.b64decode(hello["metadata"])
 
     def memory(self, rows: int) -> np.ndarray:
