@@ -6,7 +6,7 @@ shared memory, this very process for the loopback transports. The address is opa
 from the network, so a blob can carry genuine metadata edited to name another process,
 this one included: we would then read and write that process's memory at whatever
 addresses the blob's memory sections claim. So the address is parsed as this process's UCX
-parses it (:mod:`kvxfer_nixl._ucxaddr`) and, before NIXL (or the prover's helper) sees the
+parses it (:mod:`kvxfer.ucxabi.address`) and, before NIXL (or the prover's helper) sees the
 blob, each of these is a :class:`~kvxfer.errors.IdentityError`:
 
 1. An address that names this process (its pid, one of its loopback interfaces or worker
@@ -33,7 +33,7 @@ from kvxfer import peers
 from kvxfer.errors import IdentityError, KvxferError, OutOfRegistrationError
 from kvxfer.peers import ProofUnavailable
 
-from . import _ucxaddr
+from kvxfer.ucxabi import address as _ucxaddr
 from ._blob import PeerBlob, parse
 
 __all__ = ["check", "here", "named"]

@@ -5,7 +5,7 @@ process it names (whose worker then serves software RMA at any address), over ``
 this very worker. Its allocations are a claim. So, before UCX (or the prover's helper) sees
 a blob, whatever route the peer will get:
 
-1. The address is read as UCX reads it (:mod:`kvxfer.peers.ucxaddr`). One that names this
+1. The address is read as UCX reads it (:mod:`kvxfer.ucxabi.address`). One that names this
    agent's own worker, names a process of this host while its header claims another host (or
    none), or names any process of this host other than the one its header claims, is an
    :class:`~kvxfer.errors.IdentityError`, as is one that cannot be read exactly: the UCX
@@ -25,7 +25,7 @@ import os
 
 from kvxfer import peers
 from kvxfer.errors import IdentityError
-from kvxfer.peers import ucxaddr
+from kvxfer.ucxabi import address as ucxaddr
 
 from ._blob import Blob, Host
 

@@ -23,7 +23,7 @@ import pytest
 
 from kvxfer.deadlines import Deadline
 import kvxfer
-from kvxfer_ucx import _stuckslot
+from kvxfer.ucxabi import mmqueue as _stuckslot
 from kvxfer.testing.lines import Channel
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]

@@ -17,7 +17,7 @@ end of each path, with a peer it has never seen.
 ``--reverse`` kills the initiator instead, this agent being its target (``ucx_kill_reverse.py``);
 ``--control`` runs it without the request zeroing that keeps the target alive (``kvxfer_ucx._requests``),
 ``--control-wedge`` without the skipping of a dead writer's receive-queue slot that keeps it serving
-(``kvxfer_ucx._stuckslot``).
+(``kvxfer.ucxabi.mmqueue``).
 
 ``--set PATH=JSON`` redefines a path's backend options, e.g. to run the matrix against
 another tree (``PYTHONPATH``) whose backend takes other options.
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--control", action="store_true",
                     help="with --reverse: this agent's UCP requests not zeroed (kvxfer_ucx._requests), to show the crash")
     ap.add_argument("--control-wedge", action="store_true",
-                    help="with --reverse: no skipping of a dead writer's slot (kvxfer_ucx._stuckslot), to show the wedge")
+                    help="with --reverse: no skipping of a dead writer's slot (kvxfer.ucxabi.mmqueue), to show the wedge")
     ap.add_argument("--backing")
     ap.add_argument("--name", default="target")
     ap.add_argument("--zombies", action="store_true", help="do not reap killed peers until the outcome is in")
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
             _requests.ENABLED[0] = False
         if a.control_wedge:
-            from kvxfer_ucx import _stuckslot
+            from kvxfer.ucxabi import mmqueue as _stuckslot
 
             _stuckslot.ENABLED[0] = False
         results = [rev.run_reverse(p, a.trials, a.rows, a.timeout, a.seed) for p in a.paths.split(",")]

@@ -27,8 +27,8 @@ import numpy as np
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, kill_delay, pattern  # same directory
 
 from kvxfer.testing.lines import Channel, Inbox
-from kvxfer_ucx import _stuckslot
-from kvxfer_ucx._stuckslot import _Queue
+from kvxfer.ucxabi import mmqueue as _stuckslot
+from kvxfer.ucxabi.mmqueue import _Queue
 
 
 def _own_fifos(agent: Any) -> list[tuple[int, str, str]]:
