@@ -111,10 +111,10 @@ class Inbox:
     def rest(self, timeout: float) -> tuple[list[bytes], bytes]:
         """Every line until the writer is gone, and what came after the last newline (a line
         a kill cut short); :class:`TimeoutError` if the writer is still there at ``timeout``."""
-        got = []
+        got, deadline = [], Deadline.within(timeout)
         while True:
             try:
-                got.append(self.line(timeout))
+                got.append(self.line(max(deadline.left(), 1e-3)))
             except EOFError:
                 return got, self._lines.rest()
 
