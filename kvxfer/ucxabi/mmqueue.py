@@ -47,7 +47,7 @@ import numpy as np
 
 from . import VALIDATED
 
-__all__ = ["CONFIG", "CREATING", "ENABLED", "LAYOUT_VERSIONS", "SlotWatch", "new_queue", "queues"]
+__all__ = ["CONFIG", "CREATING", "ENABLED", "LAYOUT_VERSIONS", "Queue", "SlotWatch", "new_queue", "queues"]
 
 #: UCX releases (major, minor) whose receive-queue layout this module was checked against.
 LAYOUT_VERSIONS = VALIDATED["receive queue"]
@@ -119,7 +119,7 @@ def _cannot_be_writing(before: dict[int, tuple[str, int]], after: dict[int, tupl
     return True
 
 
-class _Queue:
+class Queue:
     """One receive queue of this process, mapped at ``addr``."""
 
     def __init__(self, addr: int, dev: str, inode: str) -> None:
@@ -197,7 +197,7 @@ class SlotWatch:
             return
         self._next = now + PERIOD
         seen: dict[tuple[str, int], tuple[float, dict[int, tuple[str, int]] | None]] = {}
-        for q in (_Queue(*o) for o in owned if o is not None):
+        for q in (Queue(*o) for o in owned if o is not None):
             index = q.first_unready()
             if index is None:
                 continue

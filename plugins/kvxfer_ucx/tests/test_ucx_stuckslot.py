@@ -74,7 +74,7 @@ def test_a_dead_writers_slot_is_skipped_and_a_stopped_ones_kept() -> None:
         assert live.reply(target, 60) == {"outcome": "DONE", "ok": True}
         watch = target.backend._slots  # type: ignore[attr-defined]
         assert target.backend._w.fifo is not None  # type: ignore[attr-defined]
-        queue = _stuckslot._Queue(*target.backend._w.fifo)  # type: ignore[attr-defined]  # the one peers write into
+        queue = _stuckslot.Queue(*target.backend._w.fifo)  # type: ignore[attr-defined]  # the one peers write into
         claimer = subprocess.Popen([sys.executable, "-c", CLAIM, str(os.getpid()), queue.inode, str(_stuckslot._SEG)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         slot = int(Channel(claimer).line(60))

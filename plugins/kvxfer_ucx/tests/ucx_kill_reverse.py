@@ -28,7 +28,7 @@ from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, kill_delay, pattern  # 
 
 from kvxfer.testing.lines import Channel, Inbox
 from kvxfer.ucxabi import mmqueue as _stuckslot
-from kvxfer.ucxabi.mmqueue import _Queue
+from kvxfer.ucxabi.mmqueue import Queue
 
 
 def _own_fifos(agent: Any) -> list[tuple[int, str, str]]:
@@ -176,7 +176,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
                 stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
                 print(f"{path} reversed: stuck {stuck}", file=sys.stderr, flush=True)
                 # What is stuck: per receive queue of this process, head, tail, first unready slot.
-                queues = [(*q.ends(), q.first_unready()) for q in [_Queue(*f) for f in _own_fifos(agent)]]
+                queues = [(*q.ends(), q.first_unready()) for q in [Queue(*f) for f in _own_fifos(agent)]]
                 print(f"{path} reversed: queues (head, tail, first unready slot) {queues}", file=sys.stderr, flush=True)
                 break
     finally:
