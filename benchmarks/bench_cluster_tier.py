@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvxfer  # noqa: E402
+from kvxfer.testing.lines import Channel  # noqa: E402
 from kvxfer.testing.mooncake_master import MooncakeMaster  # noqa: E402
 from kvxfer.tiers import MooncakeTier  # noqa: E402
 
@@ -68,7 +69,7 @@ def main() -> None:
     with MooncakeMaster(lease_ms=1000) as m:  # a read's lease must outlast its transfer (-707)
         hold = subprocess.Popen([sys.executable, "-c", HOLD.format(seg=seg, master=m.address)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert hold.stdout.readline().strip() == "0"
+        assert Channel(hold).line(120).strip() == "0"
         try:
             spec = kvxfer.spec_from_arrays(src)
             tier = MooncakeTier(m.address, layout=spec, buffer=nbytes + (1 << 20), timeout=60)

@@ -39,6 +39,7 @@ from kvxfer.table import Column, print_table
 from kvxfer.sidechannel import NO_AUTH, MetadataServer, encode_header, exchange
 from kvxfer.sidechannel.frames import EXCHANGE, HELLO
 from kvxfer.testing.buffers import SENTINEL, make_cache
+from kvxfer.testing.lines import Channel
 from kvxfer.tokens import token_key
 
 
@@ -169,13 +170,12 @@ def floods(size: int = 16 << 20, clients: int = 64) -> Table:
                                         ("NO_AUTH server", "-", legit(NO_AUTH))):
         child = subprocess.Popen([sys.executable, "-c", _FLOOD_SERVER, server_token], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
-        assert child.stdin is not None and child.stdout is not None
-        port = int(child.stdout.readline())
+        ch = Channel(child)
+        port = int(ch.line(60))
 
-        def rss() -> float:
-            child.stdin.write("\n")  # type: ignore[union-attr]
-            child.stdin.flush()  # type: ignore[union-attr]
-            return int(child.stdout.readline()) / 1024  # type: ignore[union-attr]
+        def rss(ch: Channel = ch) -> float:
+            ch.send_line("")
+            return int(ch.line(60)) / 1024
 
         base, t0 = rss(), time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:

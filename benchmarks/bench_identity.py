@@ -35,13 +35,14 @@ def main() -> None:
     args = ap.parse_args()
     from kvxfer import peers
     from kvxfer.memory import Allocation
+    from kvxfer.testing.lines import Channel
     from kvxfer_nixl import _identity
     from kvxfer_nixl.backend import NixlBackend
 
     proc = subprocess.Popen([sys.executable, "-c", _PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "NIXL_LOG_LEVEL": "ERROR"})
-    assert proc.stdout is not None and proc.stdin is not None
-    blob = base64.b64decode(json.loads(proc.stdout.readline())["metadata"])
+    assert proc.stdin is not None
+    blob = base64.b64decode(Channel(proc).read(120)["metadata"])
     real = _identity.check
     mem = np.zeros((64, 4096), np.uint8)
     be = NixlBackend("bench", prove_metadata=False)

@@ -38,9 +38,8 @@ from .store import Store
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Agent", "Peer", "Backend", "Capabilities", "hookimpl", "KNOWN_LAYOUTS", "Granularity", "KVCacheSpec",
-    "Member", "PackedLayout", "Region", "PageFormat", "Shard", "spec_diff", "check_pairing", "pair", "Pairing", "Allocation", "DescriptorList", "MemoryKind", "Op",
-    "AgentMetadata", "Leg", "TransferPlan", "plan", "BackendStatus", "available_backends", "Status", "Transfer",
-    "TransferStats", "Owner", "Store", "OwnedFuture", "OwnedTransfer", "errors", "__version__", "spec_from_tensors", "spec_from_arrays", "spec_from_pointers",
-] + list(errors.__all__)
+#: What README.md and docs/ use (tests/test_public_api.py keeps the two equal). The other names
+#: imported above stay importable here, for code written against them, but their home is their
+#: package: ``kvxfer.geometry``, ``kvxfer.pairing``, ``kvxfer.plugin``, ``kvxfer.memory``,
+#: ``kvxfer.errors``, ``kvxfer.transfer``, ``kvxfer.owned``, ``kvxfer.metadata``, ``kvxfer.planner``.
+__all__ = ["Agent", "KvxferError", "Owner", "Store", "Transfer", "errors", "hookimpl", "plan", "spec_from_tensors"]

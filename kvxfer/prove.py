@@ -44,7 +44,8 @@ import weakref
 from collections import Counter, OrderedDict
 from typing import Any, Mapping
 
-from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact, serve
+from ._childproc import MAX_INPUT, Child, Clock, ask, read_exact
+from ._childproc import serve_frames as serve
 from ._probeside import backend_probe, named, unnamed
 from . import errors
 from .deadlines import Backoff, Deadline, check_timeout, current_deadline
@@ -486,4 +487,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     sys.stderr.flush()
-    os._exit(code)  # see kvxfer._childproc.serve: no native teardown
+    os._exit(code)  # see kvxfer._childproc.frames.serve: no native teardown

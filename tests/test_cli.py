@@ -88,7 +88,7 @@ def _unvalidated(spec: str) -> list[str]:
     """Releases of libucx-cu12 that ``spec`` admits but the stuck-slot skip was not validated on."""
     from packaging.specifiers import SpecifierSet
 
-    from kvxfer_ucx._stuckslot import LAYOUT_VERSIONS
+    from kvxfer.ucxabi.mmqueue import LAYOUT_VERSIONS
 
     candidates = [f"1.{minor}.{patch}" for minor in range(14, 40) for patch in range(3)]
     return [v for v in SpecifierSet(spec).filter(candidates)
@@ -387,7 +387,8 @@ def test_doctor_shows_the_loaded_ucx_and_whether_the_stuck_slot_skip_is_on(monke
 
     ucx = pytest.importorskip("kvxfer_ucx")
     from kvxfer.cli import doctor
-    from kvxfer_ucx import _doctor, _stuckslot
+    from kvxfer.ucxabi import mmqueue as _stuckslot
+    from kvxfer_ucx import _doctor
 
     d = ucx.diagnostics()
     if d["version"] is None:

@@ -23,6 +23,7 @@ from kvxfer.errors import KvxferError, PeerDisconnectedError
 from kvxfer.testing import TwoProcessConformance
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
 from kvxfer.testing.conformance import GEOM, _PeerProcess
+from kvxfer.testing.lines import Channel
 
 
 def _gpus() -> int:
@@ -131,10 +132,10 @@ def _big_peer(name: str, seed: int, blocks: int, layers: int, page: int,
 def _metadata(proc: subprocess.Popen[str]) -> bytes:
     import base64
 
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, f"peer exited with {proc.wait()}"
-    return base64.b64decode(json.loads(line)["metadata"])
+    try:
+        return base64.b64decode(Channel(proc).read(120)["metadata"])
+    except EOFError:
+        raise AssertionError(f"peer exited with {proc.wait()}") from None
 
 
 def test_peer_killed_mid_transfer_is_a_typed_error_and_unmaps() -> None:

@@ -31,6 +31,7 @@ import pytest
 
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.errors import IdentityError
+from kvxfer.testing.lines import Channel
 
 
 def _gpus() -> int:
@@ -68,15 +69,13 @@ class Exporter:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if vmm else None
         self.proc = subprocess.Popen([sys.executable, "-c", _EXPORTER, str(fill)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout is not None
-        hello = json.loads(self.proc.stdout.readline())
+        self._ch = Channel(self.proc)
+        hello = self._ch.read(120)
         self.blob, self.addr = base64.b64decode(hello["blob"]), int(hello["addr"])
 
     def mem(self) -> np.ndarray:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("dump\n")
-        self.proc.stdin.flush()
-        return np.frombuffer(base64.b64decode(json.loads(self.proc.stdout.readline())["mem"]), np.uint8)
+        self._ch.send_line("dump")
+        return np.frombuffer(base64.b64decode(self._ch.read(120)["mem"]), np.uint8)
 
     def rows(self, offset: int, n: int) -> DescriptorList:
         return DescriptorList([[self.addr + offset + i * ROW, ROW, 0] for i in range(n)], MemoryKind.VRAM)

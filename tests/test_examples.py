@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvxfer.testing.lines import Channel
+
 from common import has_nixl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.nixl,
@@ -45,15 +47,20 @@ def run_pair(tmp_path: Path) -> tuple[str, str, np.lib.npyio.NpzFile]:
     prefill = subprocess.Popen([sys.executable, str(EXAMPLES / "prefill.py"), "--port", "0", "--seed", str(SEED)],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert prefill.stdout is not None
-        first = prefill.stdout.readline()
+        ch = Channel(prefill)
+        try:
+            first = ch.line(120) + "\n"
+        except EOFError:
+            first = ""
         m = re.match(r"prefill: serving on ([\d.]+):(\d+)$", first.strip())
-        assert m, f"prefill did not start: {first}{prefill.stdout.read() if prefill.poll() is not None else ''}"
+        assert m, f"prefill did not start: {first}"
         dump = tmp_path / "decode.npz"
         decode = subprocess.run([sys.executable, str(EXAMPLES / "decode.py"), "--connect", f"{m[1]}:{m[2]}",
                                  "--dump", str(dump)], cwd=tmp_path, env=env, capture_output=True, text=True,
                                 timeout=240)
-        rest, _ = prefill.communicate(timeout=120)
+        got, tail = ch.inbox.rest(120)
+        prefill.wait(timeout=120)
+        rest = "".join(ln.decode() + "\n" for ln in got) + tail.decode()
     finally:
         if prefill.poll() is None:
             prefill.kill()

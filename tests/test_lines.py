@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from kvxfer.testing import lines
-from kvxfer.testing.lines import _Lines
+from kvxfer._childproc.lines import _Lines
 
 _ECHO = r"""
 import sys

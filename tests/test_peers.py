@@ -21,6 +21,7 @@ import pytest
 from kvxfer import Agent, peers
 from kvxfer.errors import IdentityError, PeerDisconnectedError
 from kvxfer.peers import proof
+from kvxfer.testing.lines import Channel
 
 
 def test_identity_round_trips_and_names_this_process() -> None:
@@ -56,8 +57,8 @@ def test_proof_of_a_process_that_is_gone_is_a_disconnect() -> None:
     p = subprocess.Popen([sys.executable, "-c", "import kvxfer.peers as p, sys; i = p.here(); "
                           "sys.stdout.write(p.encode(i).hex() + '\\n'); sys.stdout.flush(); sys.stdin.read()"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdin is not None and p.stdout is not None
-    claim = peers.decode(bytes.fromhex(p.stdout.readline().strip()))
+    assert p.stdin is not None
+    claim = peers.decode(bytes.fromhex(Channel(p).line(60).strip()))
     assert peers.prove(claim, "child").identity == claim  # another process, proven by reading it
     p.stdin.close()
     p.wait(timeout=30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_top_level_names_are_the_packages_own() -> None:
 
     shared = 0
     for pkg in (geometry, pairing):
-        for n in set(pkg.__all__) & set(kvxfer.__all__):
+        for n in set(pkg.__all__) & set(dir(kvxfer)):
             assert getattr(kvxfer, n) is getattr(pkg, n), n
             shared += 1
     assert shared >= 12
@@ -86,3 +87,82 @@ def test_the_wheel_lists_every_package() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert {"kvxfer.geometry", "kvxfer.pairing"} <= _packages_on_disk()  # the walk sees the new packages
     assert _packages_on_disk() - listed == set()
+
+
+DOCS = ["README.md", "docs"]
+_DOTTED = re.compile(r"\bkvxfer(?:\.[A-Za-z_]\w*)+")
+_FROM = re.compile(r"^\s*from (kvxfer(?:\.\w+)*) import \(?([\w, ]+)\)?", re.M)
+
+
+def doc_references(root: Path) -> dict[str, str]:
+    """``{dotted name: where}`` of every kvxfer name README.md and docs/ use: ``kvxfer.a.b`` in
+    text and code, and each name of ``from kvxfer.a import b, c``."""
+    found: dict[str, str] = {}
+    for top in DOCS:
+        base = root / top
+        for p in ([base] if base.is_file() else sorted(base.rglob("*.md"))):
+            text = p.read_text()
+            where = p.relative_to(root).as_posix()
+            for m in _DOTTED.finditer(text):
+                found.setdefault(m[0], where)
+            for m in _FROM.finditer(text):
+                for n in filter(None, (x.strip().split(" as ")[0] for x in m[2].split(","))):
+                    found.setdefault(f"{m[1]}.{n}", where)
+    return found
+
+
+def _source(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()), None)
+
+
+def unresolved(names: dict[str, str]) -> list[str]:
+    """The names that do not resolve: the longest importable module, then attributes."""
+    bad = []
+    for dotted, where in sorted(names.items()):
+        parts = dotted.split(".")
+        obj: object = None
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except Exception:  # noqa: BLE001 - no such module, or one that needs an extra not installed (vLLM)
+                src = _source(".".join(parts[:i]))
+                if src is None:
+                    continue  # a shorter prefix, then attributes
+                # it exists: read its source for the first attribute instead
+                ok = i == len(parts) or re.search(rf"\b{parts[i]}\b", src.read_text())
+                obj = True if ok else None
+                break
+            try:
+                for attr in parts[i:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                obj = None
+            break
+        if obj is None:
+            bad.append(f"{dotted} ({where})")
+    return bad
+
+
+def test_every_name_the_docs_use_resolves() -> None:
+    refs = doc_references(ROOT)
+    assert len(refs) > 20  # the walk sees the docs
+    assert unresolved(refs) == []
+
+
+def test_control_a_name_the_docs_use_that_is_gone_is_found(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("Call `kvxfer.Agent` and `kvxfer.NoSuchName`.\n\n"
+                                        "    from kvxfer.geometry import load, gone_away\n")
+    (tmp_path / "docs").mkdir()
+    refs = doc_references(tmp_path)
+    assert set(refs) == {"kvxfer.Agent", "kvxfer.NoSuchName", "kvxfer.geometry", "kvxfer.geometry.load",
+                         "kvxfer.geometry.gone_away"}
+    assert unresolved(refs) == ["kvxfer.NoSuchName (README.md)", "kvxfer.geometry.gone_away (README.md)"]
+
+
+def test_the_top_level_all_is_what_the_docs_use() -> None:
+    """``kvxfer.__all__`` names what README and docs/ use at the top level, and no more: expert
+    names live in their packages (``kvxfer.geometry``, ``kvxfer.plugin``, ...)."""
+    top = {d.split(".")[1] for d in doc_references(ROOT)}
+    used = {n for n in top if not isinstance(getattr(kvxfer, n, None), type(kvxfer)) or n == "errors"}
+    assert set(kvxfer.__all__) == used

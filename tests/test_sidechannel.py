@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from common import Errors
 from kvxfer.errors import HandshakeError, KvxferError
+from kvxfer.testing.lines import Channel
 from kvxfer.sidechannel import (
     DEFAULT_MAX_MESSAGE,
     NO_AUTH,
@@ -450,10 +451,11 @@ def test_two_processes_exchange_metadata() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
     )
     try:
-        assert child.stdout is not None
-        port = int(child.stdout.readline())
+        ch = Channel(child)
+        port = int(ch.line(60))
         theirs = exchange("127.0.0.1", port, DECODE, token="shared-token", timeout=30)
-        out, err = child.communicate(timeout=60)
+        out = ch.line(60)
+        _, err = child.communicate(timeout=60)
     finally:
         child.kill()
     assert child.returncode == 0, err

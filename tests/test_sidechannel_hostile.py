@@ -24,6 +24,7 @@ import pytest
 
 from common import Errors
 from kvxfer.errors import InvalidTimeoutError
+from kvxfer.testing.lines import Channel
 from kvxfer.sidechannel import (
     HEADER_SIZE,
     NO_AUTH,
@@ -145,15 +146,14 @@ def _flood(token: str, client) -> tuple[float, list[object]]:  # type: ignore[no
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     child = subprocess.Popen([sys.executable, "-c", FLOOD_CHILD, token], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    assert child.stdin is not None and child.stdout is not None
+    ch = Channel(child)
 
     def rss_mb() -> float:
-        child.stdin.write("\n")  # type: ignore[union-attr]
-        child.stdin.flush()  # type: ignore[union-attr]
-        return int(child.stdout.readline()) / 1024  # type: ignore[union-attr]
+        ch.send_line("")
+        return int(ch.line(60)) / 1024
 
     try:
-        port = int(child.stdout.readline())
+        port = int(ch.line(60))
         base = rss_mb()
         outcomes: list[object] = [None] * 64
         threads = [threading.Thread(target=client, args=(port, outcomes, i)) for i in range(64)]

@@ -25,6 +25,7 @@ import kvxfer
 from kvxfer.errors import StoreBusyError, StoreCorruptError, StoreError, StoreFullError
 from kvxfer.store import fileio, journal, rungroups
 from kvxfer.store.slab import HEADER
+from kvxfer.testing.lines import Channel
 from store_caches import DIMS, SENTINEL, cache, keys, logical, row_bytes
 from common import has_nixl
 from store_paths import Via, _via_pool, via  # noqa: F401  (fixtures)
@@ -53,16 +54,17 @@ def _child(path: Path, body: str, via: Via | None = None) -> subprocess.Popen[st
 
 
 def _until(proc: subprocess.Popen[str], *words: str) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.strip() in words:
-            return line.strip()
-    raise AssertionError(f"child ended (rc={proc.wait()}) before printing {words}")
+    try:
+        return Channel(proc).until(words, 120)
+    except EOFError:
+        raise AssertionError(f"child ended (rc={proc.wait()}) before printing {words}") from None
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _open(path: Path) -> kvxfer.Store:

@@ -20,6 +20,7 @@ from store_caches import DIMS, SENTINEL, cache, keys, logical
 from test_tier_mooncake import accept_all, expected
 
 from kvxfer.errors import StoreFullError, StoreMissError, StoreUnavailableError
+from kvxfer.testing.lines import Channel
 from kvxfer.tiers import MooncakeTier
 
 pytestmark = [pytest.mark.multiprocess]
@@ -46,7 +47,7 @@ def test_a_segment_holder_killed_mid_restore_is_a_typed_miss(own_master, monkeyp
     holder = worker(["offload", "--master", own_master.address, "--segment", str(16 << 20), "--seed", "3",
                      "--blocks", ",".join(map(str, src_blocks)), "--tag", "kill-"])
     try:
-        assert json.loads(holder.stdout.readline()) == {"offloaded": 3}
+        assert Channel(holder).read(120) == {"offloaded": 3}
         ks = keys(3, "kill-")
         with MooncakeTier(own_master.address, layout=cache("row", DIMS_).spec, buffer=64 << 10, timeout=10) as t:
             dst = cache("row", DIMS_)

@@ -21,6 +21,7 @@ from store_caches import DIMS, SENTINEL, cache, keys, logical
 
 from kvxfer.errors import (InvalidArgumentError, StoreBusyError, StoreCorruptError, StoreMissError,
                            StoreUnavailableError, TransferCancelledError, TransferTimeoutError)
+from kvxfer.testing.lines import Channel
 from kvxfer.testing.ports import free_port
 from kvxfer.tiers import MooncakeTier, Tier
 from kvxfer.tiers.objects import HEADER
@@ -97,7 +98,7 @@ def test_offload_in_one_process_restore_in_another(master, tmp_path) -> None:  #
     holder = worker(["offload", "--master", master.address, "--segment", str(16 << 20), "--seed", "3",
                      "--blocks", ",".join(map(str, src_blocks)), "--tag", "xp-"])
     try:
-        assert json.loads(holder.stdout.readline()) == {"offloaded": 4}
+        assert Channel(holder).read(120) == {"offloaded": 4}
         out = tmp_path / "restored.npy"
         r = worker(["restore", "--master", master.address, "--blocks", ",".join(map(str, dst_blocks)),
                     "--tag", "xp-", "--out", str(out)])

@@ -17,6 +17,7 @@ import pytest
 from mooncake_fixtures import require_mooncake, worker
 from test_tier_mooncake import expected
 
+from kvxfer.testing.lines import Channel
 from kvxfer.testing.mooncake_master import MooncakeMaster
 from kvxfer.testing.netns import NetLab, unavailable_reason
 
@@ -41,7 +42,7 @@ def test_offload_on_one_host_restore_on_another_through_one_master(lab: NetLab, 
                          "--seed", "3", "--blocks", ",".join(map(str, src_blocks)), "--tag", "ns-"],
                         popen=lambda argv, **kw: lab.popen("a", argv, **kw))
         try:
-            assert json.loads(holder.stdout.readline()) == {"offloaded": 5}
+            assert Channel(holder).read(120) == {"offloaded": 5}
             rx = lab.counters("b", lab.ifname("b", "a"))["rx_bytes"]
             out = tmp_path / "restored.npy"
             r = worker(["restore", "--master", m.address, "--hostname", b, "--blocks", ",".join(map(str, dst_blocks)),

@@ -4,7 +4,9 @@
   encoding (:func:`encode`/:func:`decode`) and one fork hook (:func:`on_fork`);
 * :mod:`.proof`: the page that proves a same-host peer is the process it names, and carries
   what that process registered and exported, in its own words;
-* :mod:`.watch`: whether that process is still running (pidfd, falling back to ``/proc``).
+* :mod:`.watch`: whether that process is still running (pidfd, falling back to ``/proc``);
+* :mod:`.third`: the third-process check, that a peer's UCX worker address names no process
+  of this host but the sender its header claims (the NIXL and UCX backends).
 
 Backends use these through this package only; rationale in ``docs/design.md`` section 8.
 """

@@ -8,17 +8,15 @@ The conformance classes need pytest and are imported on first use, so the demo a
 bench`` use the buffers and the peer without it.
 """
 
+import sys
 from typing import Any
 
-try:
-    import pytest
-except ImportError:  # the demo and `kvxfer bench` use the buffers and the peer without pytest
-    pass
-else:
+_pytest = sys.modules.get("pytest")  # only a pytest run rewrites asserts: a child process skips importing it
+if _pytest is not None:
     # Plugin authors collect this suite from an installed package, which pytest does not rewrite
     # by default: without this their failures would be a bare AssertionError with no diff.
-    pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.conformance_base",
-                                   "kvxfer.testing.conformance_processes", "kvxfer.testing.buffers")
+    _pytest.register_assert_rewrite("kvxfer.testing.conformance", "kvxfer.testing.conformance_base",
+                                    "kvxfer.testing.conformance_processes", "kvxfer.testing.buffers")
 
 from .buffers import SENTINEL, Cache, expected_after, make_cache  # noqa: E402
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .._childproc.lines import Channel
+
 __all__ = ["campaign"]
 
 LAYERS, BLOCKS, PAGE, SLOTS, BATCH = 4, 64, 4096, 48, 6
@@ -109,16 +111,20 @@ def campaign(directory: str, count: int, seed: int, path: str = "pwritev") -> di
     for i in range(count):
         proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.store_kill", "--child", directory,
                                  "--seed", str(seed * 1000 + i), "--path", path], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "READY":
-            raise RuntimeError(f"child did not start (rc={proc.wait()})")
+        ch = Channel(proc)
+        try:
+            if ch.line(60).strip() != "READY":
+                raise RuntimeError("child did not start")
+        except (EOFError, TimeoutError) as exc:
+            proc.kill()
+            raise RuntimeError(f"child did not start (rc={proc.wait()})") from exc
         time.sleep(rng.uniform(0.0, 0.5))
         proc.send_signal(signal.SIGKILL)
-        rest = proc.stdout.read()
+        # The kill may cut the last line short: a batch counts once its line is whole.
+        whole_lines, _cut = ch.inbox.rest(30)
         proc.wait()
-        lines = rest.splitlines()
-        if lines and not rest.endswith("\n"):
-            lines = lines[:-1]  # the kill cut the last line short: a batch counts once its line is whole
+        ch.close()
+        lines = [ln.decode() for ln in whole_lines]
         whole = [ln.split()[1:] for ln in lines if ln.startswith("DONE ")]
         out["paths"] = sorted(set(out["paths"]) | {ln.split()[1] for ln in lines if ln.startswith("PATH ")})
         last = [k.encode() for k in whole[-1]] if whole else []

@@ -6,7 +6,7 @@ shared memory, this very process for the loopback transports. The address is opa
 from the network, so a blob can carry genuine metadata edited to name another process,
 this one included: we would then read and write that process's memory at whatever
 addresses the blob's memory sections claim. So the address is parsed as this process's UCX
-parses it (:mod:`kvxfer_nixl._ucxaddr`) and, before NIXL (or the prover's helper) sees the
+parses it (:mod:`kvxfer.ucxabi.address`) and, before NIXL (or the prover's helper) sees the
 blob, each of these is a :class:`~kvxfer.errors.IdentityError`:
 
 1. An address that names this process (its pid, one of its loopback interfaces or worker
@@ -31,9 +31,8 @@ import numpy as np
 
 from kvxfer import peers
 from kvxfer.errors import IdentityError, KvxferError, OutOfRegistrationError
-from kvxfer.peers import ProofUnavailable
+from kvxfer.peers import ProofUnavailable, third
 
-from . import _ucxaddr
 from ._blob import PeerBlob, parse
 
 __all__ = ["check", "here", "named"]
@@ -42,10 +41,8 @@ _own: dict[bytes, bytes] = {}  # instance id -> its worker address (fixed for th
 peers.on_fork(_own.clear)
 
 
-def here(instances: Any, backends: tuple[str, ...]) -> _ucxaddr.Here:
+def here(instances: Any, backends: tuple[str, ...]) -> third.Here:
     """This process's UCX, as its live agents' own worker addresses show it."""
-    me = peers.here()
-    h = _ucxaddr.Here(me.pid, peers.pid_namespace())
     live = dict(instances.items())
     for gone in set(_own) - set(live):
         _own.pop(gone, None)
@@ -55,20 +52,12 @@ def here(instances: Any, backends: tuple[str, ...]) -> _ucxaddr.Here:
                 _own[key] = parse(other.local_metadata(), other.agent_name, backends).worker_address()
             except KvxferError:  # closed meanwhile: its interfaces are gone with it
                 continue
-        if _own[key] and not other._closed:
-            h.add(_own[key])
-    return h
+    return third.here(peers.here().pid, (_own[k] for k, o in live.items() if k in _own and not o._closed))
 
 
-def named(address: bytes, instances: Any, backends: tuple[str, ...], what: str) -> _ucxaddr.Reach:
+def named(address: bytes, instances: Any, backends: tuple[str, ...], what: str) -> third.Reach:
     """Whom on this host ``address`` reaches; :class:`IdentityError` when that cannot be told."""
-    if not address:
-        return _ucxaddr.Reach(frozenset(), False)
-    try:
-        return _ucxaddr.reach(address, here(instances, backends))
-    except _ucxaddr.Unreadable as exc:
-        raise IdentityError(f"{what}: its UCX worker address cannot be read as UCX 1.23 reads it ({exc}), so "
-                            "which processes of this host it reaches cannot be told") from None
+    return third.named(address, here(instances, backends), what)
 
 
 def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any) -> None:
@@ -83,13 +72,7 @@ def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any
                else f"its header names this process (pid {claim.pid})")
         _genuinely_ours(parsed, peer, backends, instances, f"{what} ({why})")
         return
-    if reached.pids and not claim.same_host():
-        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(reached.pids)} of this "
-                            "host, but its header claims another host")
-    others = reached.pids - {claim.pid}
-    if others:
-        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(others)} of this host, "
-                            f"not only the sender it claims (pid {claim.pid})")
+    third.only_the_sender(reached, claim.pid, claim.same_host(), what)
     if not claim.same_host():
         return
     try:

@@ -57,11 +57,13 @@ def diagnostics() -> dict[str, Any]:
 
     ``path`` of the ``libucp.so`` it would load (None: not found, with ``env``, the variable
     that points at one), the ``version`` loaded (None if it does not load, ``error`` says why),
-    and whether the stuck-slot skip (:mod:`kvxfer_ucx._stuckslot`) is on with that version:
+    and whether the stuck-slot skip (:mod:`kvxfer.ucxabi.mmqueue`) is on with that version:
     it is validated against the receive-queue layout of ``validated`` releases only, and off
     on any other, where a killed peer can wedge an agent's receive queue again.
     """
-    from . import _libucp, _stuckslot
+    from kvxfer.ucxabi import mmqueue as _stuckslot
+
+    from . import _libucp
 
     out: dict[str, Any] = {"path": _libucp.find_libucp(), "env": _libucp.LIBUCP_ENV, "version": None, "error": None,
                            "stuck_slot_skip": False,

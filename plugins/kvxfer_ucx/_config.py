@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from kvxfer.errors import BackendError
 
-from ._stuckslot import CONFIG as STUCK_SLOT_CONFIG
+from kvxfer.ucxabi.mmqueue import CONFIG as STUCK_SLOT_CONFIG
 
 __all__ = ["NETWORK_TLS", "SAME_HOST_TLS", "transport_config", "warn_if_ptrace_is_narrower"]
 
@@ -27,7 +27,7 @@ SAME_HOST_TLS = "self,posix"
 NETWORK_TLS = "self,tcp,posix"
 _LOCAL_TLS = frozenset(SAME_HOST_TLS.split(","))
 #: Shared memory reports dead peers only with this on; keepalive rounds bound detection time.
-#: The receive queue's layout is pinned: ``_stuckslot`` reads it.
+#: The receive queue's layout is pinned: ``kvxfer.ucxabi.mmqueue`` reads it.
 _BASE_CONFIG = {"POSIX_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "100ms", **STUCK_SLOT_CONFIG}
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from kvxfer import Allocation, MemoryKind, peers
 from kvxfer.errors import (BackendError, IdentityError, KvxferError, MetadataError, OutOfRegistrationError,
                            PeerDisconnectedError, StalePeerError)
-from kvxfer.peers.ucxaddr import Here
+from kvxfer.ucxabi.address import Here
 from kvxfer.spans import SpanIndex
 
 from ._blob import Blob, Host

@@ -5,11 +5,11 @@ process it names (whose worker then serves software RMA at any address), over ``
 this very worker. Its allocations are a claim. So, before UCX (or the prover's helper) sees
 a blob, whatever route the peer will get:
 
-1. The address is read as UCX reads it (:mod:`kvxfer.peers.ucxaddr`). One that names this
+1. The address is read as UCX reads it (:mod:`kvxfer.ucxabi.address`). One that names this
    agent's own worker, names a process of this host while its header claims another host (or
    none), or names any process of this host other than the one its header claims, is an
-   :class:`~kvxfer.errors.IdentityError`, as is one that cannot be read exactly: the UCX
-   analogue of the NIXL plugin's third-process check (``plugins/kvxfer_nixl/_identity.py``).
+   :class:`~kvxfer.errors.IdentityError`, as is one that cannot be read exactly: the
+   third-process check of :mod:`kvxfer.peers.third`, shared with the NIXL plugin.
 2. A header that claims this host is proven as the copy path proves it
    (:func:`kvxfer_ucx._hostpage.read_page`): the named process holds the secret behind the
    blob's digest, and every advertised allocation lies inside the spans it registered *now*.
@@ -23,41 +23,25 @@ from __future__ import annotations
 
 import os
 
-from kvxfer import peers
 from kvxfer.errors import IdentityError
-from kvxfer.peers import ucxaddr
+from kvxfer.peers import third
 
 from ._blob import Blob, Host
 
 __all__ = ["check_reach", "here"]
 
 
-def here(own_addresses: list[bytes]) -> ucxaddr.Here:
+def here(own_addresses: list[bytes]) -> third.Here:
     """This process's UCX as this agent's own worker addresses show it (its transports, its ids)."""
-    h = ucxaddr.Here(os.getpid(), peers.pid_namespace())
-    for a in own_addresses:
-        h.add(a)
-    return h
+    return third.here(os.getpid(), own_addresses)
 
 
-def check_reach(b: Blob, local: bool, mine: ucxaddr.Here, peer: str) -> None:
+def check_reach(b: Blob, local: bool, mine: third.Here, peer: str) -> None:
     """Raise :class:`IdentityError` unless ``b``'s address reaches, on this host, at most the
     process its header claims (``local``: the header claims this host, boot and PID namespace)."""
     what = f"ucx metadata of {peer!r}"
-    try:
-        reached = ucxaddr.reach(b.worker, mine)
-    except ucxaddr.Unreadable as exc:
-        raise IdentityError(f"{what}: its UCX worker address cannot be read as UCX reads it ({exc}), so which "
-                            "processes of this host it reaches cannot be told") from None
+    reached = third.named(b.worker, mine, what)
     if reached.this_process:
         raise IdentityError(f"{what}: its UCX worker address names this agent's own worker")
-    if not reached.pids:
-        return
     h: Host | None = b.host
-    if not local or h is None:
-        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(reached.pids)} of this host, "
-                            "but its header claims another host")
-    others = reached.pids - {h.pid}
-    if others:
-        raise IdentityError(f"{what}: its UCX worker address names process(es) {sorted(others)} of this host, not "
-                            f"only the sender it claims (pid {h.pid})")
+    third.only_the_sender(reached, h.pid if h is not None else None, local and h is not None, what)

@@ -25,7 +25,9 @@ from kvxfer.deadlines import Deadline
 from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
 
 from . import _libucp as L
-from . import _requests, _stuckslot
+from kvxfer.ucxabi import mmqueue as _stuckslot
+
+from . import _requests
 
 __all__ = ["Worker", "UcxCallError"]
 

@@ -33,8 +33,8 @@ from kvxfer.errors import (BackendClosedError, BackendError, IdentityError, Kvxf
                            OutOfRegistrationError,
                            PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
                            UnsupportedError)
-from kvxfer.peers import ucxaddr
-from kvxfer.peers.ucxaddr import Here
+from kvxfer.ucxabi import address as ucxaddr
+from kvxfer.ucxabi.address import Here
 from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.prove import named, shared
@@ -51,7 +51,7 @@ from ._notify import Notifications, check_size
 from ._paths import CopyPath, RmaPath
 from ._peers import Peer as _Peer, Xfer as _Xfer
 from ._peerworkers import PeerWorkers
-from ._stuckslot import SlotWatch
+from kvxfer.ucxabi.mmqueue import SlotWatch
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]

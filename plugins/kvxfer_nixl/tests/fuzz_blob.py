@@ -40,6 +40,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from kvxfer.testing.lines import Channel
+
 OPERATORS = ("bitflip", "bytes", "zero8", "truncate", "insert", "delete", "length", "splice",
              "payload-bytes", "payload-zero8")
 _HEADER = struct.Struct("<8s60s16sQI")  # kvxfer_nixl._blob.HEADER: ends with the device export's length
@@ -217,9 +219,14 @@ def _env() -> dict[str, str]:
             "UCX_LOG_LEVEL": "fatal"}
 
 
-def _records(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
-    assert proc.stdout is not None
-    for line in proc.stdout:
+def _records(proc: subprocess.Popen[str], quiet_s: float = 600.0) -> Iterator[dict[str, Any]]:
+    """The worker's records until it exits; :class:`TimeoutError` if it says nothing for ``quiet_s``."""
+    ch = Channel(proc)
+    while True:
+        try:
+            line = ch.line(quiet_s)
+        except EOFError:
+            return
         if line.startswith("{"):
             yield json.loads(line)
 

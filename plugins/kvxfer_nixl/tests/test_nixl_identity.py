@@ -29,7 +29,8 @@ from kvxfer.testing import lines
 from kvxfer.testing.wait import wait_until
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
-from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
+from kvxfer.ucxabi import address as _ucxaddr  # noqa: E402
+from kvxfer_nixl import _blob, _identity  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 

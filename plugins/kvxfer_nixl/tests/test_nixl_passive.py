@@ -21,6 +21,7 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import TransferTimeoutError
+from kvxfer.testing.lines import Channel
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 
@@ -66,10 +67,10 @@ def read_from() -> Iterator[Any]:
         token = secrets.token_hex(16)
         proc = _prefill(options, token)
         procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, f"prefill did not start: {proc.stderr.read() if proc.stderr else ''}"
-        host, port = json.loads(line)
+        try:
+            host, port = json.loads(Channel(proc).line(120))
+        except EOFError:
+            raise AssertionError(f"prefill did not start: {proc.stderr.read() if proc.stderr else ''}") from None
         decode = kvxfer.Agent("decode", backend="nixl", token=token)
         agents.append(decode)
         dst = np.full((BLOCKS, ROW), SENTINEL, np.uint8)

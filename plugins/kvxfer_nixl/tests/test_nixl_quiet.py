@@ -53,6 +53,7 @@ import json, os, secrets, subprocess, sys
 import numpy as np
 import kvxfer
 from kvxfer.sidechannel import fetch
+from kvxfer.testing.lines import Channel
 if os.environ.get("KVXFER_TEST_DROP_NATIVE"):  # the control: the error without NIXL's own text
     import kvxfer_nixl._nixl as native, kvxfer_nixl._xfer as xfer
     full = native.map_error
@@ -62,7 +63,7 @@ token = secrets.token_hex(16)
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:5]], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "KVXFER_TOKEN": token})
-host, port = json.loads(child.stdout.readline())
+host, port = json.loads(Channel(child).line(120))
 agent = kvxfer.Agent("decode", backend="nixl", token=token)
 dst = np.full((blocks, row), 0xAA, np.uint8)
 agent.register({"kv": dst})

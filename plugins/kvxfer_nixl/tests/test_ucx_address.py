@@ -3,7 +3,7 @@
 The self-target check used to scan every 4-byte window of a peer's worker address for this
 process's pid: a genuine peer whose address held those 4 bytes by chance (its uuid, its
 system id, a port) was refused, and an address naming a *third* local process passed. Now
-the address is parsed as UCX 1.23 parses it (:mod:`kvxfer_nixl._ucxaddr`). These tests:
+the address is parsed as UCX 1.23 parses it (:mod:`kvxfer.ucxabi.address`). These tests:
 
 * parse the real addresses of real NIXL agents, in this process and in child processes, and
   find in each exactly the process that made it; every child's genuine blob loads;
@@ -36,7 +36,8 @@ from kvxfer.testing import lines
 from kvxfer.testing.wait import wait_until
 
 nb = pytest.importorskip("kvxfer_nixl.backend", reason="nixl is not installed: pip install 'kvxfer[nixl]'")
-from kvxfer_nixl import _blob, _identity, _ucxaddr  # noqa: E402
+from kvxfer.ucxabi import address as _ucxaddr  # noqa: E402
+from kvxfer_nixl import _blob, _identity  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 

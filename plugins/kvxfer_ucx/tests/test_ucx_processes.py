@@ -238,7 +238,7 @@ def test_kill_matrix_reversed_target_never_crashes() -> None:
     and this agent, the target, must survive and keep serving. Before the request zeroing
     (``kvxfer_ucx._requests``) the target crashed in UCX (SIGSEGV) in 9 of 13 such runs, so
     it runs in a child: a crash is a failure here, not the end of the test session. Before
-    the skipping of a dead writer's receive-queue slot (``kvxfer_ucx._stuckslot``) about one
+    the skipping of a dead writer's receive-queue slot (``kvxfer.ucxabi.mmqueue``) about one
     run in three stopped serving the live peer after a kill. The controls (``--control``,
     ``--control-wedge``) are commands in RELIABILITY.md: a failure that happens only some of
     the time is no CI assertion; ``test_ucx_stuckslot.py`` makes the wedge every time.

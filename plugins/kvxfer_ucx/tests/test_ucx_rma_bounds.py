@@ -27,6 +27,7 @@ from ucx_attacker import fixed_page
 from ucx_helpers import SENT, descs, drive, pattern
 
 from kvxfer import Allocation, Op
+from kvxfer.testing.lines import Channel
 from kvxfer.errors import IdentityError, PeerDisconnectedError, StalePeerError
 from kvxfer_ucx import _hostpage, _paths, backend as ucx_backend
 from kvxfer_ucx._hostpage import Proof
@@ -137,7 +138,7 @@ _CANDIDATES = (0x3F0000000000, 0x2F0000000000, 0x1F0000000000)
 
 
 @pytest.fixture
-def third() -> Iterator[tuple[dict[str, Any], subprocess.Popen[str], int]]:
+def third() -> Iterator[tuple[dict[str, Any], Channel, int]]:
     """Another local process running a UCX agent, with an unregistered secret mapped at an
     address where this process will have memory registered (``ucx_attacker.py --victim``)."""
     mine: np.ndarray | None = None
@@ -152,23 +153,19 @@ def third() -> Iterator[tuple[dict[str, Any], subprocess.Popen[str], int]]:
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "ucx_attacker.py"), "--victim",
                              json.dumps({"fixed": addr})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, "the third process did not start"
-        order = json.loads(line)
+        ch = Channel(proc)
+        order = ch.read(120)  # EOFError: the third process did not start
         assert order["secret"][0] == addr
-        yield order, proc, addr
+        yield order, ch, addr
     finally:
         proc.kill()
         proc.wait()
         ctypes.CDLL(None).munmap(ctypes.c_void_p(addr), ctypes.c_size_t(4096))
 
 
-def _dump(proc: subprocess.Popen[str]) -> np.ndarray:
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write("dump\n")
-    proc.stdin.flush()
-    return np.frombuffer(base64.b64decode(json.loads(proc.stdout.readline())["secret"]), np.uint8)
+def _dump(ch: Channel) -> np.ndarray:
+    ch.send_line("dump")
+    return np.frombuffer(base64.b64decode(ch.read(60)["secret"]), np.uint8)
 
 
 def test_an_address_naming_a_third_process_is_refused(third: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +175,7 @@ def test_an_address_naming_a_third_process_is_refused(third: Any, monkeypatch: p
     serve the registered addresses from *its* memory, where it keeps an unregistered secret.
     Refused (IdentityError, "not only the sender"). Control: the check taken out, the READ
     ends DONE with the third process's secret and the WRITE lands in it."""
-    order, proc, addr = third
+    order, ch, addr = third
     secret = np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8)  # the third process's, recomputed
     n = 512
     here = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
@@ -193,7 +190,7 @@ def test_an_address_naming_a_third_process_is_refused(third: Any, monkeypatch: p
     dst, out = np.full(n, SENT, np.uint8), pattern(n, 78)
     d.register([Allocation(dst.ctypes.data, n), Allocation(out.ctypes.data, n)])
     try:
-        with pytest.raises(IdentityError, match=f"names process\\(es\\) \\[{proc.pid}\\].*not only the sender"):
+        with pytest.raises(IdentityError, match=f"names process\\(es\\) \\[{ch.proc.pid}\\].*not only the sender"):
             d.add_remote("prefill", forged)
 
         monkeypatch.setattr(_hostpage, "check_reach", lambda *args: None)  # control
@@ -204,7 +201,7 @@ def test_an_address_naming_a_third_process_is_refused(third: Any, monkeypatch: p
             drive(d, a, xfer=d.post(op, lp, np.arange(1), rp, np.arange(1), None), owner=d)
         np.testing.assert_array_equal(dst, secret)  # the third process's bytes, not this one's
         assert (here == 0x11).all()
-        np.testing.assert_array_equal(_dump(proc), out)  # and the WRITE landed in it
+        np.testing.assert_array_equal(_dump(ch), out)  # and the WRITE landed in it
     finally:
         d.close()
         a.close()
@@ -212,7 +209,7 @@ def test_an_address_naming_a_third_process_is_refused(third: Any, monkeypatch: p
 
 def test_without_the_control_the_third_process_keeps_its_secret(third: Any) -> None:
     """The refusal above, end to end: after it, the third process's secret is unchanged."""
-    order, proc, addr = third
+    order, ch, addr = third
     a = UcxBackend("prefill", same_host_copy=False)
     a.register([Allocation(addr, 512)])
     genuine = json.loads(a.local_metadata())
@@ -222,7 +219,7 @@ def test_without_the_control_the_third_process_keeps_its_secret(third: Any) -> N
     try:
         with pytest.raises(IdentityError, match="not only the sender"):
             d.add_remote("prefill", json.dumps(genuine).encode())
-        np.testing.assert_array_equal(_dump(proc), np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8))
+        np.testing.assert_array_equal(_dump(ch), np.random.default_rng(21).integers(0, 256, 512, dtype=np.uint8))
     finally:
         d.close()
         a.close()

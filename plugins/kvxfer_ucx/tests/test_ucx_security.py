@@ -20,6 +20,7 @@ from ucx_helpers import SENT, descs, pattern
 
 from kvxfer.deadlines import Deadline
 from kvxfer import Allocation
+from kvxfer.testing.lines import Channel
 from kvxfer.errors import BackendError, OutOfRegistrationError, PeerDisconnectedError
 from kvxfer_ucx.backend import UcxBackend
 
@@ -213,16 +214,14 @@ def test_control_an_unprivileged_same_uid_attacker_reaches_what_ptrace_would(pat
     victim = subprocess.Popen([sys.executable, script, "--victim", json.dumps({"same_host_copy": path == "copy"}),
                                "--user", user], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert victim.stdout is not None and victim.stdin is not None
-        order = victim.stdout.readline()
-        assert order, "the victim did not start"
-        attacker = subprocess.run([sys.executable, script, "--path", path, "--user", user], input=order,
+        ch = Channel(victim)
+        order = ch.line(120)  # EOFError: the victim did not start
+        attacker = subprocess.run([sys.executable, script, "--path", path, "--user", user], input=order + "\n",
                                   capture_output=True, text=True, timeout=120)
         assert attacker.returncode == 0, attacker.stderr[-2000:]
         res = json.loads(attacker.stdout.strip().splitlines()[-1])
-        victim.stdin.write("dump\n")
-        victim.stdin.flush()
-        after = json.loads(victim.stdout.readline())
+        ch.send_line("dump")
+        after = ch.read(60)
     finally:
         victim.kill()
         victim.wait()

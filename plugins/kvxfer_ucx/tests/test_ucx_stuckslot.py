@@ -23,7 +23,8 @@ import pytest
 
 from kvxfer.deadlines import Deadline
 import kvxfer
-from kvxfer_ucx import _stuckslot
+from kvxfer.ucxabi import mmqueue as _stuckslot
+from kvxfer.testing.lines import Channel
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -73,11 +74,10 @@ def test_a_dead_writers_slot_is_skipped_and_a_stopped_ones_kept() -> None:
         assert live.reply(target, 60) == {"outcome": "DONE", "ok": True}
         watch = target.backend._slots  # type: ignore[attr-defined]
         assert target.backend._w.fifo is not None  # type: ignore[attr-defined]
-        queue = _stuckslot._Queue(*target.backend._w.fifo)  # type: ignore[attr-defined]  # the one peers write into
+        queue = _stuckslot.Queue(*target.backend._w.fifo)  # type: ignore[attr-defined]  # the one peers write into
         claimer = subprocess.Popen([sys.executable, "-c", CLAIM, str(os.getpid()), queue.inode, str(_stuckslot._SEG)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert claimer.stdout is not None
-        slot = int(claimer.stdout.readline())
+        slot = int(Channel(claimer).line(60))
         claimer.send_signal(signal.SIGSTOP)
         live.send("READ", 5, 7)  # queues up behind the claimed slot
         _progress_for(target, 4 * _stuckslot.SETTLE + 2 * _stuckslot.PERIOD)

@@ -31,7 +31,6 @@ import ctypes
 import json
 import os
 import pwd
-import select
 import sys
 import time
 from typing import Any
@@ -40,6 +39,7 @@ import numpy as np
 import numpy.random  # noqa: F401 - its lazy imports need the standard library, which the user may not read
 
 from kvxfer.deadlines import Deadline
+from kvxfer.testing.lines import Inbox
 from kvxfer_ucx import _libucp as L
 from kvxfer_ucx._blob import parse_blob
 from kvxfer_ucx._config import transport_config
@@ -158,8 +158,11 @@ def victim(options: dict[str, Any]) -> None:
     order = {"blob": base64.b64encode(be.local_metadata()).decode(), "pid": os.getpid(),
              "secret": [secret.ctypes.data, secret.nbytes], "canary": [canary.ctypes.data, canary.nbytes]}
     print(json.dumps(order), flush=True)
-    while not select.select([sys.stdin], [], [], 0.0005)[0]:
-        be.progress()
+    try:  # progress until the parent asks for the dump (a line) or goes away (EOF)
+        Inbox(sys.stdin.fileno()).line(3600, idle=be.progress, idle_s=0.0005)
+    except EOFError:
+        be.close()
+        return
     print(json.dumps({"secret": base64.b64encode(secret.tobytes()).decode(),
                       "canary": base64.b64encode(canary.tobytes()).decode(),
                       "shared_untouched": bool((shared == 0xAA).all()), "uid": os.getuid()}), flush=True)
@@ -197,7 +200,7 @@ def main() -> None:
             drop_to(a.user)
         victim(json.loads(a.victim))
         return
-    order = json.loads(sys.stdin.readline())
+    order = json.loads(Inbox(sys.stdin.fileno()).line(120))
     if a.user:
         drop_to(a.user)
     result = attack_rma(order) if a.path == "rma" else attack_copy(order)

@@ -23,12 +23,13 @@ import base64
 import json
 import os
 import random
-import select
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from typing import Any
+
+from kvxfer.testing.lines import Channel
 
 MODES = {"copy": {}, "rma": {"same_host_copy": False}}
 
@@ -154,15 +155,16 @@ def run(count: int, mode: str = "copy", seed: int = 1, hang_s: float = 60.0) -> 
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen([sys.executable, __file__, "--child", mode, "--seed", str(seed), "--start", str(k),
                                      "--count", str(count - k)], stdout=subprocess.PIPE, stderr=err)
-            assert proc.stdout is not None
+            ch = Channel(proc)
             current, stalled = None, False
             while True:
-                if not select.select([proc.stdout], [], [], hang_s)[0]:
+                try:
+                    line = ch.line(hang_s)
+                except TimeoutError:
                     stalled = True
                     proc.kill()
                     break
-                line = proc.stdout.readline().decode()
-                if not line:
+                except EOFError:
                     break
                 word, _, rest = line.strip().partition(" ")
                 if word == "start":

@@ -17,7 +17,7 @@ end of each path, with a peer it has never seen.
 ``--reverse`` kills the initiator instead, this agent being its target (``ucx_kill_reverse.py``);
 ``--control`` runs it without the request zeroing that keeps the target alive (``kvxfer_ucx._requests``),
 ``--control-wedge`` without the skipping of a dead writer's receive-queue slot that keeps it serving
-(``kvxfer_ucx._stuckslot``).
+(``kvxfer.ucxabi.mmqueue``).
 
 ``--set PATH=JSON`` redefines a path's backend options, e.g. to run the matrix against
 another tree (``PYTHONPATH``) whose backend takes other options.
@@ -31,7 +31,6 @@ import json
 import mmap
 import os
 import random
-import select
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+
+from kvxfer.testing.lines import Channel, Inbox
 
 PAGE = 64 << 10  # one layer page; a row is LAYERS pages
 LAYERS = 16
@@ -88,9 +89,14 @@ def serve(path: str, name: str, rows: int, seed: int, backing: str) -> None:
     agent.register(cache(buf), replicated=True)
     out.write(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "pid": os.getpid()}) + "\n")
     out.flush()
+    inbox = Inbox(sys.stdin.fileno())
     while True:  # keep progressing (software RMA needs the target to) until stdin closes
         agent.progress()
-        if select.select([sys.stdin], [], [], 0.0005)[0] and not sys.stdin.readline():
+        try:
+            inbox.line(0.0005)  # a line is ignored: only the end of input matters
+        except TimeoutError:
+            continue
+        except EOFError:
             break
     agent.close()
 
@@ -103,11 +109,11 @@ class Peer:
                                       "--seed", str(seed), "--backing", self.backing,
                                       f"--set={path}={json.dumps(PATHS[path])}"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], 60)[0]:
+        try:
+            hello = Channel(self.proc).read(60)
+        except (EOFError, TimeoutError) as exc:
             self.proc.kill()
-            raise RuntimeError("peer did not start")
-        hello = json.loads(self.proc.stdout.readline())
+            raise RuntimeError("peer did not start") from exc
         self.metadata = base64.b64decode(hello["metadata"])
 
     def memory(self, rows: int) -> np.ndarray:
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--control", action="store_true",
                     help="with --reverse: this agent's UCP requests not zeroed (kvxfer_ucx._requests), to show the crash")
     ap.add_argument("--control-wedge", action="store_true",
-                    help="with --reverse: no skipping of a dead writer's slot (kvxfer_ucx._stuckslot), to show the wedge")
+                    help="with --reverse: no skipping of a dead writer's slot (kvxfer.ucxabi.mmqueue), to show the wedge")
     ap.add_argument("--backing")
     ap.add_argument("--name", default="target")
     ap.add_argument("--zombies", action="store_true", help="do not reap killed peers until the outcome is in")
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
             _requests.ENABLED[0] = False
         if a.control_wedge:
-            from kvxfer_ucx import _stuckslot
+            from kvxfer.ucxabi import mmqueue as _stuckslot
 
             _stuckslot.ENABLED[0] = False
         results = [rev.run_reverse(p, a.trials, a.rows, a.timeout, a.seed) for p in a.paths.split(",")]

@@ -15,7 +15,6 @@ import base64
 import json
 import os
 import random
-import select
 import subprocess
 import sys
 import threading
@@ -27,9 +26,9 @@ import numpy as np
 
 from ucx_kill_matrix import EXPECTED_PATH, PATHS, cache, kill_delay, pattern  # same directory
 
-from kvxfer.deadlines import Deadline
-from kvxfer_ucx import _stuckslot
-from kvxfer_ucx._stuckslot import _Queue
+from kvxfer.testing.lines import Channel, Inbox
+from kvxfer.ucxabi import mmqueue as _stuckslot
+from kvxfer.ucxabi.mmqueue import Queue
 
 
 def _own_fifos(agent: Any) -> list[tuple[int, str, str]]:
@@ -47,18 +46,17 @@ def initiate(path: str, name: str, rows: int, seed: int) -> None:
     buf = pattern(rows, seed).copy()
     agent = kvxfer.Agent(name, backend="ucx", timeout=30, **PATHS[path])
     agent.register(cache(buf), replicated=True)
-    target = agent.add_peer(base64.b64decode(sys.stdin.readline()))
+    inbox = Inbox(sys.stdin.fileno())
+    target = agent.add_peer(base64.b64decode(inbox.line(60)))
     out.write(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "pid": os.getpid(),
                           "path": agent.backend.peer_path(target)[0]}) + "\n")  # type: ignore[attr-defined]
     out.flush()
     while True:
-        if not select.select([sys.stdin], [], [], 0.0005)[0]:
-            agent.progress()
-            continue
-        line = sys.stdin.readline()
-        if not line:
+        try:  # progress while no command waits (software RMA needs this peer to)
+            line = inbox.line(3600, idle=agent.progress, idle_s=0.0005)
+        except EOFError:
             break
-        op, target_seed, perm_seed = line.split()
+        op, target_seed, perm_seed = line.decode().split()
         perm = np.array(random.Random(int(perm_seed)).sample(range(rows), rows))
         try:
             if op == "READ":
@@ -85,9 +83,8 @@ class Initiator:
         self.proc = subprocess.Popen([sys.executable, here, "--initiate", path, "--name", name, "--rows", str(rows),
                                       "--seed", str(seed), f"--set={path}={json.dumps(PATHS[path])}"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(base64.b64encode(target_md).decode() + "\n")
-        self.proc.stdin.flush()
+        self._ch = Channel(self.proc)
+        self._ch.send_line(base64.b64encode(target_md).decode())
 
     def hello(self, agent: Any, timeout: float = 60) -> dict[str, Any]:
         reply = self.reply(agent, timeout)
@@ -95,22 +92,11 @@ class Initiator:
         return reply
 
     def send(self, op: str, target_seed: int, perm_seed: int) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{op} {target_seed} {perm_seed}\n")
-        self.proc.stdin.flush()
+        self._ch.send_line(f"{op} {target_seed} {perm_seed}")
 
     def reply(self, agent: Any, timeout: float) -> dict[str, Any]:
         """The peer's next line, progressing this (target) agent meanwhile: software RMA needs it."""
-        assert self.proc.stdout is not None
-        end = Deadline.within(timeout)
-        while time.monotonic() < end:
-            agent.progress()
-            if select.select([self.proc.stdout], [], [], 0.0005)[0]:
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise EOFError("the peer exited")
-                return json.loads(line)
-        raise TimeoutError(f"no answer from the peer in {timeout} s")
+        return self._ch.read(timeout, idle=agent.progress, idle_s=0.0005)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -190,7 +176,7 @@ def run_reverse(path: str, trials: int, rows: int, timeout: float, seed: int) ->
                 stuck = f"after kill {trial + 1}: {type(exc).__name__}: {exc}"[:300]
                 print(f"{path} reversed: stuck {stuck}", file=sys.stderr, flush=True)
                 # What is stuck: per receive queue of this process, head, tail, first unready slot.
-                queues = [(*q.ends(), q.first_unready()) for q in [_Queue(*f) for f in _own_fifos(agent)]]
+                queues = [(*q.ends(), q.first_unready()) for q in [Queue(*f) for f in _own_fifos(agent)]]
                 print(f"{path} reversed: queues (head, tail, first unready slot) {queues}", file=sys.stderr, flush=True)
                 break
     finally:

@@ -1,8 +1,8 @@
 """Which processes of this host a UCX worker address names, read exactly as UCX reads it.
 
 A NIXL or UCX-backend blob carries its agent's UCX worker address, opaque bytes that this
-process's UCX (1.23, bundled with NIXL 1.5.1; 1.21, the ``[ucx]`` extra's ``libucx-cu12``,
-whose packed layout is the same) will follow: into another process's memory through
+process's UCX (the releases of :data:`kvxfer.ucxabi.VALIDATED`, whose packed layout is the
+same) will follow: into another process's memory through
 cross-memory attach, into its receive queue through shared memory, into this very process
 through the loopback transports. So the address is parsed here the way UCX parses it
 (``ucp_address_unpack``: packed worker address version 1 or 2, non-unified mode), entry by
@@ -52,7 +52,7 @@ _SHM = ("posix", "sysv", "xpmem")
 _LOOPBACK = ("self", "cuda_copy", "gdr_copy", "rocm_copy", "ze_copy", "gaudi_gdr")
 _NETWORK = ("tcp", "rc_verbs", "ud_verbs", "rc_mlx5", "dc_mlx5", "ud_mlx5", "gga_mlx5", "rc_gda", "rc_gdp", "srd",
             "knem", "ugni_rdma", "ugni_smsg", "ugni_udt")  # knem: its keys are kernel cookies, no pid
-#: transport-name checksum -> name, for every transport UCX 1.23 defines
+#: transport-name checksum -> name, for every transport the validated UCX releases define
 TRANSPORTS = {crc16(n): n for n in _PID + _SHM + _LOOPBACK + _NETWORK}
 SM_DEVICE = ("cma", "posix", "sysv", "xpmem")  # device address: system id, then IPC namespace
 

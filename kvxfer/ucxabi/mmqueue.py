@@ -1,7 +1,7 @@
 """A receive-queue slot left half-written by a process that died is skipped, once proven dead.
 
 Over the ``posix`` transport every process that reaches a worker writes into that worker's
-one receive queue (UCX 1.21, ``uct_mm_ep_am_common_send``): it claims the next slot by
+one receive queue (``uct_mm_ep_am_common_send``): it claims the next slot by
 advancing the queue's head, fills it, and only then marks it ready; the owner reads slots in
 order only (``uct_mm_iface_poll_fifo``). A writer killed between claim and mark leaves a slot
 that never becomes ready, and every message queued behind it, from every peer, waits for
@@ -25,10 +25,10 @@ be read blocks the skip.
 Nothing here runs unless the first unready slot stayed the same for :data:`SETTLE` seconds,
 and it looks at most every :data:`PERIOD` seconds.
 
-The queue's layout (its control block and 128-byte slots, 256 of them) is UCX 1.21's, pinned
-by the transport configuration (:data:`CONFIG`); another UCX release (:data:`LAYOUT_VERSIONS`)
-turns the watch off, since a slot written with the wrong layout would corrupt the queue it
-means to unblock. A queue whose control block does not name this process, or whose size is
+The queue's layout (its control block and 128-byte slots, 256 of them) is that of the
+releases in :data:`kvxfer.ucxabi.VALIDATED`, pinned by the transport configuration
+(:data:`CONFIG`); another UCX release (:data:`LAYOUT_VERSIONS`) turns the watch off, since a
+slot written with the wrong layout would corrupt the queue it means to unblock. A queue whose control block does not name this process, or whose size is
 not the expected one, is left alone.
 """
 
@@ -45,10 +45,12 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["CONFIG", "CREATING", "ENABLED", "LAYOUT_VERSIONS", "SlotWatch", "new_queue", "queues"]
+from . import VALIDATED
+
+__all__ = ["CONFIG", "CREATING", "ENABLED", "LAYOUT_VERSIONS", "Queue", "SlotWatch", "new_queue", "queues"]
 
 #: UCX releases (major, minor) whose receive-queue layout this module was checked against.
-LAYOUT_VERSIONS = frozenset({(1, 21)})
+LAYOUT_VERSIONS = VALIDATED["receive queue"]
 FIFO_SIZE, ELEM_SIZE = 256, 128
 #: UCX settings that fix the layout read here (``_config`` adds them to every agent's).
 CONFIG = {"POSIX_FIFO_SIZE": str(FIFO_SIZE), "POSIX_FIFO_ELEM_SIZE": str(ELEM_SIZE)}
@@ -56,7 +58,7 @@ _CTL = 192  # sizeof(uct_mm_fifo_ctl_t), cache-line aligned: head at 0, tail at 
 _SEG = -(-(_CTL + FIFO_SIZE * ELEM_SIZE + 63) // mmap.PAGESIZE) * mmap.PAGESIZE
 _ARMED = 1 << 63  # the head's event-armed bit
 _OWNER, _INLINE = 1, 2  # slot flags
-_SKIP_AM_ID = 31  # below UCT_AM_ID_MAX (32), above every id UCP 1.21 handles (28)
+_SKIP_AM_ID = 31  # below UCT_AM_ID_MAX (32), above every id UCP handles (28 in the releases checked)
 PERIOD, SETTLE, RAN_NS = 0.25, 0.5, 1_000_000
 #: Off only for the control run that shows the wedge (``ucx_kill_matrix.py --reverse --control-wedge``).
 ENABLED = [True]
@@ -117,7 +119,7 @@ def _cannot_be_writing(before: dict[int, tuple[str, int]], after: dict[int, tupl
     return True
 
 
-class _Queue:
+class Queue:
     """One receive queue of this process, mapped at ``addr``."""
 
     def __init__(self, addr: int, dev: str, inode: str) -> None:
@@ -195,7 +197,7 @@ class SlotWatch:
             return
         self._next = now + PERIOD
         seen: dict[tuple[str, int], tuple[float, dict[int, tuple[str, int]] | None]] = {}
-        for q in (_Queue(*o) for o in owned if o is not None):
+        for q in (Queue(*o) for o in owned if o is not None):
             index = q.first_unready()
             if index is None:
                 continue

@@ -1,4 +1,4 @@
-"""A helper process behind framed pipes: started unpinned, asked within a budget of CPU time.
+"""The frames codec of child processes: a helper behind framed pipes, unpinned, asked within a CPU budget.
 
 :mod:`kvxfer.prove` runs untrusted bytes through native code in such a helper. Three facts
 decide whether a verdict about those bytes is fair, and each is measured here, not assumed:
@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from .deadlines import Deadline, readable, writable
+from ..deadlines import Deadline, readable, writable
 
 __all__ = ["Child", "Clock", "MAX_INPUT", "NATIVE_FAULTS", "PINNING_ENV", "ask", "end", "read_exact", "serve",
            "unpin_self"]
