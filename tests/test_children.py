@@ -24,10 +24,6 @@ HOME = "kvxfer/_childproc/"
 ALLOWED: tuple[str, ...] = (
     "tests/test_lines.py",  # the JSON-lines codec's own tests: a deaf child, and select's 1,024 limit shown
     "tests/test_children.py",  # this guard (its patterns are in its own text)
-    # Owned by other work this round (their files are out of this change): one-line migrations
-    # to ``Channel(p).line(timeout)`` left for their owners.
-    "plugins/kvxfer_mooncake/tests/test_mooncake_safety.py",
-    "tests/vllm/idle_prefill.py",
 )
 PATTERNS = {
     "select.select": re.compile(r"\bselect\.select\("),

@@ -69,14 +69,19 @@ def start_idle_prefill(options: dict[str, Any], attempts: int = 3, engine: str =
     """
     from harness import free_port
 
+    from kvxfer.testing.lines import Channel
+
     for attempt in range(attempts):
         port = free_port()
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), json.dumps(options), engine],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                     cwd=str(Path(__file__).resolve().parents[2]))
-            assert proc.stdout is not None
-            if proc.stdout.readline().strip() == b"ready":
+            try:
+                ready = Channel(proc).line(300).strip() == "ready"
+            except EOFError:  # the child exited: its stderr says why
+                ready = False
+            if ready:
                 return proc, port
             proc.wait(timeout=60)
             err.seek(0)

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("mooncake.engine")
 
 from kvxfer import Allocation, DescriptorList, Op  # noqa: E402
+from kvxfer.testing.lines import Channel  # noqa: E402
 from kvxfer.errors import IdentityError  # noqa: E402
 from kvxfer_mooncake import _blob, _identity, backend as mb  # noqa: E402
 
@@ -41,7 +42,7 @@ def peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
     p = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py"), "1"], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        yield p, bytes.fromhex(p.stdout.readline().strip())  # type: ignore[union-attr]
+        yield p, bytes.fromhex(Channel(p).line(60).strip())
     finally:
         p.kill()
         p.wait()

@@ -26,6 +26,7 @@ pytest.importorskip("mooncake.engine")
 
 from kvxfer import Agent, Allocation, DescriptorList, KvxferError, Op  # noqa: E402
 from kvxfer.deadlines import Deadline  # noqa: E402
+from kvxfer.testing.lines import Channel  # noqa: E402
 from kvxfer.errors import BackendError, MetadataError, OutOfRegistrationError  # noqa: E402
 from kvxfer.plugin import identity as peers  # noqa: E402
 from kvxfer.testing.mutate import mutate  # noqa: E402
@@ -96,7 +97,7 @@ def stopped_peer() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
     p = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py"), "16"], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        blob = bytes.fromhex(p.stdout.readline().strip())  # type: ignore[union-attr]
+        blob = bytes.fromhex(Channel(p).line(60).strip())
         yield p, blob
     finally:
         os.kill(p.pid, signal.SIGCONT)
