@@ -2,8 +2,9 @@
 
 It is the worked example of CONTRIBUTING.md: register through the hook, implement the
 seam with numpy, let the core do validation, planning, deadlines and notifications' order.
-Its ``post`` is one loop over a table of data paths (:class:`kvxfer.plugin.DataPath`): the
-core's same-host GPU path (:class:`kvxfer.cuda.DevicePath`) is one row, memmove the other.
+It lists its data paths (:class:`kvxfer.plugin.DataPath`) and :class:`kvxfer.plugin.PathBackend`
+posts over them: the core's same-host GPU path (:class:`kvxfer.cuda.DevicePath`) is one row,
+memmove the other.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import secrets
-import threading
 from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, Capabilities, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import DevicePath, Spans
 from kvxfer.errors import KvxferError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
-from kvxfer.plugin import DataPath, RegisterBackend, choose, hookimpl
-from kvxfer.progress import Pump
+from kvxfer.plugin import PathBackend, RegisterBackend, hookimpl
 
 _LIVE: dict[bytes, "TinyCopy"] = {}
 _TOKEN = 16  # bytes of the blob naming the agent; the device path's export follows them
@@ -30,8 +29,8 @@ _TOKEN = 16  # bytes of the blob naming the agent; the device path's export foll
 class Listed:
     """A prepared list: expanded rows, their kind, whose memory it is, the device path's view."""
 
-    def __init__(self, descs: DescriptorList, owner: "TinyCopy", device: Spans | None) -> None:
-        self.rows, self.kind, self.owner, self.device = descs.expand().array, descs.kind, owner, device
+    def __init__(self, descs: DescriptorList, owner: "TinyCopy", peer: str, device: Spans | None) -> None:
+        self.rows, self.kind, self.owner, self.peer, self.device = descs.expand().array, descs.kind, owner, peer, device
 
 
 class Memmove:
@@ -65,12 +64,7 @@ class Memmove:
         return "memmove"
 
 
-class Post:
-    def __init__(self, path: DataPath, h: Any, to: "TinyCopy", notification: bytes | None) -> None:
-        self.path, self.h, self.to, self.notification = path, h, to, notification
-
-
-class TinyCopy(Backend):
+class TinyCopy(PathBackend):
     name = "tinycopy"
     # DRAM by memmove; VRAM only where the device path takes the list (prepare refuses the rest).
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}), cross_process=False)
@@ -82,9 +76,7 @@ class TinyCopy(Backend):
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
         self._ids = itertools.count()
         self._device = DevicePath()  # loads CUDA only once VRAM is registered
-        self._paths: tuple[DataPath, ...] = (self._device, Memmove())  # the GPU path is this one row
-        self._pump: Pump[Post] = Pump(self.poll, name="tinycopy-notify")  # notifications nobody polls for
-        self._lock = threading.Lock()  # the caller and the pump may finish one post together
+        self.paths = (self._device, Memmove())  # the GPU path is this one row; PathBackend posts over them
         _LIVE[self._token] = self
 
     def register(self, allocations: Sequence[Allocation]) -> int:
@@ -118,32 +110,10 @@ class TinyCopy(Backend):
         device = self._device.prepare(peer, descs)
         if descs.kind is MemoryKind.VRAM and device is None and len(descs):
             raise UnsupportedError("tinycopy moves VRAM only through the device path, which refused this list")
-        return Listed(descs, self if peer is None else self._peers[peer], device)
+        return Listed(descs, self if peer is None else self._peers[peer], peer or self.agent_name, device)
 
-    def post(self, op: Op, local: Listed, local_idx: np.ndarray, remote: Listed, remote_idx: np.ndarray,
-             notification: bytes | None) -> Post:
-        path = choose(self._paths, local, remote)
-        x = Post(path, path.start(op, local, local_idx, remote, remote_idx, remote.owner.agent_name, notification),
-                 remote.owner, notification)
-        if notification is not None and not self.poll(x):
-            self._pump.add(x)  # a device copy still running: its notification leaves when it is done
-        return x
-
-    def poll(self, xfer: Post) -> bool:
-        if not xfer.path.poll(xfer.h):
-            return False
-        with self._lock:
-            note, xfer.notification = xfer.notification, None
-        if note is not None:  # after the copy: the receiver may read on arrival
-            xfer.to._inbox[self.agent_name].append(note)
-        return True
-
-    def release(self, xfer: Post) -> None:
-        self._pump.discard(xfer)
-        xfer.path.cancel(xfer.h)
-
-    def data_path(self, xfer: Post) -> str | None:
-        return xfer.path.kind(xfer.h)
+    def peer_of(self, remote: Listed) -> str:
+        return remote.peer  # type: ignore[no-any-return]
 
     def notify(self, peer: str, message: bytes) -> None:
         self._peers[peer]._inbox[self.agent_name].append(message)
@@ -153,7 +123,7 @@ class TinyCopy(Backend):
         return out
 
     def close(self) -> None:
-        self._pump.stop()
+        super().close()
         self._device.close()
         _LIVE.pop(self._token, None)
 
