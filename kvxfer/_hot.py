@@ -92,7 +92,7 @@ class Shape:
                 return None
             if len(set(local if self.op is Op.READ else remote)) != n:
                 return None
-        prepared, backend = peer.prepared, agent.backend
+        prepared, backend = peer.prepared, agent._route
         if deadline is None:
             deadline = Deadline.within(agent.timeout)
         # The peer's cache, looked up first: a list gone with the peer means the general path,

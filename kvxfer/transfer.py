@@ -61,7 +61,8 @@ class Transfer:
         self._verify = verify  # runs after the data is in, before DONE is reported (kvxfer.integrity)
         self._started = started if started is not None else time.perf_counter()
         self._spin = bool(backend.capabilities.needs_progress)
-        self._telemetry = type(backend).telemetry is not _no_telemetry
+        # the agent's router (kvxfer._routed) passes telemetry on: ask the backend behind it
+        self._telemetry = type(getattr(backend, "inner", backend)).telemetry is not _no_telemetry
         self._error: BaseException | None = None
         self.status = Status.PENDING
 

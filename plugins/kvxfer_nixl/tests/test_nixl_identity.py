@@ -111,7 +111,7 @@ def forge(v: Victim, attacker_pid: int, blob: bytes, header: str) -> bytes:
     over = (v.mem.ctypes.data + KV_ROWS * ROW, (SECRET_ROWS + CANARY_ROWS) * ROW, dev, key)
     md = dataclasses.replace(parsed, conns=conns, sections=(dataclasses.replace(sec, descs=(over,)),))
     ident, instance = (parsed.identity, parsed.instance) if header == "own" else (peers.here(), v.be._id)
-    return _blob.encode(ident, instance, parsed.reg_epoch, parsed.device, md.nixl_metadata("attacker"))
+    return _blob.encode(ident, instance, parsed.reg_epoch, md.nixl_metadata("attacker"))
 
 
 @pytest.mark.parametrize("header", ["own", "victim"], ids=["attacker-identity", "victim-identity"])
