@@ -93,6 +93,9 @@ class Agent:
     do not merge runs themselves and prepare cheaply. With ``token`` (the shared secret, as
     given to the side channel), :meth:`metadata` is signed and :meth:`add_peer` accepts only
     metadata signed with the same token, before any of it reaches the backend.
+    ``device_copy``, ``device_engine`` and ``device_copy_on`` are not the backend's: they set the
+    agent's own device path, to which same-host VRAM pairs are routed (kvxfer._routed,
+    docs/device-path.md).
     """
 
     def __init__(self, name: str, backend: str = "loopback", *, timeout: float = 30.0,
