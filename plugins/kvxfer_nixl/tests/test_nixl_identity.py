@@ -153,7 +153,7 @@ def _edited(blob: bytes, *, identity: Any = None, grow: int = 0) -> bytes:
     sec = parsed.sections[0]
     (addr, n, dev, key), = sec.descs
     md = dataclasses.replace(parsed, sections=(dataclasses.replace(sec, descs=((addr, n + grow, dev, key),)),))
-    return _blob.encode(identity or parsed.identity, parsed.instance, parsed.reg_epoch, parsed.device,
+    return _blob.encode(identity or parsed.identity, parsed.instance, parsed.reg_epoch,
                         md.nixl_metadata("attacker"))
 
 
