@@ -91,7 +91,7 @@ class Shape:
                 return None
             if len(set(local if self.op is Op.READ else remote)) != n:
                 return None
-        prepared, backend = peer.prepared, agent.backend
+        prepared, backend = peer.prepared, agent._route
         # The peer's cache, looked up first: a list gone with the peer means the general path,
         # before anything was posted.
         rps = [prepared.get(leg[1]) for leg in self.legs] if len(self.legs) > 1 else [prepared.get(self.legs[0][1])]

@@ -47,19 +47,19 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
     chunks: list[Chunk] = []
     posts: list[_Post] = []
     try:
-        plan_chunks(agent.backend, p, peer.name, agent._local_prepared, peer.prepared, chunks)
+        plan_chunks(agent._route, p, peer.name, agent._local_prepared, peer.prepared, chunks)
         stats = TransferStats(p.descriptors, p.nbytes, len(chunks), planned + time.perf_counter() - t0,
                               backend=agent.backend_name, op=op.value, peer=peer.name, mode=p.mode)
         single = len(chunks) == 1
         started = time.perf_counter()
         _check_deadline(agent, deadline, p, "planning")
         for lp, li, rp, ri, cleanup in chunks:
-            handle = agent.backend.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
+            handle = agent._route.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
             posts.append(_Post(handle, cleanup=cleanup))
             _check_deadline(agent, deadline, p, "posting")
     except BaseException:
         for post in posts:
-            agent.backend.release(post.handle)
+            agent._route.release(post.handle)
         for _, _, _, _, cleanup in chunks:
             for fn in cleanup:
                 fn()
@@ -68,15 +68,15 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
         _hot.learn(agent, peer, op, p, chunks)
     stats.post_seconds = time.perf_counter() - started
     if posts:
-        stats.path = agent.backend.data_path(posts[0].handle)
+        stats.path = agent._route.data_path(posts[0].handle)
     if not chunks and notify is not None:
         single = False
     on_done = None
     if notify is not None and not single:
         # Several posts may complete in any order: notify only once all data is visible.
         msg, key = bytes(notify), peer.name
-        on_done = lambda: agent.backend.notify(key, msg)  # noqa: E731
-    t = Transfer(agent.backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
+        on_done = lambda: agent._route.notify(key, msg)  # noqa: E731
+    t = Transfer(agent._route, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
                  started=started, on_finish=agent._finished, plan=p, verify=verify)
     agent._inflight.add(t)
     return t

@@ -36,6 +36,7 @@ from .observe import transfer_finished
 from .pairing import Pairing, pair
 from .planner import TransferPlan, plan
 from .plugin.backend import Backend, check_options
+from ._routed import Routed, device_options
 from .plugin.registry import get_backend_class, plugin_manager
 from .pairing import Gather, pair_source
 from .tokens import token_key
@@ -92,6 +93,9 @@ class Agent:
     do not merge runs themselves and prepare cheaply. With ``token`` (the shared secret, as
     given to the side channel), :meth:`metadata` is signed and :meth:`add_peer` accepts only
     metadata signed with the same token, before any of it reaches the backend.
+    ``device_copy``, ``device_engine`` and ``device_copy_on`` are not the backend's: they set the
+    agent's own device path, to which same-host VRAM pairs are routed (kvxfer._routed,
+    docs/device-path.md).
     """
 
     def __init__(self, name: str, backend: str = "loopback", *, timeout: float = 30.0,
@@ -106,10 +110,15 @@ class Agent:
         self.generation = _new_generation()
         self.backend_name = backend
         cls = get_backend_class(backend)
+        device = device_options(options)  # the device path is the agent's, beside the backend
         check_options(cls, options)
+        from .cuda import DevicePath  # not on import kvxfer: it is not needed before an agent exists
+
+        self.device_path = DevicePath(**device)  # BackendError on a bad engine or copy_on
         raise_soft_limit()  # transports hold descriptors per peer; once per process
         self.backend: Backend = cls(name, **options)
         self.backend.peers_authenticated = self._key is not None  # add_peer checks every tag first
+        self._route = Routed(self.backend, self.device_path)  # the seam the core calls (kvxfer._routed)
         caps = self.backend.capabilities
         self._coalesce = (not caps.merges_runs and caps.cheap_prepare) if coalesce is None else bool(coalesce)
         self.spec: KVCacheSpec | None = None
@@ -160,11 +169,11 @@ class Agent:
             raise SpecError(f"register() takes a KVCacheSpec or a mapping of name -> tensor/array, "
                             f"got {type(kv).__name__}")
         kinds = {a.kind for a in spec.allocations}
-        unsupported = kinds - set(self.backend.capabilities.memory_kinds)
+        unsupported = kinds - set(self._route.capabilities.memory_kinds)
         if unsupported:
             raise UnsupportedError(f"backend {self.backend_name!r} cannot move "
                                    f"{', '.join(sorted(k.value for k in unsupported))} memory")
-        self._reg_handle = self.backend.register(spec.allocations)
+        self._reg_handle = self._route.register(spec.allocations)
         if self._registered_before:
             # New memory behind the same name: peers must drop the lists they prepared over
             # the old one, which is exactly what a new generation tells them.
@@ -186,10 +195,10 @@ class Agent:
         for t in list(self._inflight):
             t.cancel()
         for h in self._local_prepared.values():
-            self.backend.release_prepared(h)
+            self._route.release_prepared(h)
         self._local_prepared.clear()
         self._hot.clear()
-        self.backend.deregister(self._reg_handle)
+        self._route.deregister(self._reg_handle)
         self.spec = None
         self._held = None
         self._reg_handle = None
@@ -201,8 +210,8 @@ class Agent:
     def metadata(self) -> bytes:
         """Versioned bytes a peer passes to :meth:`add_peer` (no pickle; validated there)."""
         self._check_open()
-        raw = AgentMetadata(self.name, self.generation, self.backend_name, self.backend.local_metadata(),
-                            self.spec).encode()
+        raw = AgentMetadata(self.name, self.generation, self.backend_name, self._route.local_metadata(),
+                            self.spec, device=self._route.device_metadata()).encode()
         return seal(raw, self._key) if self._key is not None else raw
 
     def add_peer(self, metadata: bytes, *, timeout: float | None = None,
@@ -254,7 +263,7 @@ class Agent:
             self._drop_peer(known)
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
         try:
-            self.backend.add_remote(md.name, md.blob)
+            self._route.add_remote(md.name, md.blob, md.device)
         except BaseException as exc:
             self._forget_remote(md.name)  # whatever the backend half-built under that name
             ran_out = limit_error(f"adding peer {md.name!r}") if isinstance(exc, Exception) else None
@@ -267,7 +276,7 @@ class Agent:
 
     def _forget_remote(self, key: str) -> None:
         with contextlib.suppress(Exception):  # best effort: it may never have been added
-            self.backend.remove_remote(key)
+            self._route.remove_remote(key)
 
     def add_source(self, metadata: bytes) -> str:
         """:meth:`add_peer` for a peer of another TP size, PP stage or block size.
@@ -322,12 +331,12 @@ class Agent:
             self._hot.pop((peer.name, op), None)
         for h in peer.prepared.values():
             try:
-                self.backend.release_prepared(h)
+                self._route.release_prepared(h)
             except KvxferError:
                 pass
         peer.prepared.clear()
         peer.pairing = None
-        self.backend.remove_remote(peer.name)
+        self._route.remove_remote(peer.name)
 
     def _peer(self, name: str) -> Peer:
         peer = self._peers.get(name) if isinstance(name, str) else None
@@ -468,7 +477,7 @@ class Agent:
                 self.deregister()
         finally:
             self._closed = True
-            self.backend.close()
+            self._route.close()
 
     @property
     def closed(self) -> bool:

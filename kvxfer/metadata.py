@@ -3,7 +3,8 @@
 Format: the 8-byte magic ``KVXFMETA`` followed by UTF-8 JSON. JSON (not pickle, not a
 custom binary format) because metadata crosses trust boundaries and languages: decoding it
 can build only dicts, lists, strings and numbers, and every field is then checked here
-before anything else sees it. The backend's connection blob travels base64-encoded.
+before anything else sees it. The backend's connection blob travels base64-encoded, and so
+does the core device path's export (``device``, present only when the agent exports VRAM).
 
 Signed form, for agents given the shared token: ``KVXFSIG1``, a 32-byte HMAC-SHA256 tag
 keyed by the token (see :mod:`kvxfer.tokens`), then the unsigned bytes above. The tag is
@@ -44,6 +45,10 @@ MAX_JSON_ITEMS = 1 << 18
 MAX_PEER_MEMBERS = 16384
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
 _FIELDS = frozenset({"version", "name", "generation", "backend", "blob", "spec"})
+#: ``device``: the core device path's export (:mod:`kvxfer.cuda.blob`), sent only by an agent exporting VRAM.
+_WITH_DEVICE = _FIELDS | {"device"}
+#: Upper bound on the device path's export (its own decoder bounds what is inside).
+MAX_DEVICE_BYTES = 1 << 20
 
 
 def seal(raw: bytes, key: bytes) -> bytes:
@@ -80,7 +85,7 @@ def unseal(data: object, key: bytes | None) -> bytes:
 
 @dataclass(frozen=True)
 class AgentMetadata:
-    """Protocol version, agent name, generation, backend name, backend blob and KV spec.
+    """Protocol version, agent name, generation, backend name, backend blob, KV spec, device export.
 
     ``generation`` changes whenever a worker restarts, so a peer can tell a restarted
     worker from the one whose memory keys it cached.
@@ -92,6 +97,7 @@ class AgentMetadata:
     blob: bytes
     spec: KVCacheSpec | None
     version: int = PROTOCOL_VERSION
+    device: bytes = b""  # the agent's device path export (kvxfer._routed); decoded by kvxfer.cuda.blob
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -102,6 +108,8 @@ class AgentMetadata:
             raise MetadataError(f"backend name {self.backend!r} is not valid")
         if not isinstance(self.blob, (bytes, bytearray)):
             raise MetadataError("backend blob must be bytes")
+        if not isinstance(self.device, (bytes, bytearray)):
+            raise MetadataError("device export must be bytes")
         if self.spec is not None and not isinstance(self.spec, KVCacheSpec):
             raise MetadataError("spec must be a KVCacheSpec or None")
         if type(self.version) is not int or self.version < 1:
@@ -116,6 +124,8 @@ class AgentMetadata:
             "blob": base64.b64encode(bytes(self.blob)).decode("ascii"),
             "spec": self.spec.to_dict() if self.spec is not None else None,
         }
+        if self.device:
+            doc["device"] = base64.b64encode(bytes(self.device)).decode("ascii")
         out = MAGIC + json.dumps(doc, separators=(",", ":")).encode("utf-8")
         if len(out) > MAX_METADATA_BYTES:
             raise MetadataError(f"metadata is {len(out)} bytes, over the {MAX_METADATA_BYTES} limit")
@@ -141,8 +151,9 @@ class AgentMetadata:
         # type() check: True == 1 and 1.0 == 1 in Python, neither is a protocol version.
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise MetadataError(f"unsupported metadata version {version!r} (this kvxfer speaks {PROTOCOL_VERSION})")
-        _wire.keys(doc, _FIELDS, "metadata")
+        _wire.keys(doc, _WITH_DEVICE if "device" in doc else _FIELDS, "metadata")
         blob = _wire.b64(doc["blob"], "backend blob", MAX_METADATA_BYTES, empty=True)
+        device = _wire.b64(doc["device"], "device export", MAX_DEVICE_BYTES) if "device" in doc else b""
         _check_member_count(doc["spec"])
         try:
             spec = KVCacheSpec.from_dict(doc["spec"]) if doc["spec"] is not None else None
@@ -150,7 +161,7 @@ class AgentMetadata:
             raise MetadataError(f"peer KV cache spec is invalid: {exc}") from None
         except (TypeError, KeyError, AttributeError, ValueError, OverflowError, RecursionError) as exc:
             raise MetadataError(f"peer KV cache spec is malformed: {exc!r}") from None
-        return cls(doc["name"], doc["generation"], doc["backend"], blob, spec, version)
+        return cls(doc["name"], doc["generation"], doc["backend"], blob, spec, version, device)
 
 
 def _check_member_count(spec: Any) -> None:

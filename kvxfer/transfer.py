@@ -67,7 +67,8 @@ class Transfer:
         self._verify = verify  # runs after the data is in, before DONE is reported (kvxfer.integrity)
         self._parts = parts  # a check run part by part as posts land (kvxfer.integrity.overlap), or None
         self._started = started if started is not None else time.perf_counter()
-        self._telemetry = type(backend).telemetry is not _no_telemetry
+        # the agent's router (kvxfer._routed) passes telemetry on: ask the backend behind it
+        self._telemetry = type(getattr(backend, "inner", backend)).telemetry is not _no_telemetry
         self._error: BaseException | None = None
         self.status = Status.PENDING
 

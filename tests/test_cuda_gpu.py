@@ -114,7 +114,7 @@ def test_transfers_take_the_cuda_ipc_path(peer_gpu: int, op: str) -> None:
                 t = agent.write(name, SRC, DST).wait(30)
                 np.testing.assert_array_equal(peer.pages(), expected_after(before, cache.layer_pages(), DST, SRC))
                 assert (peer.padding() == SENTINEL).all()
-            assert t.stats.path == "cuda-ipc", agent.backend._path.route(name)
+            assert t.stats.path == "cuda-ipc", agent.device_path.route(name)
         assert open_mappings() == 0  # closing the agent unmapped the peer's handles
     finally:
         peer.close()
@@ -211,7 +211,7 @@ def test_expandable_segments_go_through_vmm_handles() -> None:
             before, src = dst.layer_pages(), peer.pages()
             t = agent.read(name, DST, SRC).wait(30)
             np.testing.assert_array_equal(dst.layer_pages(), expected_after(before, src, DST, SRC))
-            assert t.stats.path == "cuda-ipc", agent.backend._path.route(name)
+            assert t.stats.path == "cuda-ipc", agent.device_path.route(name)
     finally:
         peer.close()
 

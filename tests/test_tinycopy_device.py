@@ -1,9 +1,11 @@
-"""A third-party backend gets the same-host GPU path by listing the core's device path as a row.
+"""A third-party backend gets the same-host GPU path without wiring it: the core routes to it.
 
-``tests/third_party_plugin`` (tinycopy, CONTRIBUTING's worked example) keeps two data paths:
-:class:`kvxfer.cuda.DevicePath` and memmove. CUDA is :class:`kvxfer.testing.fake_cuda.FakeCuda`
-(host memory posing as VRAM, copies that really move bytes), installed as the process-wide
-capability, so both agents of this process get the device path's same-process route.
+``tests/third_party_plugin`` (tinycopy, CONTRIBUTING's worked example) has one data path,
+memmove, and moves host memory only. The agent's seam (:class:`kvxfer._routed.Routed`: the
+backend and :class:`kvxfer.cuda.DevicePath` side by side, as an agent builds it) sends VRAM
+pairs to the device path. CUDA is :class:`kvxfer.testing.fake_cuda.FakeCuda` (host memory
+posing as VRAM, copies that really move bytes), installed as the process-wide capability, so
+both sides of this process get the device path's same-process route.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 
 from common import SENTINEL, assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
-from kvxfer.cuda import SAME_PROCESS, capability
+from kvxfer._routed import Routed
+from kvxfer.cuda import SAME_PROCESS, DevicePath, capability
 from kvxfer.errors import UnsupportedError
 from kvxfer.testing.fake_cuda import FakeCuda
 from kvxfer.testing.wait import wait_until
@@ -31,7 +34,7 @@ class Side:
     def __init__(self, name: str, kind: MemoryKind, seed: int | None) -> None:
         self.mem = pattern_rows(ROWS, ROW, seed)
         self.kind = kind
-        self.b = TinyCopy(name)
+        self.b = Routed(TinyCopy(name), DevicePath())  # what an Agent holds
         self.b.register([Allocation(self.mem.ctypes.data, self.mem.nbytes, kind, 0)])
 
     def rows(self) -> DescriptorList:
@@ -40,8 +43,8 @@ class Side:
 
 def _pair(kind: MemoryKind) -> tuple[Side, Side]:
     a, b = Side("a", kind, seed=None), Side("b", kind, seed=7)
-    a.b.add_remote("b", b.b.local_metadata())
-    b.b.add_remote("a", a.b.local_metadata())
+    a.b.add_remote("b", b.b.local_metadata(), b.b.device_metadata())
+    b.b.add_remote("a", a.b.local_metadata(), a.b.device_metadata())
     return a, b
 
 
@@ -63,7 +66,7 @@ def test_vram_moves_through_the_device_path_row(fake_gpu: FakeCuda, op: Op) -> N
     lp, rp = a.b.prepare(None, a.rows()), a.b.prepare("b", b.rows())
     x = a.b.post(op, lp, li, rp, ri, b"done")
     wait_until(lambda: a.b.poll(x), what="the transfer", interval=0)
-    assert a.b.data_path(x) == SAME_PROCESS  # the device path's row served it, not memmove
+    assert a.b.data_path(x) == SAME_PROCESS  # the core's device path served it, not memmove
     assert_rows_moved(op, a.mem, b.mem, before_a, before_b, li, ri)
     assert b.b.drain_notifications() == {"a": [b"done"]}
     a.b.release(x)
@@ -80,9 +83,10 @@ def test_dram_still_takes_memmove(fake_gpu: FakeCuda) -> None:
 
 
 def test_without_cuda_vram_is_refused_not_memmoved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Control: where the device path cannot take a VRAM list, nothing else may touch it."""
+    """Control: where the device path cannot take a VRAM list, the backend refuses it: nothing moves."""
     monkeypatch.setitem(capability._cap, "cap", FakeCuda(unavailable="no driver"))
     a, b = _pair(MemoryKind.VRAM)
-    with pytest.raises(UnsupportedError, match="device path"):
+    assert a.b.device_metadata() == b.b.device_metadata() == b""  # nothing exported without CUDA
+    with pytest.raises(UnsupportedError, match="host memory only"):
         a.b.prepare("b", b.rows())
     assert (a.mem == SENTINEL).all()

@@ -172,6 +172,11 @@ class DevicePath:
         with self._lock:
             return tuple(a for allocs, _ in self._regs.values() for a in allocs if a.kind is MemoryKind.VRAM)
 
+    def exporting(self) -> bool:
+        """Whether any registration was exported (a peer then has handles to open)."""
+        with self._lock:
+            return any(ex is not None for _, ex in self._regs.values())
+
     def export_errors(self) -> list[str]:
         return [e for _, ex in self._regs.values() if ex is not None for e in ex.errors]
 

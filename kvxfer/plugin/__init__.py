@@ -30,8 +30,9 @@ backends never loads a transport library, and a missing dependency is reported w
 ``install`` command. Shared building blocks for data paths live in the core:
 :mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
 (notification delivery when nobody polls). A backend with more than one way of moving bytes
-keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`); the core's same-host GPU
-path, :class:`kvxfer.cuda.DevicePath`, is such a row.
+keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`) and subclasses
+:class:`PathBackend`, which holds the post loop over them (choose, start, poll, notify after
+the data, pump, cancel); the core's same-host GPU path, :class:`kvxfer.cuda.DevicePath`, is such a row.
 A backend reads its peers' blobs with the core's wire toolkit, :mod:`kvxfer.plugin.wire`
 (a bounded reader, strict JSON, one rule for text and one for integers).
 A backend that proves who sent a same-host blob uses :mod:`kvxfer.plugin.identity` (the
@@ -46,6 +47,7 @@ from .backend import Backend, Capabilities, Option
 from .datapath import DataPath, choose
 from .files import FilePath
 from .hookspecs import RegisterBackend, hookimpl, hookspec
+from .pathbackend import PathBackend, Post
 
-__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "Option", "RegisterBackend", "choose", "hookimpl",
-           "hookspec"]
+__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "Option", "PathBackend", "Post", "RegisterBackend",
+           "choose", "hookimpl", "hookspec"]

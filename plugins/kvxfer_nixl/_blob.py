@@ -1,4 +1,6 @@
-"""The NIXL backend's connection blob: a kvxfer header, the device path's export, NIXL's metadata.
+"""The NIXL backend's connection blob: a kvxfer header and NIXL's metadata.
+
+The core device path's export travels in the agent's metadata, not here (:mod:`kvxfer._routed`).
 
 The blob arrives from the network and its NIXL part is handed to C++ (NIXL, then UCX) that
 trusts it. So it is parsed completely here first, record by record, exactly as NIXL will
@@ -31,7 +33,6 @@ import struct
 from dataclasses import dataclass
 
 from kvxfer import peers
-from kvxfer.cuda import blob as device_blob
 from kvxfer.errors import MetadataError
 from kvxfer.memory import Allocation, MemoryKind
 from kvxfer.peers import Identity
@@ -39,10 +40,10 @@ from kvxfer.plugin import wire
 
 __all__ = ["HEADER", "PeerBlob", "Section", "encode", "parse"]
 
-MAGIC = b"KVXNIXL4"
-#: magic, process identity (kvxfer.peers.encode), instance id, registration epoch, length of
-#: the device path's export (little-endian like NIXL's own)
-HEADER = struct.Struct(f"<8s{peers.IDENTITY.size}s16sQI")
+MAGIC = b"KVXNIXL5"  # 5: the device path's export left the blob for the agent's metadata
+#: magic, process identity (kvxfer.peers.encode), instance id, registration epoch
+#: (little-endian like NIXL's own)
+HEADER = struct.Struct(f"<8s{peers.IDENTITY.size}s16sQ")
 
 MAX_BLOB = 4 << 20
 MAX_NAME = 256
@@ -80,7 +81,6 @@ class PeerBlob:
     identity: Identity  # the sending process, as it claims (kvxfer_nixl._identity checks the claim)
     instance: bytes  # random per backend instance
     reg_epoch: int  # the sender's registration epoch when it wrote the blob
-    device: bytes  # the device path's export (kvxfer.cuda.blob), already validated
     conns: tuple[tuple[str, bytes], ...]  # (NIXL backend, connection info)
     sections: tuple[Section, ...]
 
@@ -105,8 +105,8 @@ class PeerBlob:
         return b"".join(out)
 
 
-def encode(identity: Identity, instance: bytes, reg_epoch: int, device: bytes, nixl_md: bytes) -> bytes:
-    return HEADER.pack(MAGIC, peers.encode(identity), instance, reg_epoch, len(device)) + device + nixl_md
+def encode(identity: Identity, instance: bytes, reg_epoch: int, nixl_md: bytes) -> bytes:
+    return HEADER.pack(MAGIC, peers.encode(identity), instance, reg_epoch) + nixl_md
 
 
 def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
@@ -122,15 +122,11 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     if not HEADER.size < len(blob) <= MAX_BLOB:
         raise MetadataError(f"NIXL connection blob of {peer_name!r} has {len(blob)} bytes; "
                             f"expected {HEADER.size + 1} to {MAX_BLOB}")
-    magic, ident, instance, reg_epoch, dev_len = HEADER.unpack_from(blob)
+    magic, ident, instance, reg_epoch = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise MetadataError(f"peer {peer_name!r} did not send a kvxfer NIXL blob of this version "
                             f"(magic {magic!r}, expected {MAGIC!r}); run the same kvxfer on both sides")
-    if HEADER.size + dev_len >= len(blob):
-        raise MetadataError(f"NIXL connection blob of {peer_name!r} is truncated")
-    device = bytes(blob[HEADER.size:HEADER.size + dev_len])
-    device_blob.decode(device)  # MetadataError unless well-formed
-    r = _Reader(bytes(blob[HEADER.size + dev_len:]), peer_name)
+    r = _Reader(bytes(blob[HEADER.size:]), peer_name)
     r.expect(_SERDES)
     name = r.field(b"Agent", MAX_NAME)
     if name != name_bytes:
@@ -156,7 +152,7 @@ def parse(blob: bytes, peer_name: str, backends: tuple[str, ...]) -> PeerBlob:
     if r.left:
         raise MetadataError(f"NIXL metadata of {peer_name!r} has {r.left} bytes after its last record")
     identity = peers.decode(ident, f"NIXL connection blob of {peer_name!r}")
-    return PeerBlob(identity, instance, reg_epoch, device, tuple(conns), tuple(sections))
+    return PeerBlob(identity, instance, reg_epoch, tuple(conns), tuple(sections))
 
 
 def _section(r: "_Reader", conn_backends: set[str], seen: list[Section]) -> Section:

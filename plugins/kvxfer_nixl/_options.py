@@ -23,14 +23,6 @@ OPTIONS = (
            "another NIXL plugin (every peer must offer it too)"),
     Option("num_threads", "0", "worker threads of multi-threaded NIXL plugins (UCX's num_threads)",
            "many large concurrent transfers on a machine with cores to spare"),
-    Option("device_copy", "True",
-           "VRAM between processes of one host goes through the core's device path (CUDA IPC, one copy per "
-           "post) instead of UCX",
-           "False to compare with UCX's cuda_ipc, or where CUDA IPC is not allowed (docs/device-path.md)"),
-    Option("device_engine", '"auto"', 'the device path\'s copy engine: "sm" (copy kernel), "ce" (copy engines) '
-           'or "auto"', '"ce" to leave the GPU\'s SMs to the model (docs/device-path.md)'),
-    Option("device_copy_on", '"local"', 'which GPU runs a device-path copy: "local" (this side) or "peer"',
-           '"peer" when this side\'s GPU is the busier one'),
     Option("notify_thread", "True",
            "a helper thread polls notification-carrying transfers, so the notification goes out although "
            "the caller does not poll", "False only when the caller polls every transfer to completion"),

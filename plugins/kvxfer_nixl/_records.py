@@ -95,7 +95,6 @@ class Prepared:
     peer: str | None
     epoch: int
     descs: DescriptorList
-    device: Any = None  # kvxfer.cuda.Spans: the device path may move this list
     gone: str | None = None  # why the list is unusable (its local memory was deregistered)
     rows: Any = None  # the list as N x 3 rows, once a fenced READ needed them (kvxfer_nixl._bounce)
 
@@ -104,7 +103,6 @@ class Prepared:
 class Registration:
     lists: list[tuple[MemoryKind, Any]]
     allocations: tuple[Allocation, ...]
-    device_token: int = 0
 
 
 class Flush:

@@ -2,9 +2,10 @@
 
 This class owns the NIXL agent's lifetime, registrations, peers (loading and unloading their
 metadata), notifications and the choice of data path for each post. The bytes move in the
-data paths, rows of :class:`kvxfer.plugin.DataPath`: :mod:`kvxfer_nixl._xfer` (NIXL prepared
-lists) and the core's device path (:class:`kvxfer.cuda.DevicePath`, VRAM between agents of one
-host). Why it is built this way is in ``plugins/kvxfer_nixl/README.md``.
+data path, a row of :class:`kvxfer.plugin.DataPath`: :mod:`kvxfer_nixl._xfer` (NIXL prepared
+lists). VRAM between agents of one host is routed by the agent to the core's device path
+(:mod:`kvxfer._routed`) before it reaches this backend. Why it is built this way is in
+``plugins/kvxfer_nixl/README.md``.
 
 This module imports ``nixl``; :mod:`kvxfer_nixl` itself does not, so listing backends on a
 machine without NIXL stays cheap and says how to install it.
@@ -22,10 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
-from kvxfer.cuda import DevicePath
 from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
                            StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
-from kvxfer.plugin import DataPath, choose
 from kvxfer.progress import Pump
 from kvxfer.spans import SpanIndex
 
@@ -64,16 +63,13 @@ class NixlBackend(Notifications, Files, Backend):
 
     def __init__(self, agent_name: str, *, progress_thread: bool | None = None,
                  background_progress: bool = DEFAULT_BACKGROUND_PROGRESS,
-                 backends: Sequence[str] = ("UCX",), num_threads: int = 0, device_copy: bool = True,
-                 device_engine: str = "auto", device_copy_on: str = "local", notify_thread: bool = True,
+                 backends: Sequence[str] = ("UCX",), num_threads: int = 0, notify_thread: bool = True,
                  request_descriptors: int = DEFAULT_REQUEST_DESCRIPTORS, prove_metadata: bool | str = "auto",
                  prove_timeout: float = 30.0, fence_reads: bool | str = "auto") -> None:
         super().__init__(agent_name)
         if fence_reads not in (True, False, "auto"):
             raise BackendError(f"fence_reads must be True, False or 'auto', got {fence_reads!r}")
         self._fence_reads = fence_reads
-        # The core device path: its state, and a row of the table of data paths below.
-        self._path = DevicePath(enabled=bool(device_copy), engine=device_engine, copy_on=device_copy_on)
         self._progress_thread = DEFAULT_PROGRESS_THREAD if progress_thread is None else bool(progress_thread)
         self._backends = tuple(backends)
         if prove_metadata not in (True, False, "auto"):
@@ -83,7 +79,6 @@ class NixlBackend(Notifications, Files, Backend):
         # peers, and that thread would spin a core in an idle helper for its whole life.
         self._prover = _probe.prover(dict(
             progress_thread=False, backends=list(self._backends), num_threads=int(num_threads),
-            device_copy=bool(device_copy), device_engine=device_engine, device_copy_on=device_copy_on,
             notify_thread=bool(notify_thread)),
             prove_timeout) if prove_metadata else None
         if self._prove_all:
@@ -125,8 +120,6 @@ class NixlBackend(Notifications, Files, Backend):
         self._collected = 0.0  # when notifications were last read
         self._request_descriptors = max(1, int(request_descriptors))
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
-        # Data paths, most specific first: post() takes the first that serves the pair.
-        self._paths: tuple[DataPath, ...] = (self._path, self._nixl_path)
         self._flush = Flush()
         self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
         self._keeper: Pump[Any] | None = (Pump(self._kept, name="kvxfer-nixl-progress", max_sleep=BACKGROUND_SLEEP_S)
@@ -144,19 +137,13 @@ class NixlBackend(Notifications, Files, Backend):
 
     # -- memory -------------------------------------------------------------------------
     def register(self, allocations: Sequence[Allocation]) -> Registration:
-        """Register every allocation once (one NIXL call per memory kind), then with the device path."""
+        """Register every allocation once (one NIXL call per memory kind)."""
         self._check_open()
         allocs = tuple(allocations)
         others = {a.kind for a in allocs} - {MemoryKind.DRAM, MemoryKind.VRAM}
         if others:
             raise UnsupportedError(f"NIXL backend moves DRAM and VRAM only, not {sorted(map(str, others))}")
-        lists = register_memory(self._agent, self._lock, allocs)
-        try:
-            token = self._path.register(allocs)
-        except BaseException:
-            deregister_memory(self._agent, self._lock, lists)
-            raise
-        handle = Registration(lists, allocs, token)
+        handle = Registration(register_memory(self._agent, self._lock, allocs), allocs)
         self._registrations.append(handle)
         self._registered_changed()
         self._keep_progressing()
@@ -170,7 +157,6 @@ class NixlBackend(Notifications, Files, Backend):
             return
         self._registrations.remove(handle)
         self._registered_changed()
-        self._path.deregister(handle.device_token)
         for p in list(self._prepared):
             ext = extents(p.descs)
             if p.peer is None and (self._memory.find(ext[:, 0], ext[:, 1], ext[:, 2], p.descs.kind) < 0).any():
@@ -189,14 +175,14 @@ class NixlBackend(Notifications, Files, Backend):
 
     # -- peers --------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
-        """Header (process identity, instance id, registration epoch), device export, NIXL metadata."""
+        """Header (process identity, instance id, registration epoch), then NIXL metadata."""
         self._check_open()
         with self._lock:
             try:
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise map_error(exc, "reading local NIXL metadata") from exc
-        return _blob.encode(peers.here(), self._id, self._reg_epoch, self._path.blob(), bytes(md))
+        return _blob.encode(peers.here(), self._id, self._reg_epoch, bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
         """Load a peer's metadata; a known name is replaced only once the new load succeeded.
@@ -232,15 +218,6 @@ class NixlBackend(Notifications, Files, Backend):
             raise
         except Exception as exc:  # nothing untyped may escape a call that takes network input
             raise MetadataError(f"could not load the NIXL metadata of {peer_name!r}: {exc!r}") from exc
-        try:
-            self._path.add_peer(peer_name, parsed.device)  # replaces the old route, if any
-        except Exception as exc:
-            if not reused:  # a reused load stays with whoever holds it
-                with self._lock, contextlib.suppress(Exception):
-                    self._agent.remove_remote_agent(alias)
-            if isinstance(exc, KvxferError):
-                raise
-            raise MetadataError(f"the device path refused {peer_name!r}: {exc}") from exc
         local = None
         other = instances.get(parsed.instance) if parsed.identity.token == peers.here().token else None
         if other is not None and other is not self and other.agent_name == peer_name:
@@ -269,7 +246,6 @@ class NixlBackend(Notifications, Files, Backend):
         rem = self._remotes.pop(peer, None)
         if rem is None:
             return
-        self._path.remove_peer(peer)
         self._release_lists(rem)
         for name, alias in self._parked.park(peer, rem.key, rem.nixl):
             self._unload(name, alias)
@@ -311,16 +287,13 @@ class NixlBackend(Notifications, Files, Backend):
                 raise StalePeerError(rem.stale)
             rem.memory.check(extents(descs), descs.kind, f"list for peer {peer!r}")
             target, epoch = rem.nixl, rem.epoch
-        device = self._path.prepare(peer, descs) if descs.kind is MemoryKind.VRAM and len(descs) else None
-        p = Prepared(None, peer, epoch, descs, device)
+        p = Prepared(None, peer, epoch, descs)
         if len(descs):
             with self._lock:
                 try:
                     p.nixl = self._agent.prep_xfer_dlist(target, descs.array, descs.kind.value)
                 except Exception as exc:
-                    # Two agents of one process: UCX may refuse, the device path still serves it.
-                    if device is None or rem is None:
-                        raise map_error(exc, f"preparing {len(descs)} {descs.kind.value} descriptors", peer) from exc
+                    raise map_error(exc, f"preparing {len(descs)} {descs.kind.value} descriptors", peer) from exc
         self._prepared.add(p)
         return p
 
@@ -329,7 +302,6 @@ class NixlBackend(Notifications, Files, Backend):
             return
         with self._lock:
             h, prepared.nixl = prepared.nixl, None
-            prepared.device = None
             self._prepared.discard(prepared)
             if h is None or self._closed:
                 return
@@ -341,7 +313,7 @@ class NixlBackend(Notifications, Files, Backend):
     # -- transfers ----------------------------------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None) -> Xfer:
-        """Check the lists are current, pick the data path, start it."""
+        """Check the lists are current, start the NIXL path (fenced for a READ that needs it)."""
         if self._closed:  # checks inlined: a small READ's post is the hot path (issue 37)
             self._check_open()
         if not isinstance(local, Prepared) or not isinstance(remote, Prepared):
@@ -360,10 +332,10 @@ class NixlBackend(Notifications, Files, Backend):
         ri = remote_idx if remote_idx.dtype == np.int32 and remote_idx.flags.c_contiguous else as_int32(remote_idx)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        # choose() in short: no device list on a side means the device path cannot serve the pair.
-        path = self._nixl_path if (local.device is None or remote.device is None) and local.nixl is not None \
-            and remote.nixl is not None else choose(self._paths, local, remote)
-        fence = path is self._nixl_path and rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
+        path = self._nixl_path
+        if local.nixl is None or remote.nixl is None:
+            raise BackendError("NIXL prepared neither or only one of these lists (released, or empty?)")
+        fence = rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
         h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True) if fence else \
             path.start(op, local, li, remote, ri, rem.name, notification)
         x = Xfer(path, h, rem, notification)
@@ -413,11 +385,11 @@ class NixlBackend(Notifications, Files, Backend):
         return True
 
     def data_path(self, xfer: Any) -> str | None:
-        """``"cuda-ipc"`` or ``"same-process"`` for device-path copies, else ``"nixl"``."""
+        """``"nixl"`` (device-path copies never reach this backend: the agent routes them)."""
         return xfer.path.kind(xfer.h)
 
     def release(self, xfer: Any) -> None:
-        """Forget a transfer; a pending one is aborted (or, for a device copy, waited for)."""
+        """Forget a transfer; a pending one is aborted."""
         x: Xfer = xfer
         if x.released:
             return
@@ -456,7 +428,6 @@ class NixlBackend(Notifications, Files, Backend):
         for reg in list(self._registrations):
             with contextlib.suppress(KvxferError):
                 self.deregister(reg)
-        self._path.close()
         self._closed = True
         instances.pop(self._id, None)
         peers.process_page().drop(self._id)

@@ -15,7 +15,7 @@ replayed with ``--start INDEX --count 1``.
 
 Each mutation has an *operator* (bit flips, random bytes, eight zero bytes, truncation,
 insertion, deletion, a length field set to a boundary value, a duplicated chunk) and a
-*region*: where its first changed byte lies (kvxfer header, the device path's export, NIXL
+*region*: where its first changed byte lies (kvxfer header, NIXL
 framing, agent name, UCX connection info, a descriptor, a remote key). Operators ``payload-*`` keep the framing intact
 and change only bytes inside the two opaque UCX payloads, which no parser here can check.
 
@@ -44,7 +44,7 @@ from kvxfer.testing.lines import Channel
 
 OPERATORS = ("bitflip", "bytes", "zero8", "truncate", "insert", "delete", "length", "splice",
              "payload-bytes", "payload-zero8")
-_HEADER = struct.Struct("<8s60s16sQI")  # kvxfer_nixl._blob.HEADER: ends with the device export's length
+_HEADER = struct.Struct("<8s60s16sQ")  # kvxfer_nixl._blob.HEADER
 _LEN = struct.Struct("<Q")
 
 
@@ -68,8 +68,8 @@ class Regions:
 
 def regions(blob: bytes) -> Regions:
     """Walk the records of a genuine blob (NIXL's layout, see :mod:`kvxfer_nixl._blob`)."""
-    dev = _HEADER.size + _HEADER.unpack_from(blob)[4]
-    spans: list[tuple[int, int, str]] = [(0, _HEADER.size, "header"), (_HEADER.size, dev, "device-export")]
+    dev = _HEADER.size
+    spans: list[tuple[int, int, str]] = [(0, _HEADER.size, "header")]
     lengths: list[int] = []
     payloads: list[tuple[int, int]] = []
     pos = dev + len(b"nixlSerDes|")

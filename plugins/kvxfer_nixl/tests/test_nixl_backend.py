@@ -141,7 +141,7 @@ def test_same_process_vram_uses_device_copy() -> None:
         b.register({"layer.0": dst[:, :512], "layer.1": dst[:, 512:]}, replicated=True)
         peer = b.add_peer(a.metadata())
         t = b.read(peer, [1, 5], [6, 0]).wait(20)
-        assert t.stats.path == "same-process", b.backend._path.route(peer)  # type: ignore[attr-defined]
+        assert t.stats.path == "same-process", b.device_path.route(peer)
         torch.cuda.synchronize()
         assert torch.equal(dst[1], src[6]) and torch.equal(dst[5], src[0])
         keep = [i for i in range(8) if i not in (1, 5)]

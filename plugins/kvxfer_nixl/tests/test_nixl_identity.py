@@ -112,7 +112,7 @@ def forge(v: Victim, attacker_pid: int, blob: bytes, header: str) -> bytes:
     over = (v.mem.ctypes.data + KV_ROWS * ROW, (SECRET_ROWS + CANARY_ROWS) * ROW, dev, key)
     md = dataclasses.replace(parsed, conns=conns, sections=(dataclasses.replace(sec, descs=(over,)),))
     ident, instance = (parsed.identity, parsed.instance) if header == "own" else (peers.here(), v.be._id)
-    return _blob.encode(ident, instance, parsed.reg_epoch, parsed.device, md.nixl_metadata("attacker"))
+    return _blob.encode(ident, instance, parsed.reg_epoch, md.nixl_metadata("attacker"))
 
 
 @pytest.mark.parametrize("header", ["own", "victim"], ids=["attacker-identity", "victim-identity"])
@@ -154,7 +154,7 @@ def _edited(blob: bytes, *, identity: Any = None, grow: int = 0) -> bytes:
     sec = parsed.sections[0]
     (addr, n, dev, key), = sec.descs
     md = dataclasses.replace(parsed, sections=(dataclasses.replace(sec, descs=((addr, n + grow, dev, key),)),))
-    return _blob.encode(identity or parsed.identity, parsed.instance, parsed.reg_epoch, parsed.device,
+    return _blob.encode(identity or parsed.identity, parsed.instance, parsed.reg_epoch,
                         md.nixl_metadata("attacker"))
 
 

@@ -75,8 +75,8 @@ def _read_and_check(b: Any, peer: str, src: np.ndarray, dst: np.ndarray, d: list
 # The blob parser
 # --------------------------------------------------------------------------------------------
 def _split(blob: bytes) -> tuple[bytes, bytes]:
-    """(kvxfer header + device export, NIXL metadata)."""
-    n = _blob.HEADER.size + _blob.HEADER.unpack_from(blob)[4]
+    """(kvxfer header, NIXL metadata)."""
+    n = _blob.HEADER.size
     return blob[:n], blob[n:]
 
 
@@ -96,7 +96,7 @@ def test_blob_round_trips_exactly(pair: Any) -> None:
 
 def _records(md: bytes) -> list[tuple[int, int]]:
     """(offset of the length field, its value) of every record in NIXL metadata."""
-    head = _blob.HEADER.pack(_blob.MAGIC, b"", b"", 0, 0)
+    head = _blob.HEADER.pack(_blob.MAGIC, b"", b"", 0)
     reg = fuzz_blob.regions(head + md)
     return [(off - len(head), _LEN.unpack_from(md, off - len(head))[0]) for off in reg.lengths]
 
@@ -131,9 +131,8 @@ def _corruptions(blob: bytes) -> dict[str, bytes]:
         "span twice": with_section(descs=((addr, n, dev, key), (addr, n, dev, key + b"x"))),
         "UCX address version 15": rebuilt(conns=(("UCX", b"\xff" + parsed.conns[0][1][1:]),)),
         "bad magic": b"KVXNIXL2" + blob[8:],
-        "device export cut": head[:-1] + md,
-        "device export longer than the blob": blob[:_blob.HEADER.size - 4] + struct.pack("<I", len(blob))
-                                             + blob[_blob.HEADER.size:],
+        "header cut": head[:-1] + md,
+        "epoch cut short": blob[:_blob.HEADER.size - 4] + blob[_blob.HEADER.size:],
         "memory type 7": blob.replace(b"t" + _LEN.pack(4) + struct.pack("<I", 0), b"t" + _LEN.pack(4)
                                       + struct.pack("<I", 7), 1),
     }

@@ -173,7 +173,7 @@ def test_this_pid_planted_in_a_genuine_blob_loads(children: list[dict[str, Any]]
     assert _window_scan(addr, os.getpid())  # control: deterministic false refusal of the old check
     conns = tuple((b, addr if b == "UCX" else info) for b, info in parsed.conns)
     md = dataclasses.replace(parsed, conns=conns)
-    blob = _blob.encode(parsed.identity, parsed.instance, parsed.reg_epoch, parsed.device, md.nixl_metadata("child0"))
+    blob = _blob.encode(parsed.identity, parsed.instance, parsed.reg_epoch, md.nixl_metadata("child0"))
     local[1].add_remote("child0", blob)
     local[1].remove_remote("child0")
 
@@ -189,7 +189,7 @@ def _third_party_blob(sender: dict[str, Any], third: dict[str, Any]) -> bytes:
     (_, _, dev, key), = sec.descs
     md = dataclasses.replace(parsed, conns=tuple((b, bytes(addr) if b == "UCX" else i) for b, i in parsed.conns),
                              sections=(dataclasses.replace(sec, descs=((third["secret"], 2 * ROW, dev, key),)),))
-    return _blob.encode(parsed.identity, parsed.instance, parsed.reg_epoch, parsed.device, md.nixl_metadata("child0"))
+    return _blob.encode(parsed.identity, parsed.instance, parsed.reg_epoch, md.nixl_metadata("child0"))
 
 
 def _read(be: Any, peer: str, remote: int, n: int) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 It is the worked example of CONTRIBUTING.md: register through the hook, implement the
 seam with numpy, let the core do validation, planning, deadlines and notifications' order.
-Its ``post`` is one loop over a table of data paths (:class:`kvxfer.plugin.DataPath`): the
-core's same-host GPU path (:class:`kvxfer.cuda.DevicePath`) is one row, memmove the other.
+It lists its one data path (:class:`kvxfer.plugin.DataPath`), memmove, and
+:class:`kvxfer.plugin.PathBackend` posts over it. VRAM is not its business: the agent routes
+VRAM pairs between its agents to the core's device path, beside it.
 """
 
 from __future__ import annotations
@@ -11,27 +12,24 @@ from __future__ import annotations
 import ctypes
 import itertools
 import secrets
-import threading
 from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.cuda import DevicePath, Spans
-from kvxfer.errors import KvxferError, MetadataError, PeerDisconnectedError, UnknownPeerError, UnsupportedError
-from kvxfer.plugin import DataPath, RegisterBackend, choose, hookimpl
-from kvxfer.progress import Pump
+from kvxfer import Allocation, Capabilities, DescriptorList, MemoryKind, Op
+from kvxfer.errors import PeerDisconnectedError, UnknownPeerError, UnsupportedError
+from kvxfer.plugin import PathBackend, RegisterBackend, hookimpl
 
 _LIVE: dict[bytes, "TinyCopy"] = {}
-_TOKEN = 16  # bytes of the blob naming the agent; the device path's export follows them
+_TOKEN = 16  # the blob: bytes naming the agent
 
 
 class Listed:
-    """A prepared list: expanded rows, their kind, whose memory it is, the device path's view."""
+    """A prepared list: expanded rows, whose memory it is, which peer it names."""
 
-    def __init__(self, descs: DescriptorList, owner: "TinyCopy", device: Spans | None) -> None:
-        self.rows, self.kind, self.owner, self.device = descs.expand().array, descs.kind, owner, device
+    def __init__(self, descs: DescriptorList, owner: "TinyCopy", peer: str) -> None:
+        self.rows, self.owner, self.peer = descs.expand().array, owner, peer
 
 
 class Memmove:
@@ -41,7 +39,7 @@ class Memmove:
 
     @staticmethod
     def serves(local: Listed, remote: Listed) -> bool:
-        return local.kind is remote.kind is MemoryKind.DRAM
+        return True  # prepare() took only host memory
 
     @staticmethod
     def start(op: Op, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray, peer: str,
@@ -65,15 +63,9 @@ class Memmove:
         return "memmove"
 
 
-class Post:
-    def __init__(self, path: DataPath, h: Any, to: "TinyCopy", notification: bytes | None) -> None:
-        self.path, self.h, self.to, self.notification = path, h, to, notification
-
-
-class TinyCopy(Backend):
+class TinyCopy(PathBackend):
     name = "tinycopy"
-    # DRAM by memmove; VRAM only where the device path takes the list (prepare refuses the rest).
-    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}), cross_process=False)
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), cross_process=False)
 
     def __init__(self, agent_name: str, **options: Any) -> None:
         super().__init__(agent_name, **options)
@@ -81,69 +73,36 @@ class TinyCopy(Backend):
         self._peers: dict[str, TinyCopy] = {}
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
         self._ids = itertools.count()
-        self._device = DevicePath()  # loads CUDA only once VRAM is registered
-        self._paths: tuple[DataPath, ...] = (self._device, Memmove())  # the GPU path is this one row
-        self._pump: Pump[Post] = Pump(self.poll, name="tinycopy-notify")  # notifications nobody polls for
-        self._lock = threading.Lock()  # the caller and the pump may finish one post together
+        self.paths = (Memmove(),)  # PathBackend posts over these rows
         _LIVE[self._token] = self
 
     def register(self, allocations: Sequence[Allocation]) -> int:
-        return self._device.register(allocations)  # host memory needs no pinning; VRAM is exported
+        return next(self._ids)  # host memory needs no pinning
 
     def deregister(self, handle: Any) -> None:
-        self._device.deregister(handle)
+        pass
 
     def local_metadata(self) -> bytes:
-        return self._token + self._device.blob()
+        return self._token
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
-        other = _LIVE.get(bytes(blob[:_TOKEN]))
+        other = _LIVE.get(bytes(blob))
         if other is None:
             raise PeerDisconnectedError(f"{peer_name} is not alive in this process")
-        try:
-            self._device.add_peer(peer_name, bytes(blob[_TOKEN:]))
-        except KvxferError:
-            raise
-        except Exception as exc:  # only typed errors leave add_remote
-            raise MetadataError(f"bad device export from {peer_name!r}: {exc!r}") from exc
         self._peers[peer_name] = other
 
     def remove_remote(self, peer: str) -> None:
         self._peers.pop(peer, None)
-        self._device.remove_peer(peer)
 
     def prepare(self, peer: str | None, descs: DescriptorList) -> Listed:
         if peer is not None and peer not in self._peers:
             raise UnknownPeerError(peer)
-        device = self._device.prepare(peer, descs)
-        if descs.kind is MemoryKind.VRAM and device is None and len(descs):
-            raise UnsupportedError("tinycopy moves VRAM only through the device path, which refused this list")
-        return Listed(descs, self if peer is None else self._peers[peer], device)
+        if descs.kind is not MemoryKind.DRAM:
+            raise UnsupportedError(f"tinycopy moves host memory only, not {descs.kind.value}")
+        return Listed(descs, self if peer is None else self._peers[peer], peer or self.agent_name)
 
-    def post(self, op: Op, local: Listed, local_idx: np.ndarray, remote: Listed, remote_idx: np.ndarray,
-             notification: bytes | None) -> Post:
-        path = choose(self._paths, local, remote)
-        x = Post(path, path.start(op, local, local_idx, remote, remote_idx, remote.owner.agent_name, notification),
-                 remote.owner, notification)
-        if notification is not None and not self.poll(x):
-            self._pump.add(x)  # a device copy still running: its notification leaves when it is done
-        return x
-
-    def poll(self, xfer: Post) -> bool:
-        if not xfer.path.poll(xfer.h):
-            return False
-        with self._lock:
-            note, xfer.notification = xfer.notification, None
-        if note is not None:  # after the copy: the receiver may read on arrival
-            xfer.to._inbox[self.agent_name].append(note)
-        return True
-
-    def release(self, xfer: Post) -> None:
-        self._pump.discard(xfer)
-        xfer.path.cancel(xfer.h)
-
-    def data_path(self, xfer: Post) -> str | None:
-        return xfer.path.kind(xfer.h)
+    def peer_of(self, remote: Listed) -> str:
+        return remote.peer  # type: ignore[no-any-return]
 
     def notify(self, peer: str, message: bytes) -> None:
         self._peers[peer]._inbox[self.agent_name].append(message)
@@ -153,8 +112,7 @@ class TinyCopy(Backend):
         return out
 
     def close(self) -> None:
-        self._pump.stop()
-        self._device.close()
+        super().close()
         _LIVE.pop(self._token, None)
 
 
