@@ -52,7 +52,7 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
     from kvxfer.cuda.digest import mm8
     from kvxfer.integrity import set_mm8_kernel
     from kvxfer.integrity.cells import Spans
-    from kvxfer.cuda.digest import mm8_cells
+    from kvxfer.cuda.capability import mm8_cells
     from kvxfer.integrity.digests import hash_spans, mm8_rows
     from kvxfer.memory import Allocation, MemoryKind
 

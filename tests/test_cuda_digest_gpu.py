@@ -96,7 +96,7 @@ def test_unaligned_cells_are_left_to_the_other_path() -> None:
 
 def test_agent_digest_is_the_same_through_the_kernel_and_torch() -> None:
     import kvxfer
-    from kvxfer.cuda.digest import mm8_cells  # loading the device path registers the kernel
+    from kvxfer.cuda.capability import mm8_cells  # loading the device path registers the kernel
     from kvxfer.integrity import set_mm8_kernel
 
     st = torch.randint(0, 256, (8, 3 * 4096), dtype=torch.uint8, device="cuda")

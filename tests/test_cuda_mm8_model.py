@@ -1,4 +1,4 @@
-"""The tensor-core mm8 kernel's arithmetic on CPU (kvxfer/cuda/_mm8_model.py).
+"""The tensor-core mm8 kernel's arithmetic on CPU (kvxfer/cuda/mm8_model.py).
 
 ``kvxfer_mm8_tc`` is emulated lane by lane from the very table and B words the host hands
 it; its sums, mixed with the lengths as the host does, must equal kvxfer.integrity's mm8 of
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.cuda import _mm8_model as model
+from kvxfer.cuda import mm8_model as model
 from kvxfer.cuda.digest import mm8_table
 from kvxfer.integrity.digests import _mm8_rows
 from kvxfer.integrity.mm8 import finalize

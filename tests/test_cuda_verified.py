@@ -1,7 +1,7 @@
 """A verified device-path post on CPU: one fused copy and mm8, its digests compared at completion.
 
 :class:`kvxfer.testing.fake_cuda.FakeCuda` runs the fused kernel as the tensor-core kernel's
-CPU model (kvxfer/cuda/_mm8_model.py) over the bytes it moves. The expected digests are
+CPU model (kvxfer/cuda/mm8_model.py) over the bytes it moves. The expected digests are
 kvxfer.integrity's numpy mm8 of the source rows; moved bytes are checked against numpy
 indexing, untouched ones against the sentinel.
 """

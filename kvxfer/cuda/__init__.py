@@ -9,7 +9,8 @@ only when a VRAM allocation is registered or a peer exports one.
 
 from __future__ import annotations
 
-from . import digest as digest  # registers the mm8 kernel with kvxfer.integrity
+from . import capability as capability  # registers the mm8 kernel with kvxfer.integrity
+from . import digest as digest
 from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 from .ipc import open_mappings
 from .path import COPY_ON, ENGINES, DevicePath, Listed, PathXfer, Spans

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendError
+from ..integrity import set_mm8_kernel
 from ..memory import Allocation
 from . import blob, ipc
 from ._driver import Cuda, cuda, why_not
@@ -15,7 +16,7 @@ from .copy import Copier, CopyHandle
 from .. import peers
 from ..peers import Identity, Page, ProcessWatch, Proven
 
-__all__ = ["CudaCapability", "cuda_capability"]
+__all__ = ["CudaCapability", "cuda_capability", "mm8_cells"]
 
 
 class CudaCapability:
@@ -129,3 +130,28 @@ def cuda_capability() -> CudaCapability:
         if "cap" not in _cap:
             _cap["cap"] = CudaCapability()
         return _cap["cap"]  # type: ignore[no-any-return]
+
+
+def mm8_cells(addr: np.ndarray, lengths: np.ndarray, devices: list[int]) -> np.ndarray | None:
+    """``[B, C]`` mm8 digests of cells at ``addr`` ``[B, C]`` (``lengths`` ``[C]``; column ``c``
+    on GPU ``devices[c]``) through the process's copier; ``None`` where the kernel cannot serve."""
+    from .digest import mm8
+
+    cap = cuda_capability()
+    if cap.why_not() is not None:
+        return None
+    cap.c  # noqa: B018 (creates the copier)
+    assert cap._copier is not None
+    out = np.empty(addr.shape, np.uint64)
+    dev = np.asarray(devices, dtype=np.int64)
+    full = np.broadcast_to(np.asarray(lengths, np.uint64)[None, :], addr.shape)
+    for g in np.unique(dev).tolist():
+        m = dev == g
+        got = mm8(cap._copier, int(g), addr[:, m].ravel(), full[:, m].ravel())
+        if got is None:
+            return None
+        out[:, m] = got.reshape(addr.shape[0], -1)
+    return out
+
+
+set_mm8_kernel(mm8_cells)  # VRAM mm8 digests take the kernel once the device path loads

@@ -2,7 +2,7 @@
 
 ``kvxfer_mm8_tc`` (``batch_copy.cu``) computes :mod:`kvxfer.integrity.mm8`'s definition
 exactly: each 1024-byte chunk of a cell against the int8 sketch on the tensor cores
-(``mma.m16n8k32``; :mod:`kvxfer.cuda._mm8_model` is its lane-by-lane CPU model), weighted by
+(``mma.m16n8k32``; :mod:`kvxfer.cuda.mm8_model` is its lane-by-lane CPU model), weighted by
 the fold weights, summed modulo 2**64; the host mixes each sum with its cell's length
 (:func:`kvxfer.integrity.mm8.finalize`). With a destination it also copies what it hashes,
 so a verified copy reads its bytes once: the device path's verified posts use it
@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ..integrity import set_mm8_kernel
 from ..integrity.mm8 import CHUNK, fold_weights, length_key, mix, sketch_matrix  # noqa: F401 (length_key: the definition)
 from ._driver import CudaError
 from .copy import Copier, CopyHandle
 
-__all__ = ["mm8", "mm8_cells", "mm8_table", "post", "result"]
+__all__ = ["mm8", "mm8_table", "post", "result"]
 
 _D2H = 2
 _GOLDEN = 0x9E3779B97F4A7C15  # length_key's multiplier
@@ -57,7 +56,7 @@ def mm8_table(src: np.ndarray, lengths: np.ndarray, dst: np.ndarray | None = Non
 
 class _Consts:
     """The packed sketch: ``kp`` for kvxfer_mm8 (``[8][256]`` words: column j, bytes 4w..4w+3),
-    ``bp`` for kvxfer_mm8_tc (the B fragments, :func:`kvxfer.cuda._mm8_model.pack_b`), and
+    ``bp`` for kvxfer_mm8_tc (the B fragments, :func:`kvxfer.cuda.mm8_model.pack_b`), and
     the fold weights ``r`` (``rows`` of them)."""
 
     def __init__(self) -> None:
@@ -82,7 +81,7 @@ def _upload(c: Any, arr: np.ndarray) -> int:
 
 
 def _constants(copier: Copier, device: int, chunks: int) -> _Consts:
-    from ._mm8_model import pack_b
+    from .mm8_model import pack_b
 
     k = _consts.get(device)
     if k is None:
@@ -171,27 +170,3 @@ def mm8(copier: Copier, device: int, src: np.ndarray, lengths: np.ndarray,
     copier.synchronize(h)
     return result(copier, h)
 
-
-def mm8_cells(addr: np.ndarray, lengths: np.ndarray, devices: list[int]) -> np.ndarray | None:
-    """``[B, C]`` mm8 digests of cells at ``addr`` ``[B, C]`` (``lengths`` ``[C]``; column ``c``
-    on GPU ``devices[c]``) through the process's copier; ``None`` where the kernel cannot serve."""
-    from .capability import cuda_capability
-
-    cap = cuda_capability()
-    if cap.why_not() is not None:
-        return None
-    cap.c  # noqa: B018 (creates the copier)
-    assert cap._copier is not None
-    out = np.empty(addr.shape, np.uint64)
-    dev = np.asarray(devices, dtype=np.int64)
-    full = np.broadcast_to(np.asarray(lengths, np.uint64)[None, :], addr.shape)
-    for g in np.unique(dev).tolist():
-        m = dev == g
-        got = mm8(cap._copier, int(g), addr[:, m].ravel(), full[:, m].ravel())
-        if got is None:
-            return None
-        out[:, m] = got.reshape(addr.shape[0], -1)
-    return out
-
-
-set_mm8_kernel(mm8_cells)  # VRAM mm8 digests take the kernel once the device path loads

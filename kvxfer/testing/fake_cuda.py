@@ -149,7 +149,7 @@ class FakeCuda:
     def copy_mm8(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, device: int,
                  src_device: int | None, dst_device: int | None) -> FakeCopy | None:
         """The fused kernel: the copy, and the digests the tensor-core kernel's CPU model
-        (:mod:`kvxfer.cuda._mm8_model`) computes from the bytes it moves."""
+        (:mod:`kvxfer.cuda.mm8_model`) computes from the bytes it moves."""
         if self.unfused or ((np.asarray(src, np.uint64) | np.asarray(dst, np.uint64)) & np.uint64(15)).any():
             return None  # what the real one answers for a span off a 16-byte boundary
         self.calls.append("copy_mm8")
@@ -169,7 +169,7 @@ class FakeCuda:
     @staticmethod
     def _run(h: FakeCopy) -> None:
         if h.fused and not h.gated:
-            from ..cuda._mm8_model import emulate
+            from ..cuda.mm8_model import emulate
             from ..cuda.digest import mm8_table
             from ..integrity.mm8 import finalize
 

@@ -11,8 +11,9 @@ when a :class:`MooncakeTier` is created. docs/storage.md describes the cluster t
 
 from __future__ import annotations
 
+from ._client import parse_master
 from .base import Tier
 from .lookup import MooncakeLookup
 from .mooncake import MooncakeTier
 
-__all__ = ["Tier", "MooncakeTier", "MooncakeLookup"]
+__all__ = ["Tier", "MooncakeTier", "MooncakeLookup", "parse_master"]

@@ -157,7 +157,7 @@ def _tier(raw: Any) -> dict[str, Any] | None:
         raise ConnectorConfigError("kv_connector_extra_config['tier']['type'] must be \"mooncake\" (the only cluster tier)")
     if "master" not in tier:
         raise ConnectorConfigError("kv_connector_extra_config['tier'] needs 'master': the Mooncake master's host:port")
-    from kvxfer.tiers._client import parse_master  # kvxfer's own checks: no Mooncake code is loaded
+    from kvxfer.tiers import parse_master  # kvxfer's own checks: no Mooncake code is loaded
 
     try:
         parse_master(tier["master"])
