@@ -44,6 +44,15 @@ def start_worker(url: str, cluster: str, name: str, role: str, *, backend: str =
     return WorkerProcess(argv, env=ENV)
 
 
+@pytest.fixture(autouse=True)
+def quick_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's watches re-open every 0.5 s, not 2 s: a close waits out one quiet period,
+    and no outcome here depends on its length (the quiet-period test sets its own)."""
+    from kvxfer.directory import watcher
+
+    monkeypatch.setattr(watcher, "IDLE", 0.5)
+
+
 @pytest.fixture
 def workers() -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
