@@ -104,6 +104,7 @@ def test_restart_with_a_new_generation_then_transfers_succeed(etcd_server: EtcdS
         read_and_check(31, [0, 1, 2], [9, 3, 15])
 
         first.kill()  # no goodbye; restart at once (the old record may or may not have expired yet)
+        killed = time.monotonic()  # its lease was last renewed before this
         second = start_worker(etcd_server.url, cluster_name, "p0", "prefill", backend="nixl", seed=32, ttl=2)
         workers.append(second)
         assert second.generation > first.generation
@@ -117,7 +118,9 @@ def test_restart_with_a_new_generation_then_transfers_succeed(etcd_server: EtcdS
         read_and_check(32, [4, 5, 0], [0, 1, 2])
         assert (dcache.layer_pages()[:, 6:] == SENTINEL).all()
 
-        time.sleep(3.5)  # past the old lease's TTL: the new record lives on its own lease
+        # 3.5 s after the kill, as before, but counting the restart above: past the old lease's TTL,
+        # the new record lives on its own lease
+        time.sleep(max(0.0, killed + 3.5 - time.monotonic()))
         assert d.lookup("p0").generation == second.generation
         assert not tracker.sync().removed
         read_and_check(32, [6], [7])
