@@ -44,6 +44,15 @@ def start_worker(url: str, cluster: str, name: str, role: str, *, backend: str =
     return WorkerProcess(argv, env=ENV)
 
 
+@pytest.fixture(autouse=True)
+def quick_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's watches re-open every 0.5 s, not 2 s: a close waits out one quiet period,
+    and no outcome here depends on its length (the quiet-period test sets its own)."""
+    from kvxfer.directory import watcher
+
+    monkeypatch.setattr(watcher, "IDLE", 0.5)
+
+
 @pytest.fixture
 def workers() -> Iterator[list[WorkerProcess]]:
     started: list[WorkerProcess] = []
@@ -95,6 +104,7 @@ def test_restart_with_a_new_generation_then_transfers_succeed(etcd_server: EtcdS
         read_and_check(31, [0, 1, 2], [9, 3, 15])
 
         first.kill()  # no goodbye; restart at once (the old record may or may not have expired yet)
+        killed = time.monotonic()  # its lease was last renewed before this
         second = start_worker(etcd_server.url, cluster_name, "p0", "prefill", backend="nixl", seed=32, ttl=2)
         workers.append(second)
         assert second.generation > first.generation
@@ -108,7 +118,9 @@ def test_restart_with_a_new_generation_then_transfers_succeed(etcd_server: EtcdS
         read_and_check(32, [4, 5, 0], [0, 1, 2])
         assert (dcache.layer_pages()[:, 6:] == SENTINEL).all()
 
-        time.sleep(3.5)  # past the old lease's TTL: the new record lives on its own lease
+        # 3.5 s after the kill, as before, but counting the restart above: past the old lease's TTL,
+        # the new record lives on its own lease
+        time.sleep(max(0.0, killed + 3.5 - time.monotonic()))
         assert d.lookup("p0").generation == second.generation
         assert not tracker.sync().removed
         read_and_check(32, [6], [7])
@@ -227,7 +239,7 @@ def test_watch_keeps_following_across_quiet_periods(etcd_server: EtcdServer, clu
         d._watcher.idle = 0.2  # re-open the stream often: each quiet period ends one stream
         d.watch(events.append)
         d.snapshot(timeout=5)
-        time.sleep(1.5)
+        time.sleep(0.8)  # four idle periods: the stream was re-opened more than once
         with EtcdDirectory(etcd_server.url, cluster_name) as pub:
             pub.publish(p, "prefill")
             wait_until(lambda: [e.kind for e in events] == ["added"], what="added after quiet period")
