@@ -27,6 +27,9 @@ SKETCHES = {
     "vllm-tier": "an engine start (vLLM is not in this venv, and its worker side needs a GPU); "
                  "tests/vllm/test_vllm_tier.py::test_selected_by_vllms_factory_from_the_extra_config builds the "
                  "tier from the same extra config through vLLM's own factory",
+    "vllm-tier-cluster": "a fragment of the vLLM tier's extra config, pointing at a master elsewhere; "
+                         "tests/vllm/test_vllm_tier_cluster.py builds the tier from these keys against a "
+                         "real master on loopback",
     "store-api": "a summary of the store's calls over names it does not define; README's \"Offload to "
                  "host memory and NVMe\" block makes the same calls and runs",
 }
