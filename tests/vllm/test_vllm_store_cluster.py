@@ -38,7 +38,7 @@ from kvxfer.errors import StoreCorruptError
 from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.integrations.vllm.store import ClusterHandle, SchedulerStore, StoreSave, WorkerStore, prefix_keys
-from kvxfer.testing.mooncake_master import MooncakeMaster, unavailable_reason
+from kvxfer.testing.mooncake_master import MooncakeMaster, require
 from kvxfer.testing.netns import NetLab, unavailable_reason as netns_reason
 from kvxfer.tiers import MooncakeTier
 from kvxfer.tiers.objects import HEADER
@@ -53,19 +53,12 @@ FULL = 2
 LOADED = "vllm:kvxfer_loaded_tokens"
 
 
-def _require() -> None:
-    reason = unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"Mooncake Store cannot run on this CI machine: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 # -- the two halves without an engine -------------------------------------------------------
 @pytest.fixture(scope="module")
 def master() -> Iterator[MooncakeMaster]:
-    _require()
+    require()
     with MooncakeMaster(lease_ms=1500, client_ttl=2) as m:
         yield m
 
@@ -173,7 +166,7 @@ def test_another_models_or_ranks_objects_never_meet(master, other: str) -> None:
 def test_the_master_absent_means_no_store_and_lookups_compute(master) -> None:
     """A worker that cannot reach the master runs without a store (logged), and a scheduler
     whose master went away computes every prompt: neither waits Mooncake's 90 s setup."""
-    _require()
+    require()
     port = free_port()  # reserved, nothing listens
     _, spec = _cache(0)
     gone = {"type": "mooncake", "master": f"127.0.0.1:{port}", "timeout": 2.0}
@@ -242,7 +235,7 @@ def test_tier_settings_are_checked(extra: dict) -> None:
 def hosts(model_dir: Path, workdir: Path) -> Iterator[dict]:
     """Host a: the master and engine A (lending a segment); host b: engine B (lending none).
     Both engines start together; A computes and offloads the four prompts; then the damage."""
-    _require()
+    require()
     reason = netns_reason()
     if reason:
         pytest.skip(f"network namespaces unavailable: {reason}")

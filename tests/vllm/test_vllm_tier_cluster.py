@@ -9,7 +9,6 @@ a Mooncake client takes about 2 s to leave.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 
 from kvxfer.errors import InvalidArgumentError, InvalidTimeoutError, StoreUnavailableError
 from kvxfer.integrations.vllm.tier import KvxferStoreTier
-from kvxfer.testing.mooncake_master import MooncakeMaster, unavailable_reason
+from kvxfer.testing.mooncake_master import MooncakeMaster, require
 from kvxfer.testing.ports import free_port
 from kvxfer.tiers import MooncakeTier
 from kvxfer.tiers.objects import HEADER
@@ -28,18 +27,11 @@ from tier_site import CHUNKS, SENTINEL, Region, build, keys, pattern, promote, r
 pytestmark = [pytest.mark.multiprocess]
 
 
-def _require() -> None:
-    reason = unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"Mooncake Store cannot run on this CI machine: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[MooncakeMaster]:
-    _require()
+    require()
     with MooncakeMaster(lease_ms=1500, client_ttl=2) as m:
         yield m
 
@@ -164,7 +156,7 @@ BAD = {
 
 @pytest.mark.parametrize("conf", list(BAD.values()), ids=list(BAD))
 def test_a_malformed_tier_config_is_a_typed_error(conf: dict) -> None:
-    _require()
+    require()
     region = Region()
     with pytest.raises((InvalidArgumentError, InvalidTimeoutError)):
         KvxferStoreTier(object(), region.create_kv_memoryview(), "KvxferStoreTier", **conf)  # type: ignore[arg-type]
@@ -173,7 +165,7 @@ def test_a_malformed_tier_config_is_a_typed_error(conf: dict) -> None:
 def test_the_master_absent_is_a_typed_error_within_the_deadline() -> None:
     """Nothing listens at the master's address: a typed error at once (not Mooncake's 90 s
     ``setup()``), raised where vLLM builds its tiers."""
-    _require()
+    require()
     port = free_port(host="127.0.0.1")  # reserved, nothing listens
     with pytest.raises(StoreUnavailableError, match="does not answer"):
         build(None, mooncake_master=f"127.0.0.1:{port}", mooncake_timeout=2.0)
