@@ -197,8 +197,10 @@ class KvxferStoreTier(SecondaryTierManager):
     @boundary(lambda: None, salvage=_failed)
     def submit_load(self, job_metadata: TransferJob) -> None:
         jid, keys, ids = self._job(job_metadata)
-        # Read into the primary's chunks and checked there (one pass); a failed group is zeroed before the job ends.
-        t = self.store.restore(keys, self.spec, ids, in_place=True) if keys else None  # a missing key: StoreMissError
+        # The slab reads into the primary's chunks and checks them there (one pass; a failed group is
+        # zeroed before the job ends); the cluster tier checks each object in its bounce before copying.
+        kw = {} if isinstance(self.store, MooncakeTier) else {"in_place": True}
+        t = self.store.restore(keys, self.spec, ids, **kw) if keys else None  # a missing key: StoreMissError
         self._jobs[jid] = _Job(jid, t, len(keys) * self.block_size_bytes, time.monotonic())
 
     @boundary(list)
