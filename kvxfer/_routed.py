@@ -168,6 +168,10 @@ class Routed(PathBackend):
     def poll(self, xfer: Any) -> bool:
         return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)
 
+    def wait(self, xfer: Any, deadline: float) -> bool | None:
+        """A device-path post blocks on its CUDA event; the backend's own, as the backend says."""
+        return PathBackend.wait(self, xfer, deadline) if xfer.__class__ is Post else self.inner.wait(xfer, deadline)
+
     def release(self, xfer: Any) -> None:
         if xfer.__class__ is Post:
             PathBackend.release(self, xfer)

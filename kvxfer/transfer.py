@@ -21,6 +21,7 @@ from .plugin.backend import Backend
 from .stats import Status, TransferStats
 
 _no_telemetry = Backend.telemetry
+_no_wait = Backend.wait
 _INF = float("inf")
 
 __all__ = ["Transfer", "TransferStats", "Status", "stall_advice"]
@@ -178,6 +179,8 @@ class Transfer:
         # slow network transfer does not burn a core the peer may need. A backend that
         # needs someone to drive progress gets no sleeps: this loop *is* its progress
         # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
+        if type(self._backend).wait is not _no_wait:
+            self._block(deadline)
         backoff = None if self._backend.capabilities.needs_progress else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
         while not self.done():
             if self.expire(time.monotonic(), deadline, limit):
@@ -187,6 +190,28 @@ class Transfer:
                 if d:
                     time.sleep(d)
         return self
+
+    def _block(self, deadline: float) -> None:
+        """Block on each post through the backend's own wait (a device-path post: its CUDA event,
+        :meth:`~kvxfer.plugin.backend.Backend.wait`) rather than nap between polls; stop at the
+        first one it cannot wait on (None) or that missed the deadline (False): the poll loop
+        then finishes, or expires, the transfer as for any backend."""
+        backend = self._backend
+        for p in self._posts:
+            if p.done or p.part is not None or self.status is not Status.PENDING:
+                continue  # a part's landing is the poll loop's to report (kvxfer.integrity.overlap)
+            try:
+                ended = backend.wait(p.handle, deadline)
+            except KvxferError as exc:
+                self._fail(exc)
+            except Exception as exc:  # as in done(): a foreign exception is still a typed failure
+                from .errors import BackendError
+
+                err = BackendError(f"backend {backend.name!r} failed while waiting: {exc!r}")
+                err.__cause__ = exc
+                self._fail(err)
+            if ended is not True:
+                return
 
     def expire(self, now: float, deadline: float | None = None, limit: float | None = None) -> bool:
         """Past ``deadline`` (default: the transfer's own) and still pending: cancel it, make it

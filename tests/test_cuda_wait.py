@@ -235,3 +235,74 @@ def test_copier_deadline_and_gate(fence: bool) -> None:
         np.testing.assert_array_equal(dst, before)
     else:
         np.testing.assert_array_equal(dst, want)
+
+
+# -- the core's Transfer.wait over an agent's device path ----------------------------------------
+BLOCKS = 8
+
+
+def _agents(monkeypatch: pytest.MonkeyPatch, cap: FakeCuda) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """Two loopback agents of this process, VRAM through the core's device path (same process)."""
+    import kvxfer
+    from kvxfer.cuda import capability
+
+    monkeypatch.setitem(capability._cap, "cap", cap)
+    src, dst = pattern_rows(BLOCKS, ROW, 5), pattern_rows(BLOCKS, ROW, None)
+    p, d = kvxfer.Agent("p"), kvxfer.Agent("d")
+    for a, mem in ((p, src), (d, dst)):
+        a.register(kvxfer.spec_from_pointers((mem.ctypes.data, mem.nbytes, 0), num_blocks=BLOCKS,
+                                             members=[("a", ROW)], kind="VRAM"))
+    d.add_peer(p.metadata())
+    return p, d, src, dst
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_transfer_wait_blocks_on_the_device_paths_event(monkeypatch: pytest.MonkeyPatch, hook: bool) -> None:
+    """Transfer.wait hands a device-path post to the backend's wait: one event wait, no polls.
+    Control: without the hook (the Backend default) the core polls the post instead."""
+    from kvxfer._routed import Routed
+    from kvxfer.plugin import Backend
+
+    cap = FakeCuda()
+    if not hook:
+        monkeypatch.setattr(Routed, "wait", Backend.wait)
+    p, d, src, dst = _agents(monkeypatch, cap)
+    before_d, before_s = dst.copy(), src.copy()
+    li, ri = np.array([0, 5, 6], np.int64), np.array([3, 1, 7], np.int64)
+    with p, d:
+        cap.calls.clear()
+        t = d.read("p", li.tolist(), ri.tolist())
+        t.wait(30)
+        assert t.stats.path == "same-process"
+        assert cap.calls == (["copy", "wait"] if hook else ["copy", "query"])
+    assert_rows_moved(Op.READ, dst, src, before_d, before_s, li, ri)
+
+
+@pytest.mark.parametrize("fence", [True, False])
+def test_transfer_wait_past_its_deadline_is_typed_and_nothing_lands_after(monkeypatch: pytest.MonkeyPatch,
+                                                                         fence: bool) -> None:
+    """A device copy the GPU has not run by the deadline: Transfer.wait raises the core's typed
+    timeout, the transfer is FAILED, and when the GPU gets to the copy later it lands nothing.
+    Control: with the fence taken out, the late copy lands (inside the release, after the end)."""
+    from kvxfer import Status
+
+    cap = FakeCuda(hold=True)
+    monkeypatch.setattr(path_mod, "_GRACE", 0.01)
+    if not fence:
+        monkeypatch.setattr(DevicePath, "_fence", lambda self, x: None)
+    p, d, src, dst = _agents(monkeypatch, cap)
+    li, ri = np.array([2, 4], np.int64), np.array([6, 0], np.int64)
+    with p, d:
+        cap.calls.clear()
+        t = d.read("p", li.tolist(), ri.tolist())
+        with pytest.raises(TransferTimeoutError, match="did not finish within"):
+            t.wait(0.02)
+        assert t.status is Status.FAILED
+        assert cap.calls[:2] == ["copy", "wait"]  # it blocked on the event, not on naps
+        assert ("fence" in cap.calls) is fence
+        cap.finish()  # the GPU gets to the copy after the transfer ended
+    want = np.full_like(dst, SENTINEL)
+    if not fence:
+        want[li] = src[ri]
+    np.testing.assert_array_equal(dst, want)
+    assert (src == pattern_rows(BLOCKS, ROW, 5)).all()

@@ -391,9 +391,10 @@ class DevicePath:
     def cancel(self, x: PathXfer) -> None:
         """Fence the post, then give the pieces already running a short grace to finish."""
         self._fence(x)
-        grace = Deadline.within(_GRACE)
-        for h in x.handles:
-            self.cap.wait(h, grace)
+        if not x.done:  # a finished post (every release after DONE) has nothing left to wait for
+            grace = Deadline.within(_GRACE)
+            for h in x.handles:
+                self.cap.wait(h, grace)
         self.release(x)
 
     @staticmethod

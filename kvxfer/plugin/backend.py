@@ -123,6 +123,15 @@ class Backend(abc.ABC):
         returns nothing more lands in the destination, whether or not the transport could recall
         the request (the fence, above); it returns in bounded time even if the peer is stopped."""
 
+    def wait(self, xfer: Any, deadline: float) -> bool | None:
+        """Optional: block until ``xfer`` is done or ``deadline`` (a monotonic reading, the core's
+        :class:`~kvxfer.deadlines.Deadline`) passes, for a transport that can block on its own
+        completion (a CUDA event) where the core's polls with naps would cost more than the copy.
+        True: it ended (the next :meth:`poll` says how); False: the deadline passed (the core then
+        releases it, and the fence holds); None: this one cannot be waited on, poll it. The core
+        calls it from :meth:`kvxfer.Transfer.wait` only if a backend overrides it."""
+        return None
+
     def data_path(self, xfer: Any) -> str | None:
         """Which data path carries a posted transfer (reported in ``TransferStats.path``). May be
         asked after the transfer was released: the hot path asks only when the stats are read."""

@@ -7,6 +7,11 @@ copy. Each is a :class:`DataPath`, and a backend keeps them in a table, most spe
 ``poll``/``release``/``data_path`` hand the path's own handle back to it. So adding a path,
 the device path included, is one more row, and no backend asks a list what it is.
 
+A path that can block on its own completion (the device path's CUDA event) may also offer
+``wait(h, deadline) -> bool`` (True once done, False or :class:`~kvxfer.errors.TransferTimeoutError`
+at the deadline, with the path fenced); :class:`~kvxfer.plugin.PathBackend` hands
+:meth:`~kvxfer.plugin.backend.Backend.wait` to it. It is optional, so it is not in the protocol.
+
 The backend keeps everything else: validation, the peer's state, and the notification for
 paths that do not send it themselves (``sends_notification = False``: it goes out once the
 path reports every byte in place, so it never overtakes its data).

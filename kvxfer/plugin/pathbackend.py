@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import KvxferError, TransferCancelledError
+from ..errors import KvxferError, TransferCancelledError, TransferTimeoutError
 from ..memory import Op
 from ..progress import Pump
 from .backend import Backend
@@ -89,6 +89,22 @@ class PathBackend(Backend):
             if note is not None:  # after the data: the receiver may read on arrival
                 self.deliver(x.peer, note)
         return True
+
+    def wait(self, xfer: Any, deadline: float) -> bool | None:
+        """Block on the row's own ``wait`` where it has one (see :mod:`kvxfer.plugin.datapath`);
+        None for a row without one, and for a post whose notification the pump may be polling
+        meanwhile (its handle is then polled only, from one side at a time)."""
+        x: Post = xfer
+        w = getattr(x.path, "wait", None)
+        if w is None or x.error is not None or x.released or x.notification is not None:
+            return None
+        try:
+            return bool(w(x.h, deadline))
+        except TransferTimeoutError:  # the row gave up at the deadline (and fenced): the core cancels
+            return False
+        except KvxferError as exc:  # kept: the next poll raises it, as if polling had found it
+            x.error = exc
+            return True
 
     def release(self, xfer: Any) -> None:
         x: Post = xfer
