@@ -13,6 +13,7 @@ from typing import Any
 
 from . import _hot
 from .errors import TransferTimeoutError
+from .integrity.fused import Expected
 from .integrity.overlap import Overlapped, part_bounds
 from .memory import Op
 from .planner import TransferPlan
@@ -30,6 +31,9 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
          deadline: float, planned: float = 0.0, verify: Any = None, learn: bool = False) -> Transfer:
     """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``.
     ``learn``: a request the hot path may repeat (:func:`kvxfer._hot.learn` decides)."""
+    fused = Expected.of(verify) if verify is not None and op is Op.READ else None
+    if fused is not None:  # VRAM mm8 cells: the device path copies and checks them in one pass
+        return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn, fused)
     if verify is not None and hasattr(verify, "part") and op is Op.READ:
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
@@ -43,7 +47,7 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
 
 
 def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
-          deadline: float, planned: float, verify: Any, learn: bool) -> Transfer:
+          deadline: float, planned: float, verify: Any, learn: bool, fused: Expected | None = None) -> Transfer:
     chunks: list[Chunk] = []
     posts: list[_Post] = []
     try:
@@ -54,7 +58,9 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
         started = time.perf_counter()
         _check_deadline(agent, deadline, p, "planning")
         for lp, li, rp, ri, cleanup in chunks:
-            handle = agent._route.post(op, lp, li, rp, ri, bytes(notify) if (notify is not None and single) else None)
+            note = bytes(notify) if (notify is not None and single) else None
+            handle = (agent._route.post(op, lp, li, rp, ri, note) if fused is None
+                      else agent._route.post(op, lp, li, rp, ri, note, expect=fused))
             posts.append(_Post(handle, cleanup=cleanup))
             _check_deadline(agent, deadline, p, "posting")
     except BaseException:
@@ -64,6 +70,8 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
             for fn in cleanup:
                 fn()
         raise
+    if fused is not None and fused.complete():  # every cell is compared as its post completes
+        verify = None
     if learn and (peer.name, op) not in agent._hot:
         _hot.learn(agent, peer, op, p, chunks)
     stats.post_seconds = time.perf_counter() - started
@@ -89,7 +97,7 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
     anything moved) stays the transfer's plan; each part is planned again for its own blocks."""
     lb, rb = check.lb, check.expect.blocks
     parts = Overlapped([check.part(a, b) for a, b in bounds])
-    backend = agent.backend
+    backend = agent._route  # the agent's seam: its lists (and the device path's) are the ones cached
     chunks: list[Chunk] = []
     posts: list[_Post] = []
     descriptors = 0

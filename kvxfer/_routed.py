@@ -28,6 +28,7 @@ from .plugin.pathbackend import PathBackend, Post
 
 if TYPE_CHECKING:  # kvxfer.cuda loads when an agent is made, not on import kvxfer
     from .cuda import DevicePath, Spans
+    from .integrity.fused import Expected
 
 __all__ = ["DEVICE_OPTIONS", "Listed", "Routed", "device_options"]
 
@@ -156,14 +157,40 @@ class Routed(PathBackend):
         self.inner.notify(peer, message)
 
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             notification: bytes | None) -> Any:
+             notification: bytes | None, expect: "Expected | None" = None) -> Any:
+        """``expect``: a verified READ's cells (:mod:`kvxfer.integrity.fused`); a pair the device
+        path carries is then cut into whole cells and copied and hashed in one pass."""
         if local.__class__ is Listed:
             if remote.__class__ is Listed and local.device is not None and remote.device is not None:
+                if expect is not None and op is Op.READ:
+                    x = self._post_fused(local, local_idx, remote, remote_idx, notification, expect)
+                    if x is not None:
+                        return x
                 return PathBackend.post(self, op, local, local_idx, remote, remote_idx, notification)
             local = _inner(local)
         if remote.__class__ is Listed:
             remote = _inner(remote)
         return self.inner.post(op, local, local_idx, remote, remote_idx, notification)
+
+    def _post_fused(self, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray,
+                    notification: bytes | None, expect: "Expected") -> Post | None:
+        """One fused post of the pair cut into whole cells, or None where the runs are not whole
+        cells (the caller posts a plain copy; the check after DONE covers it)."""
+        la, ra = local.device, remote.device
+        assert la is not None and ra is not None
+        cut = expect.cut(la.addr[li], la.nbytes[li])
+        if cut is None:
+            return None
+        run, off, n, digest, cells = cut
+        lr, rr = li[run], ri[run]
+        pieces = (type(la)(la.addr[lr] + off, n, la.device[lr], la.peer, la.epoch),
+                  type(ra)(ra.addr[rr] + off, n, ra.device[rr], ra.peer, ra.epoch))
+        k = np.arange(run.shape[0], dtype=np.int64)
+        x = PathBackend.post(self, Op.READ, Listed(None, pieces[0], local.peer), k, Listed(None, pieces[1], remote.peer),
+                             k, notification, expect=digest)
+        if getattr(x.h, "verified", False):  # the fused kernel took it (else a plain copy, checked after DONE)
+            expect.cover(cells)
+        return x
 
     def poll(self, xfer: Any) -> bool:
         return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)

@@ -81,3 +81,107 @@ def test_where_the_fused_kernel_cannot_serve_the_post_is_a_plain_copy() -> None:
     x = local.path.post(Op.READ, lp, LI, rp, RI, expect=np.zeros(3, np.uint64))  # type: ignore[arg-type]
     assert not x.verified and local.path.poll(x)  # the caller's own check after DONE stays in charge
     assert cb.calls == ["copy", "query"]
+
+
+# -- a verified READ through an agent: the core hands the source's digests to the device path ----
+BLOCKS, HALF = 8, 1024  # two members ("k", "v") of one 1024-byte chunk each: every cell one mm8 chunk
+
+
+def _host_mm8(calls: list[int]) -> object:
+    """The process's VRAM mm8 digest kernel, on the host (the fake VRAM is host memory): counts
+    the cells it hashes, so a test sees whether a second pass over the bytes ran."""
+    import ctypes
+
+    def run(addr: np.ndarray, lengths: np.ndarray, devices: list[int]) -> np.ndarray:
+        out = np.empty(addr.shape, np.uint64)
+        for c in range(addr.shape[1]):
+            n = int(lengths[c])
+            rows = np.stack([np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(a))) for a in addr[:, c]])
+            out[:, c] = _mm8_rows(rows).view(np.uint64)
+        calls.append(int(addr.size))
+        return out
+    return run
+
+
+def _agents(monkeypatch: pytest.MonkeyPatch, cap: FakeCuda) -> tuple[object, object, np.ndarray, np.ndarray,
+                                                                        list[int]]:
+    import kvxfer
+    from kvxfer.cuda import capability
+    from kvxfer.integrity import _gpu
+
+    monkeypatch.setitem(capability._cap, "cap", cap)
+    hashed: list[int] = []
+    monkeypatch.setattr(_gpu, "KERNEL", [_host_mm8(hashed)])
+    src, dst = pattern_rows(BLOCKS, 2 * HALF, 13), pattern_rows(BLOCKS, 2 * HALF, None)
+    p, d = kvxfer.Agent("p"), kvxfer.Agent("d")
+    for a, mem in ((p, src), (d, dst)):
+        a.register(kvxfer.spec_from_pointers((mem.ctypes.data, mem.nbytes, 0), num_blocks=BLOCKS,
+                                             members=[("k", HALF), ("v", HALF)], kind="VRAM"))
+    d.add_peer(p.metadata())
+    return p, d, src, dst, hashed
+
+
+AL, AR = [0, 4, 5], [3, 1, 2]  # blocks 4 and 5 are one run here: the core cuts it into cells
+
+
+def test_a_verified_agent_read_is_copied_and_checked_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = FakeCuda()
+    p, d, src, dst, hashed = _agents(monkeypatch, cap)
+    before_d, before_s = dst.copy(), src.copy()
+    with p, d:
+        expect = p.digest(AR, algorithm="mm8")  # type: ignore[attr-defined]
+        assert hashed == [len(AR) * 2]  # the source's own digests: one pass on its side
+        cap.calls.clear()
+        t = d.read("p", AL, AR, expect=expect)  # type: ignore[attr-defined]
+        t.wait(30)
+    assert cap.calls == ["copy_mm8", "wait", "digests"]  # one fused launch, compared at completion
+    assert hashed == [len(AR) * 2]  # and no second pass over the destination after DONE
+    assert_rows_moved(Op.READ, dst, src, before_d, before_s, np.array(AL), np.array(AR))
+
+
+@pytest.mark.parametrize("how", ["fused", "control: no comparison", "unfused: the check after DONE"])
+def test_a_corrupted_byte_fails_the_verified_agent_read(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The source's digests vouch for other bytes than those moved (one flipped byte of the
+    second cell of the run): the fused post's comparison fails the read, typed. Control: with
+    that comparison taken out, the read passes silently (no second pass stands behind it).
+    Where the fused kernel cannot serve, the plain copy is checked after DONE and fails too."""
+    from kvxfer.errors import IntegrityError
+
+    cap = FakeCuda(unfused=how.startswith("unfused"))
+    if how.startswith("control"):
+        monkeypatch.setattr(DevicePath, "_compare", lambda self, x: None)
+    p, d, src, dst, hashed = _agents(monkeypatch, cap)
+    with p, d:
+        expect = p.digest(AR, algorithm="mm8")  # type: ignore[attr-defined]
+        src[AR[2], HALF + 7] ^= 0x10  # block 5's "v" page changes after it was digested
+        t = d.read("p", AL, AR, expect=expect)  # type: ignore[attr-defined]
+        if how.startswith("control"):
+            t.wait(30)
+        else:
+            with pytest.raises(IntegrityError) as e:
+                t.wait(30)
+            assert e.value.mismatches == 1
+            if how == "fused":
+                assert "copy_mm8" in cap.calls and hashed == [6]
+            else:
+                assert "copy_mm8" not in cap.calls and "block 5 (source block 2)" in str(e.value)
+    want = np.full_like(dst, SENTINEL)
+    want[AL] = src[AR]  # the bytes landed either way: a failed check says nobody vouches for them
+    np.testing.assert_array_equal(dst, want)
+
+
+def test_runs_are_cut_only_into_whole_adjacent_cells() -> None:
+    from kvxfer.integrity.fused import Expected
+
+    # cells at 0+16, 16+16, 48+16 (a gap at 32), digests 1, 2, 3
+    t = Expected(np.array([16, 0, 48], np.uint64), np.array([16, 16, 16], np.uint64), np.array([2, 1, 3], np.uint64))
+    for addr, n in (([8], [8]), ([0], [24]), ([0], [64]), ([0], [40]), ([64], [16])):
+        assert t.cut(np.array(addr, np.uint64), np.array(n, np.uint64)) is None, (addr, n)
+    cut = t.cut(np.array([48, 0], np.uint64), np.array([16, 32], np.uint64))
+    assert cut is not None
+    run, off, ln, dig, cells = cut
+    assert run.tolist() == [0, 1, 1] and off.tolist() == [0, 0, 16] and ln.tolist() == [16] * 3
+    assert dig.tolist() == [3, 1, 2] and not t.complete()
+    t.cover(cells)
+    assert t.complete()
+    assert t.cut(np.array([0], np.uint64), np.array([16], np.uint64)) is None  # a cell already checked

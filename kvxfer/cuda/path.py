@@ -384,9 +384,9 @@ class DevicePath:
         return local.device is not None and remote.device is not None
 
     def start(self, op: Op, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray, peer: str,
-              notification: bytes | None) -> PathXfer:
+              notification: bytes | None, expect: np.ndarray | None = None) -> PathXfer:
         assert local.device is not None and remote.device is not None
-        return self.post(op, local.device, li, remote.device, ri)
+        return self.post(op, local.device, li, remote.device, ri, expect)
 
     def cancel(self, x: PathXfer) -> None:
         """Fence the post, then give the pieces already running a short grace to finish."""

@@ -62,11 +62,16 @@ class PathBackend(Backend):
         self.notify(peer, message)
 
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             notification: bytes | None) -> Post:
+             notification: bytes | None, expect: Any = None) -> Post:
+        """``expect``: the source's digest of each descriptor, for a row that verifies as it copies
+        (the device path's fused kernel); passed on only when given, so other rows never see it."""
         path = choose(self.paths, local, remote)
         peer = self.peer_of(remote)
-        x = Post(path, path.start(op, local, local_idx, remote, remote_idx, peer, notification), peer,
-                 None if path.sends_notification else notification)
+        if expect is None:
+            h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
+        else:
+            h = path.start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
+        x = Post(path, h, peer, None if path.sends_notification else notification)
         if x.notification is not None and not self.poll(x):
             self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
         return x

@@ -1,0 +1,87 @@
+"""A verified READ checked while it is copied: the source's digests handed to the device path.
+
+The device path's fused kernel (:mod:`kvxfer.cuda.digest`, ``DevicePath.post(expect=)``) copies
+each descriptor and hashes what it moves in one pass, then compares with one expected ``mm8``
+digest per descriptor. A plan's descriptors are runs (a block's member pages back to back,
+consecutive blocks merged), so :class:`Expected` cuts each run at the cells the source digested
+and hands every piece its digest. A run that is not exactly whole cells is not cut: that post
+stays a plain copy, and the check after DONE (:mod:`kvxfer.integrity.verified`) runs as before.
+Only when every cell was moved by a fused post is that second pass over the bytes left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..memory import MemoryKind
+from .verified import PairingCheck
+
+__all__ = ["Expected"]
+
+
+class Expected:
+    """The destination's cells of one verified READ: where each lies here, and its expected digest.
+
+    Built only for ``mm8`` cell digests (the fused kernel's function; not row digests, which
+    name no cell) whose cells all lie in VRAM, at distinct addresses."""
+
+    __slots__ = ("addr", "length", "digest", "_covered")
+
+    def __init__(self, addr: np.ndarray, length: np.ndarray, digest: np.ndarray) -> None:
+        order = np.argsort(addr, kind="stable")
+        self.addr, self.length, self.digest = addr[order], length[order], digest[order]
+        self._covered = np.zeros(addr.shape[0], dtype=bool)
+
+    @classmethod
+    def of(cls, check: Any) -> "Expected | None":
+        """The table for a :class:`PairingCheck`, or None where the fused kernel cannot stand in for it."""
+        if type(check) is not PairingCheck:
+            return None
+        e, spans = check.expect, check.spans
+        if e.algorithm != "mm8" or e.row or not spans.block.shape[0] or spans.kinds() != {MemoryKind.VRAM}:
+            return None
+        addr = spans.addresses().astype(np.uint64).ravel()
+        length = np.broadcast_to(spans.length.astype(np.uint64)[None, :], (spans.block.shape[0],
+                                                                          spans.length.shape[0])).ravel()
+        if (length == 0).any():
+            return None
+        t = cls(addr, length, np.asarray(e.values, np.uint64).ravel())
+        if t.addr.shape[0] > 1 and (t.addr[1:] < t.addr[:-1] + t.length[:-1]).any():
+            return None  # cells that overlap (a block read twice): no run cuts into them one way
+        return t
+
+    def cut(self, addr: np.ndarray, nbytes: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """Cut runs (``addr``/``nbytes``: where each lands here) into whole cells: per piece, its
+        run, its offset in the run, its length, its expected digest and its cell (for
+        :meth:`cover`); None unless every run is exactly a sequence of adjacent cells not yet covered."""
+        a, n = np.asarray(addr, np.uint64), np.asarray(nbytes, np.uint64)
+        m = self.addr.shape[0]
+        if not a.shape[0] or not m:
+            return None
+        first = np.searchsorted(self.addr, a)
+        stop = np.searchsorted(self.addr, a + n)  # one past the last cell that starts inside each run
+        if (first >= m).any() or (self.addr[np.minimum(first, m - 1)] != a).any() or (stop <= first).any():
+            return None
+        ends = self.addr + self.length
+        if (ends[stop - 1] != a + n).any():
+            return None
+        gaps = np.concatenate([[0], np.cumsum(self.addr[1:] != ends[:-1])])  # breaks before each cell
+        if (gaps[stop - 1] != gaps[first]).any():
+            return None
+        count = stop - first
+        run = np.repeat(np.arange(a.shape[0], dtype=np.int64), count)
+        cell = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()), dtype=np.int64)
+        if np.unique(cell).shape[0] != cell.shape[0] or self._covered[cell].any():
+            return None  # a cell twice in one request: the check after DONE decides
+        return run, self.addr[cell] - a[run], self.length[cell], self.digest[cell], cell
+
+    def cover(self, cells: np.ndarray) -> None:
+        """These cells were moved by a fused post: its completion compares their digests."""
+        self._covered[cells] = True
+
+    def complete(self) -> bool:
+        """Whether fused posts moved every cell (then the check after DONE has nothing left to do)."""
+        return bool(self._covered.all())
