@@ -24,7 +24,7 @@ import pytest
 from common import SENTINEL, assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer.cuda import CUDA_IPC, DevicePath
-from kvxfer.cuda import path as path_mod
+from kvxfer.cuda import completion
 from kvxfer.cuda._driver import NOT_READY
 from kvxfer.cuda.copy import _FEW_WORDS, FEW, Copier
 from kvxfer.deadlines import Deadline
@@ -67,7 +67,7 @@ def test_wait_takes_the_posts_event_and_nothing_else() -> None:
 
 def _timed_out(monkeypatch: pytest.MonkeyPatch, fence: bool) -> tuple[FakeCuda, Side, Side, np.ndarray, np.ndarray]:
     cb, remote, local, lp, rp = _pair(hold=True)
-    monkeypatch.setattr(path_mod, "_GRACE", 0.01)
+    monkeypatch.setattr(completion, "_GRACE", 0.01)
     if not fence:
         monkeypatch.setattr(DevicePath, "_fence", lambda self, x: None)
     li, ri = np.array([0, 3, 4], np.int64), np.array([1, 2, 7], np.int64)
@@ -287,7 +287,7 @@ def test_transfer_wait_past_its_deadline_is_typed_and_nothing_lands_after(monkey
     from kvxfer import Status
 
     cap = FakeCuda(hold=True)
-    monkeypatch.setattr(path_mod, "_GRACE", 0.01)
+    monkeypatch.setattr(completion, "_GRACE", 0.01)
     if not fence:
         monkeypatch.setattr(DevicePath, "_fence", lambda self, x: None)
     p, d, src, dst = _agents(monkeypatch, cap)

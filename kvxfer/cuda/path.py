@@ -4,7 +4,7 @@ A backend holds one :class:`DevicePath` and calls it at the same points of the s
 calls its transport: ``register`` (export IPC handles), ``blob`` (appended to its connection
 blob), ``add_peer`` (decide the route, open the peer's handles once), ``prepare`` (check and
 translate a list once), ``post``/``poll``/``release`` (one batched copy per post, completion
-from a CUDA event). Where the route is not direct, or a list cannot be proven to lie inside
+from a CUDA event: :mod:`kvxfer.cuda.completion`). Where the route is not direct, or a list cannot be proven to lie inside
 what the peer exported, ``prepare`` returns ``None`` and the transport carries the bytes.
 
 Bounds: every span of a remote list is looked up with :class:`~kvxfer.spans.SpanIndex` in
@@ -29,19 +29,17 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from ..deadlines import Deadline
-from ..errors import (BackendError, IdentityError, IntegrityError, MetadataError, PeerDisconnectedError,
-                      StalePeerError, TransferTimeoutError)
+from ..errors import BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 from ..peers import ProofUnavailable
 from ..spans import SpanIndex, merge_runs
 from . import blob
+from .completion import Completion, PathXfer
 from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
 
 __all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
-_GRACE = 0.5  # seconds a cancelled post's running pieces get to finish (a gated kernel ends in microseconds)
 COPY_ON = ("local", "peer")
 _live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
 
@@ -83,24 +81,7 @@ class _Peer:
     dead: bool = False
 
 
-@dataclass(eq=False)
-class PathXfer:
-    """One post on the device path (possibly several batches, one per GPU pair)."""
-
-    peer: _Peer
-    handles: list[Any]
-    kind: str  # the route taken: SAME_PROCESS or CUDA_IPC
-    done: bool = False
-    released: bool = False
-    fenced: bool = False
-    expect: np.ndarray | None = None  # a verified post: the source's digest of each descriptor
-
-    @property
-    def verified(self) -> bool:  # completion compares what the fused kernel hashed with expect
-        return self.expect is not None
-
-
-class DevicePath:
+class DevicePath(Completion):
     """Same-host VRAM copies for one backend instance. Options (from the backend):
 
     ``enabled`` turns the path off entirely; ``engine`` picks ``"sm"`` (copy kernel), ``"ce"``
@@ -388,15 +369,6 @@ class DevicePath:
         assert local.device is not None and remote.device is not None
         return self.post(op, local.device, li, remote.device, ri, expect)
 
-    def cancel(self, x: PathXfer) -> None:
-        """Fence the post, then give the pieces already running a short grace to finish."""
-        self._fence(x)
-        if not x.done:  # a finished post (every release after DONE) has nothing left to wait for
-            grace = Deadline.within(_GRACE)
-            for h in x.handles:
-                self.cap.wait(h, grace)
-        self.release(x)
-
     @staticmethod
     def kind(x: PathXfer) -> str:
         return x.kind  # CUDA_IPC or SAME_PROCESS
@@ -408,66 +380,6 @@ class DevicePath:
         if eng == "sm" and self.cap.kernel_error(run_on) is not None:
             eng = "ce"
         return eng
-
-    def poll(self, x: PathXfer) -> bool:
-        if x.done:
-            return True
-        if x.released:
-            raise BackendError("transfer was released")
-        for h in x.handles:
-            if not self.cap.query(h):
-                return False
-        self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
-        x.done = True
-        self._compare(x)
-        return True
-
-    def _compare(self, x: PathXfer) -> None:
-        if x.expect is None:  # not verified; else the digests of what the kernel moved against the source's
-            return
-        got = self.cap.digests(x.handles[0])
-        bad = np.flatnonzero(got != x.expect)
-        if bad.shape[0]:
-            raise IntegrityError(f"{bad.shape[0]} of {got.shape[0]} descriptors of a device-path post arrived with "
-                                 f"another mm8 digest than the source's (first: descriptor {int(bad[0])}); the "
-                                 "destination holds bytes nobody vouches for", mismatches=int(bad.shape[0]))
-
-    def wait(self, x: PathXfer, deadline: float) -> bool:
-        """Block on the post's own events (no naps: kvxfer/cuda/copy.py says why) until done or
-        ``deadline`` (the core's Deadline): then the post is fenced, so nothing it had not begun
-        lands later, and :class:`TransferTimeoutError` is raised."""
-        if x.done:
-            return True
-        if x.released:
-            raise BackendError("transfer was released")
-        for h in x.handles:
-            if not self.cap.wait(h, deadline):
-                self._fence(x)
-                raise TransferTimeoutError("the device path's copy did not finish by its deadline; it was fenced "
-                                           "(no piece it had not begun will land)")
-        self._alive(x.peer)  # bytes from (or to) a process that died meanwhile are not trusted
-        x.done = True
-        self._compare(x)
-        return True
-
-    def _fence(self, x: PathXfer) -> None:
-        if not (x.done or x.fenced):  # a copy-engine post has no gate: not fenced, release() waits for it
-            x.fenced = all([self.cap.fence(h) for h in x.handles])
-
-    def release(self, x: PathXfer) -> None:
-        """Forget a post; one still running is waited for, unless fenced (its kernels skip the rest)."""
-        if x.released:
-            return
-        x.released = True
-        if x.done:  # its events were recycled when it was seen done
-            return
-        for h in x.handles:
-            if x.fenced:
-                continue  # its slot and event stay with it (never recycled while it may run)
-            try:
-                self.cap.synchronize(h)
-            except BackendError:
-                pass
 
     def close(self) -> None:
         if self._closed:
