@@ -10,7 +10,12 @@ copier and kernels as between two processes, without the Agent). For each block 
 * ``path poll``: ``DevicePath.post`` then ``poll`` with the rhythm of ``Transfer.wait``
   (64 looks, then naps of 1, 2, 3... us): what the Agent's caller waited with last run;
 * ``verified``: ``post(expect=...)`` + ``wait``: the fused copy and mm8, digests compared;
-* ``copy+digest``: ``path wait`` then a separate mm8 pass over the destination (the old way).
+* ``copy+digest``: ``path wait`` then a separate mm8 pass over the destination (the old way);
+* ``agent``: ``Agent.read`` + ``Transfer.wait`` between two agents of this process (loopback
+  backend, the core's device path): the wait blocks on the post's event through
+  ``Backend.wait``, so it should sit near ``path wait``, not ``path poll``;
+* ``agent verified``: the same with ``expect=`` (the source's mm8 digests): the core hands them to
+  the device path, so it should sit near ``verified``, not ``copy+digest``.
 
 Columns ``+torch`` are each variant minus the bare copy. Before timing, every variant's moved
 row is checked byte for byte against the source and an untouched row against the sentinel.
@@ -93,18 +98,37 @@ def one(size: int, iters: int) -> dict[str, Any]:
         path_wait()
         mm8(cp, dev, d_addr, n)
 
+    import kvxfer
+
+    ka, kb = kvxfer.Agent("fixed-src"), kvxfer.Agent("fixed-dst")
+    for k, t in ((ka, src), (kb, dst)):
+        k.register(kvxfer.spec_from_pointers((t.data_ptr(), t.numel(), dev), num_blocks=rows, members=[("a", size)],
+                                             kind="VRAM"))
+    kb.add_peer(ka.metadata())
+    digests = ka.digest([2], algorithm="mm8")
+
+    def agent() -> None:
+        kb.read("fixed-src", [1], [2]).wait(5.0)
+
+    def agent_verified() -> None:
+        kb.read("fixed-src", [1], [2], expect=digests).wait(5.0)
+
     variants = {"torch": lambda: (dst[1].copy_(src[2]), torch.cuda.synchronize()),
                 "copier": lambda: cp.wait(cp.copy(d_addr, s_addr, n, dev), Deadline.within(5.0)),
-                "path_wait": path_wait, "path_poll": path_poll, "verified": verified, "copy_digest": separate}
+                "path_wait": path_wait, "path_poll": path_poll, "verified": verified, "copy_digest": separate,
+                "agent": agent, "agent_verified": agent_verified}
     ok = {}
     for name, fn in variants.items():  # each variant must land the row, and only it
         dst.fill_(0xAA)
+        torch.cuda.synchronize()  # the copier's stream is not torch's: the sentinel is in place first
         fn()
         torch.cuda.synchronize()
         ok[name] = bool(torch.equal(dst[1], src[2])) and bool((dst[0] == 0xAA).all()) and bool((dst[3] == 0xAA).all())
     row: dict[str, Any] = {"size": size, "route": route.kind, "bytes_ok": ok}
     for name, fn in variants.items():
         row[name] = _median(fn, iters)
+    kb.close()
+    ka.close()
     a.close()
     b.close()
     return row
@@ -117,11 +141,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [one(int(s), args.iters) for s in args.sizes.split(",")]
-    names = ["torch", "copier", "path_wait", "path_poll", "verified", "copy_digest"]
-    print(f"{'size':>8s} " + " ".join(f"{k:>11s}" for k in names) + "  (us, median; +torch below)  bytes ok")
+    names = ["torch", "copier", "path_wait", "path_poll", "verified", "copy_digest", "agent", "agent_verified"]
+    print(f"{'size':>8s} " + " ".join(f"{k:>14s}" for k in names) + "  (us, median; +torch below)  bytes ok")
     for r in rows:
-        print(f"{r['size']:>8d} " + " ".join(f"{r[k]:11.1f}" for k in names) + f"  {all(r['bytes_ok'].values())}")
-        print(f"{'':>8s} " + " ".join(f"{r[k] - r['torch']:+11.1f}" for k in names))
+        print(f"{r['size']:>8d} " + " ".join(f"{r[k]:14.1f}" for k in names) + f"  {all(r['bytes_ok'].values())}")
+        print(f"{'':>8s} " + " ".join(f"{r[k] - r['torch']:+14.1f}" for k in names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "args": vars(args)}, f, indent=1)

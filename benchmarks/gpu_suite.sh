@@ -41,7 +41,7 @@ for stage in "$@"; do
       timeout 120 $T plugins/kvxfer_nixl/tests/test_nixl_backend.py -k "VRAMOwner" 2>&1 | tee $LOGS/owner_vram.txt ;;
     digest)
       timeout 120 $T tests/test_cuda_digest_gpu.py tests/test_cuda_prepared.py tests/test_cuda_wait.py \
-        tests/test_cuda_verified.py tests/test_cudamm8_model.py 2>&1 | tee $LOGS/digest_tests.txt
+        tests/test_cuda_verified.py tests/test_cuda_mm8_model.py 2>&1 | tee $LOGS/digest_tests.txt
       timeout 150 python3 benchmarks/bench_digest_gpu.py --json $LOGS/digest.json 2>&1 | tee $LOGS/digest.txt ;;
     verified)
       timeout 150 python3 benchmarks/bench_integrity.py --memory VRAM --backends loopback,nixl --blocks 512 --request 256 \
