@@ -34,6 +34,7 @@ from ..errors import (BackendError, IdentityError, IntegrityError, MetadataError
                       StalePeerError, TransferTimeoutError)
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 from ..peers import ProofUnavailable
+from ..plugin.live import Live
 from ..spans import SpanIndex, merge_runs
 from . import blob
 from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
@@ -43,7 +44,7 @@ __all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 ENGINES = ("auto", "sm", "ce")
 _GRACE = 0.5  # seconds a cancelled post's running pieces get to finish (a gated kernel ends in microseconds)
 COPY_ON = ("local", "peer")
-_live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
+_live: "Live[DevicePath]" = Live()  # same-process peers (kvxfer.plugin.live)
 
 
 class Listed(Protocol):
@@ -207,7 +208,7 @@ class DevicePath:
         """Decide the route to a peer and open its handles; a known key is replaced (restart)."""
         exp = blob.decode(peer_blob)  # MetadataError on anything malformed
         self.remove_peer(key)
-        other = _live.get(exp.instance) if exp.identity.token == self.cap.identity().token else None
+        other = _live.find(exp.instance, exp.identity.token, self.cap.identity().token)
         same = other is not None and other is not self and not other._closed
         local_devices = sorted({a.device for a in self.vram()})
         try:
