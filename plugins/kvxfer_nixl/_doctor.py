@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from kvxfer.extras import install_hint
+from kvxfer.plugin import install_hint
 from kvxfer.plugin.doctor import MARK, Check, check_prover, probe
 
 __all__ = ["checks", "check_nixl"]

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.extras import install_hint
-from kvxfer.plugin import RegisterBackend, hookimpl
+from kvxfer.plugin import RegisterBackend, hookimpl, install_hint
 
 from ._options import OPTIONS
 
@@ -61,7 +60,7 @@ def diagnostics() -> dict[str, Any]:
     it is validated against the receive-queue layout of ``validated`` releases only, and off
     on any other, where a killed peer can wedge an agent's receive queue again.
     """
-    from kvxfer.ucxabi import mmqueue as _stuckslot
+    from kvxfer.plugin.ucxabi import mmqueue as _stuckslot
 
     from . import _libucp
 

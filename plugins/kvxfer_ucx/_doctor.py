@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from kvxfer.extras import install_hint
+from kvxfer.plugin import install_hint
 from kvxfer.plugin.doctor import PROBE_TIMEOUT, Check
 
 __all__ = ["check_ucx", "stuck_slot_check", "ucx_transports"]
