@@ -148,3 +148,25 @@ def test_a_forged_same_process_blob_is_not_resolved(monkeypatch: pytest.MonkeyPa
     finally:
         a.close()
         b.close()
+
+
+# -- doctor names no plugin ---------------------------------------------------------------------
+BACKEND_NAMES = re.compile(r"nixl|ucx|mooncake|loopback|tinycopy|process_vm_readv", re.IGNORECASE)
+
+
+def plugin_names_in(path: Path) -> list[str]:
+    """``line: text`` of every line of a core module naming a backend or its mechanism."""
+    return [f"{n}: {line.strip()}" for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if BACKEND_NAMES.search(line)]
+
+
+def test_doctor_names_no_plugin() -> None:
+    """Each backend's rows (its library, helpers, progress thread, ptrace policy) come from its
+    ``kvxfer_doctor_checks`` hook, not from the CLI."""
+    assert plugin_names_in(ROOT / "kvxfer" / "cli" / "doctor.py") == []
+
+
+def test_control_the_doctor_guard_finds_a_planted_name(tmp_path: Path) -> None:
+    p = tmp_path / "doctor.py"
+    p.write_text('rows = []\nrows.append(Check("progress thread", "info", "NIXL\'s thread spins"))\n')
+    assert plugin_names_in(p) == ['2: rows.append(Check("progress thread", "info", "NIXL\'s thread spins"))']

@@ -46,9 +46,9 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
 @hookimpl
 def kvxfer_doctor_checks(gpus: int) -> list[Any]:
     """UCX's rows of ``kvxfer doctor`` (:mod:`kvxfer_ucx._doctor`)."""
-    from ._doctor import check_ucx
+    from ._doctor import check_ptrace, check_ucx
 
-    return check_ucx(gpus, diagnostics())
+    return check_ucx(gpus, diagnostics()) + check_ptrace()
 
 
 def diagnostics() -> dict[str, Any]:
