@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import gc
+import os
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,22 @@ def test_live_resolves_an_id_only_with_this_processes_token() -> None:
     live[b"id"] = _Backend()  # weak: a dropped backend leaves by itself
     gc.collect()
     assert len(live) == 0 and b"id" not in live
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+def test_a_forked_child_starts_with_no_live_backend() -> None:
+    """A child shares no live backend with its parent. Control: a plain weak table, forked the
+    same way, still holds the parent's backend in the child."""
+    live: Live[_Backend] = Live()
+    plain: "weakref.WeakValueDictionary[bytes, _Backend]" = weakref.WeakValueDictionary()
+    b, mine = _Backend(), identity.here().token
+    live[b"id"] = plain[b"id"] = b
+    pid = os.fork()
+    if pid == 0:
+        os._exit((len(live) == 0) | (b"id" not in live) << 1 | (plain.get(b"id") is b) << 2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0b111
+    assert live.find(b"id", mine, mine) is b  # the parent keeps it
 
 
 def test_a_forged_same_process_blob_is_not_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
