@@ -29,10 +29,10 @@ TOKEN_ENV = "KVXFER_TOKEN"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="check NIXL, UCX, CUDA, CPUs and the side channel, with fixes",
-                       description="Check whether this machine is ready to move KV caches: plugins, NIXL, UCX "
-                                   "and its transports, CUDA, CPUs and progress threads, the side channel. Each "
-                                   "problem comes with a fix; the exit status is 1 when a check fails.")
+    p = sub.add_parser("doctor", help="check the backends, CUDA, CPUs and the side channel, with fixes",
+                       description="Check whether this machine is ready to move KV caches: the plugins and each "
+                                   "one's own checks (its transport library, its helpers), CUDA, CPUs, the side "
+                                   "channel. Each problem comes with a fix; the exit status is 1 when a check fails.")
     p.add_argument("--peer", metavar="HOST:PORT", help="also fetch metadata from a running side-channel server")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None, help=f"the side channel's shared secret, for --peer "
                                                                        f"(default: ${TOKEN_ENV})")
@@ -99,32 +99,9 @@ def check_cpus() -> list[Check]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     out = [Check("cpus", "ok", f"{usable} usable of {total}; load {load:.1f}")]
-    if usable <= 2:
-        # Off by default, so nothing is wrong: say why it should stay off here.
-        out.append(Check("progress thread", "info",
-                         f"off (the default), as it should be: NIXL's progress thread busy-spins a whole core, and "
-                         f"with {usable} usable core(s) it would starve the threads that move bytes; an agent "
-                         "others read from is served by its napping background_progress thread instead "
-                         "(measurements: BENCHMARKS.md, NIXL section and \"A passive peer\")"))
-    else:
-        out.append(Check("progress thread", "ok", f"{usable} cores: one spinning progress thread per agent fits; "
-                                                  "still off by default (background_progress serves readers)"))
     if load > usable:
         out.append(Check("load", "info", f"load {load:.1f} on {usable} cores: benchmarks run now will be noisy"))
     return out
-
-
-def check_ptrace() -> list[Check]:
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip())
-    except (OSError, ValueError):
-        return [Check("same-host copy", "ok", "no Yama restriction: the ucx backend's process_vm_readv path can run")]
-    if scope >= 2:
-        return [Check("same-host copy", "warn", f"kernel.yama.ptrace_scope={scope}: the ucx backend cannot use "
-                                                "process_vm_readv between processes and falls back to UCX RMA",
-                      "sysctl kernel.yama.ptrace_scope=1 (needs root), or accept the slower path")]
-    return [Check("same-host copy", "ok", f"kernel.yama.ptrace_scope={scope}: process_vm_readv allowed")]
 
 
 def _hostport(text: str, flag: str) -> tuple[str, int]:
@@ -204,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     # each plugin's own diagnostics (its transport library, its helpers): doctor names no plugin
     checks += [c for group in plugin_manager().hook.kvxfer_doctor_checks(gpus=gpus) for c in group]
-    checks += cuda + check_cpus() + check_ptrace() + check_sidechannel(listen, peer, args.token)
+    checks += cuda + check_cpus() + check_sidechannel(listen, peer, args.token)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         emit_json([asdict(c) for c in checks])

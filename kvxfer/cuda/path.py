@@ -32,6 +32,7 @@ import numpy as np
 from ..errors import BackendError, IdentityError, MetadataError, PeerDisconnectedError, StalePeerError
 from ..memory import Allocation, DescriptorList, MemoryKind, Op
 from ..peers import ProofUnavailable
+from ..plugin.live import Live
 from ..spans import SpanIndex, merge_runs
 from . import blob
 from .completion import Completion, PathXfer
@@ -41,7 +42,7 @@ __all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
 COPY_ON = ("local", "peer")
-_live: "weakref.WeakValueDictionary[bytes, DevicePath]" = weakref.WeakValueDictionary()
+_live: "Live[DevicePath]" = Live()  # same-process peers (kvxfer.plugin.live)
 
 
 class Listed(Protocol):
@@ -188,7 +189,7 @@ class DevicePath(Completion):
         """Decide the route to a peer and open its handles; a known key is replaced (restart)."""
         exp = blob.decode(peer_blob)  # MetadataError on anything malformed
         self.remove_peer(key)
-        other = _live.get(exp.instance) if exp.identity.token == self.cap.identity().token else None
+        other = _live.find(exp.instance, exp.identity.token, self.cap.identity().token)
         same = other is not None and other is not self and not other._closed
         local_devices = sorted({a.device for a in self.vram()})
         try:

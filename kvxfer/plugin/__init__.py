@@ -25,10 +25,18 @@ work (:mod:`kvxfer.agent`, :mod:`kvxfer.planner`), so every transport gets them 
 4. Prove it with the conformance suite: subclass
    :class:`kvxfer.testing.BackendConformance` in your tests.
 
+A backend's product code imports only ``kvxfer`` (the user's names: ``Allocation``,
+``DescriptorList``, ``MemoryKind``, ``Op`` and the typed errors) and this package, which
+re-exports the core's pieces a backend may lean on: :class:`Deadline`, ``check_timeout`` and
+``current_deadline`` (time, :mod:`kvxfer.deadlines`), :class:`SpanIndex` and ``merge_runs``,
+:class:`Pump`, ``install_hint``, :class:`Live`, and the submodules below
+(``tests/test_plugin_face.py`` holds every in-tree plugin to it); its tests may also use
+:mod:`kvxfer.testing`.
+
 The factory string is imported only when an agent first uses the backend, so listing
 backends never loads a transport library, and a missing dependency is reported with the
 ``install`` command. Shared building blocks for data paths live in the core:
-:mod:`kvxfer.spans` (containment checks and run merging) and :mod:`kvxfer.progress`
+:class:`SpanIndex` (containment checks), ``merge_runs`` and :class:`Pump`
 (notification delivery when nobody polls). A backend with more than one way of moving bytes
 keeps them as :class:`DataPath` rows (:mod:`kvxfer.plugin.datapath`) and subclasses
 :class:`PathBackend`, which holds the post loop over them (choose, start, poll, notify after
@@ -37,17 +45,27 @@ A backend reads its peers' blobs with the core's wire toolkit, :mod:`kvxfer.plug
 (a bounded reader, strict JSON, one rule for text and one for integers).
 A backend that proves who sent a same-host blob uses :mod:`kvxfer.plugin.identity` (the
 sender's identity in the blob, its proof page, and :func:`~kvxfer.plugin.identity.prove`).
+A backend whose peer may live in this very process finds it in :class:`Live`
+(:mod:`kvxfer.plugin.live`), which resolves an instance id only with this process's token.
+A backend that proves a peer's bytes on native code first uses :mod:`kvxfer.plugin.prover`;
+one built on UCX reads UCX's internals through :mod:`kvxfer.plugin.ucxabi`.
 A backend that can also serve the store's file I/O returns a :class:`FilePath`
 (:mod:`kvxfer.plugin.files`) from ``Backend.file_path()``.
 """
 
 from __future__ import annotations
 
+from ..deadlines import Deadline, check_timeout, current_deadline
+from ..extras import install_hint
+from ..progress import Pump
+from ..spans import SpanIndex, merge_runs
 from .backend import Backend, Capabilities, Option
 from .datapath import DataPath, choose
 from .files import FilePath
 from .hookspecs import RegisterBackend, hookimpl, hookspec
+from .live import Live
 from .pathbackend import PathBackend, Post
 
-__all__ = ["Backend", "Capabilities", "DataPath", "FilePath", "Option", "PathBackend", "Post", "RegisterBackend",
-           "choose", "hookimpl", "hookspec"]
+__all__ = ["Backend", "Capabilities", "DataPath", "Deadline", "FilePath", "Live", "Option", "PathBackend", "Post",
+           "Pump", "RegisterBackend", "SpanIndex", "check_timeout", "choose", "current_deadline", "hookimpl", "hookspec",
+           "install_hint", "merge_runs"]

@@ -2,10 +2,10 @@
 
 Design points:
 
-* Peers find each other through a process-wide table keyed by a random token carried in
-  the metadata blob beside this process's identity (:mod:`kvxfer.peers`), so a blob from
-  another process, a forged identity or a closed agent is rejected with a typed error
-  instead of dereferencing foreign addresses.
+* Peers find each other through the process-wide registry (:class:`kvxfer.plugin.Live`)
+  keyed by a random token carried in the metadata blob beside this process's identity
+  (:mod:`kvxfer.plugin.identity`), so a blob from another process, a forged identity or a
+  closed agent is rejected with a typed error instead of dereferencing foreign addresses.
 * Every prepared list is checked against the memory the owner has registered *now*: the
   check is repeated at post time if either side registered or deregistered since, so a
   write into deregistered memory fails instead of corrupting the heap.
@@ -28,15 +28,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
-from kvxfer.plugin import copies, wire
-from kvxfer.spans import SpanIndex
-from kvxfer.extras import install_hint
-from kvxfer.errors import (BackendClosedError, BackendError, MetadataError, PeerDisconnectedError, UnknownPeerError,
-                           UnsupportedError)
+from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, MemoryKind,
+                    MetadataError, Op, PeerDisconnectedError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import Live, SpanIndex, copies, identity as peers, install_hint, wire
 
-_LIVE: dict[str, "LoopbackBackend"] = {}
-_LIVE_LOCK = threading.Lock()
+_LIVE: "Live[LoopbackBackend]" = Live()
 
 
 def _torch_available() -> bool:
@@ -98,8 +94,7 @@ class LoopbackBackend(Backend):
         self._inbox_lock = threading.Lock()
         self._closed = False
         self._stream: Any = None
-        with _LIVE_LOCK:
-            _LIVE[self._token] = self
+        _LIVE[self._token] = self
 
     # -- memory ---------------------------------------------------------------------------
     def register(self, allocations: Sequence[Allocation]) -> int:
@@ -138,8 +133,7 @@ class LoopbackBackend(Backend):
             raise UnsupportedError("loopback peers must live in the same process; use the nixl or ucx backend "
                                    "between processes")
         peers.check_this_process(claim, f"loopback metadata of {peer_name!r}")
-        with _LIVE_LOCK:
-            peer = _LIVE.get(token)
+        peer = _LIVE.find(token, claim.token, peers.here().token)
         if peer is None or peer._closed:
             raise PeerDisconnectedError(f"loopback peer {peer_name!r} is gone (closed or restarted)")
         self._peers[peer_name] = peer
@@ -252,8 +246,7 @@ class LoopbackBackend(Backend):
         self._regs.clear()
         self._rebuild_bounds()
         self._peers.clear()
-        with _LIVE_LOCK:
-            _LIVE.pop(self._token, None)
+        _LIVE.pop(self._token, None)
 
 
 def _host_copy(dst: np.ndarray, src: np.ndarray, seen: copies.Watch | None = None) -> None:

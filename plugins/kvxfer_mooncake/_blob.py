@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvxfer.errors import MetadataError
+from kvxfer import MetadataError
 from kvxfer.plugin import identity as ident
 
 __all__ = ["MAX_BLOB", "MAX_REGIONS", "Blob", "decode", "encode"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import BackendError
+from kvxfer import BackendError
 
 __all__ = ["Arena", "Arenas", "gather", "scatter"]
 

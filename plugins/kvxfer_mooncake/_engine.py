@@ -11,7 +11,7 @@ import math
 import os
 from typing import Any
 
-from kvxfer.errors import BackendError
+from kvxfer import BackendError
 
 __all__ = ["glog_level", "start_engine"]
 

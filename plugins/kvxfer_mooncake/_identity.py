@@ -26,21 +26,19 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import weakref
 from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import IdentityError, PeerDisconnectedError
-from kvxfer.plugin import identity as ident
+from kvxfer import IdentityError, PeerDisconnectedError
+from kvxfer.plugin import Live, identity as ident
 
 from ._blob import Blob
 
 __all__ = ["check", "forget", "listens", "publish", "serving"]
 
 #: session id -> the live backend of this process serving it.
-_serving: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-ident.on_fork(_serving.clear)
+_serving: "Live[Any]" = Live()
 
 
 def serving(session: str, backend: Any) -> None:
@@ -102,9 +100,10 @@ def listens(pid: int, port: int) -> bool | None:
 def check(blob: Blob, claim: ident.Identity, peer: str, own_host: str) -> None:
     """Raise :class:`IdentityError` unless the blob's session belongs to the process it names."""
     what = f"mooncake blob of {peer!r}"
-    ours = _serving.get(blob.session)
-    if ours is not None or ident.names_this_process(claim):
-        why = "its session is served by this process" if ours is not None else f"it names this process ({claim.pid})"
+    served = blob.session in _serving
+    if served or ident.names_this_process(claim):
+        why = "its session is served by this process" if served else f"it names this process ({claim.pid})"
+        ours = _serving.find(blob.session, claim.token, ident.here().token)
         if ours is None or ours._closed or claim != ident.here():
             raise IdentityError(f"{what}: {why}, but no live Mooncake agent here sent it")
         if not ours.owns(blob.regions):

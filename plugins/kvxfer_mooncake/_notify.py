@@ -16,7 +16,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from kvxfer.errors import UnsupportedError
+from kvxfer import UnsupportedError
 
 __all__ = ["MAX_NOTIFICATION", "MAX_NAME", "check_size", "decode", "encode"]
 

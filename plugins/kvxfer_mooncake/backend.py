@@ -25,13 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.deadlines import check_timeout, current_deadline
-from kvxfer.errors import (
-    BackendClosedError, BackendError, KvxferError, PeerDisconnectedError, StalePeerError, UnknownPeerError,
-    UnsupportedError,
-)
-from kvxfer.spans import SpanIndex
+from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, KvxferError,
+                    MemoryKind, Op, PeerDisconnectedError, StalePeerError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import SpanIndex, check_timeout, current_deadline
 
 from . import _blob, _identity, _notify, _posts
 from ._bounce import Arenas, gather, scatter

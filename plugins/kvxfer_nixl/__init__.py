@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.extras import install_hint
-from kvxfer.plugin import RegisterBackend, hookimpl
+from kvxfer.plugin import RegisterBackend, hookimpl, install_hint
 
 from ._options import OPTIONS
 

@@ -32,11 +32,9 @@ import re
 import struct
 from dataclasses import dataclass
 
-from kvxfer import peers
-from kvxfer.errors import MetadataError
-from kvxfer.memory import Allocation, MemoryKind
-from kvxfer.peers import Identity
-from kvxfer.plugin import wire
+from kvxfer import Allocation, MemoryKind, MetadataError
+from kvxfer.plugin import identity as peers, wire
+from kvxfer.plugin.identity import Identity
 
 __all__ = ["HEADER", "PeerBlob", "Section", "encode", "parse"]
 

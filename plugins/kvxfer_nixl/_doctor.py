@@ -1,13 +1,15 @@
-"""``kvxfer doctor``'s checks of the nixl backend: NIXL and its UCX plugin, and the metadata prover."""
+"""``kvxfer doctor``'s checks of the nixl backend: NIXL and its UCX plugin, the metadata prover, and
+whether its progress thread would fit this machine's cores."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
-from kvxfer.extras import install_hint
+from kvxfer.plugin import install_hint
 from kvxfer.plugin.doctor import MARK, Check, check_prover, probe
 
-__all__ = ["checks", "check_nixl"]
+__all__ = ["checks", "check_nixl", "check_progress_thread"]
 
 
 _NIXL_PROBE = f"""
@@ -41,4 +43,19 @@ def check_nixl() -> list[Check]:
 
 
 def checks() -> list[Check]:
-    return check_nixl() + check_prover("kvxfer_nixl._helper:make_probe", {"backends": ["UCX"]}, needs="nixl")
+    return check_nixl() + check_prover("kvxfer_nixl._helper:make_probe", {"backends": ["UCX"]},
+                                       needs="nixl") + check_progress_thread()
+
+
+def check_progress_thread() -> list[Check]:
+    """Whether NIXL's spinning progress thread (the ``progress_thread`` option) would fit here."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if usable <= 2:
+        # Off by default, so nothing is wrong: say why it should stay off here.
+        return [Check("progress thread", "info",
+                      f"off (the default), as it should be: NIXL's progress thread busy-spins a whole core, and "
+                      f"with {usable} usable core(s) it would starve the threads that move bytes; an agent "
+                      "others read from is served by its napping background_progress thread instead "
+                      "(measurements: BENCHMARKS.md, NIXL section and \"A passive peer\")")]
+    return [Check("progress thread", "ok", f"{usable} cores: one spinning progress thread per agent fits; "
+                                           "still off by default (background_progress serves readers)")]

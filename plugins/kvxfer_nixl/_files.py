@@ -25,10 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, MemoryKind, Op
-from kvxfer.errors import BackendError, OutOfRegistrationError
+from kvxfer import Allocation, BackendError, MemoryKind, Op, OutOfRegistrationError
+from kvxfer.plugin import SpanIndex
 from kvxfer.plugin.files import FilePath
-from kvxfer.spans import SpanIndex
 
 from ._nixl import map_error, nx
 

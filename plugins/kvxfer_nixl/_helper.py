@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from kvxfer.prove import backend_probe
+from kvxfer.plugin.prover import backend_probe
 
 __all__ = ["make_probe"]
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer import peers
-from kvxfer.errors import IdentityError, KvxferError, OutOfRegistrationError
-from kvxfer.peers import ProofUnavailable, third
+from kvxfer import IdentityError, KvxferError, OutOfRegistrationError
+from kvxfer.plugin import identity as peers
+from kvxfer.plugin.identity import ProofUnavailable, third
 
 from ._blob import PeerBlob, parse
 
@@ -85,7 +85,7 @@ def check(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any
 
 
 def _genuinely_ours(parsed: PeerBlob, peer: str, backends: tuple[str, ...], instances: Any, what: str) -> None:
-    other = instances.get(parsed.instance) if parsed.identity.token == peers.here().token else None
+    other = instances.find(parsed.instance, parsed.identity.token, peers.here().token)
     if other is None or other._closed:
         raise IdentityError(f"{what} names this very process, but no live NIXL agent here sent it")
     own = parse(other.local_metadata(), other.agent_name, backends)

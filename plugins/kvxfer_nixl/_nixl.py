@@ -64,15 +64,8 @@ _quiet_native_logs()
 
 import nixl._api as nx  # noqa: E402  (UCX reads UCX_MODULES when NIXL loads it)
 import nixl._bindings as _nb  # noqa: E402
-from kvxfer import Allocation, MemoryKind
-from kvxfer.errors import (
-    BackendError,
-    KvxferError,
-    PeerDisconnectedError,
-    StalePeerError,
-    TransferCancelledError,
-    UnsupportedError,
-)
+from kvxfer import (Allocation, BackendError, KvxferError, MemoryKind, PeerDisconnectedError, StalePeerError,
+                    TransferCancelledError, UnsupportedError)
 
 __all__ = ["deregister_memory", "map_error", "nb", "nx", "register_memory"]
 

@@ -20,9 +20,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.deadlines import Deadline
-from kvxfer.errors import KvxferError, UnknownPeerError
-from kvxfer.progress import Pump
+from kvxfer import KvxferError, UnknownPeerError
+from kvxfer.plugin import Deadline, Pump
 
 from ._nixl import map_error
 from ._records import Flush, Remote, instances, notice, parse_notice

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.prove import Prover, named, shared
+from kvxfer.plugin.prover import Prover, named, shared
 
 __all__ = ["prover", "request"]
 

@@ -2,8 +2,9 @@
 
 Plain records, so that :mod:`kvxfer_nixl.backend` reads as the control plane alone. Also
 here: the process-wide registry that lets a backend recognise a peer living in this process
-(its blob carries this process's identity, :mod:`kvxfer.peers`, and the instance id of a live
-backend), and the format of the notice a backend sends its peers after deregistering memory.
+(its blob carries this process's identity, :mod:`kvxfer.plugin.identity`, and the instance id
+of a live backend: :class:`kvxfer.plugin.Live`), and the format of the notice a backend sends
+its peers after deregistering memory.
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer import Allocation, DescriptorList, MemoryKind
-from kvxfer.errors import KvxferError, OutOfRegistrationError
-from kvxfer.peers import on_fork
-from kvxfer.plugin import DataPath
-from kvxfer.spans import SpanIndex
+from kvxfer import Allocation, DescriptorList, KvxferError, MemoryKind, OutOfRegistrationError
+from kvxfer.plugin import DataPath, Live, SpanIndex
 
 from ._blob import PeerBlob
 
@@ -30,10 +28,9 @@ __all__ = ["Flush", "Prepared", "Registration", "Remote", "Xfer", "extents", "in
 
 _U64 = (1 << 64) - 1
 
-# A blob names its process (kvxfer.peers.Identity) and backend instance.
-instances: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
-# A forked child shares no live agents with its parent (its identity changes in kvxfer.peers).
-on_fork(instances.clear)
+# A blob names its process (kvxfer.plugin.identity.Identity) and backend instance; a forked
+# child starts with none (kvxfer.plugin.live).
+instances: "Live[Any]" = Live()
 
 
 @atexit.register

@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvxfer import Op
-from kvxfer.errors import BackendError, TransferCancelledError, UnsupportedError
+from kvxfer import BackendError, Op, TransferCancelledError, UnsupportedError
 
 from ._bounce import Bounce, Quarantine, expand
 from ._nixl import map_error

@@ -22,11 +22,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op, peers
-from kvxfer.errors import (BackendClosedError, BackendError, KvxferError, MetadataError, OutOfRegistrationError,
-                           StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
-from kvxfer.progress import Pump
-from kvxfer.spans import SpanIndex
+from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, KvxferError,
+                    MemoryKind, MetadataError, Op, OutOfRegistrationError, StalePeerError, TransferCancelledError,
+                    UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import Pump, SpanIndex, identity as peers
 
 from . import _blob, _identity, _probe
 from ._bounce import needs_fence
@@ -219,7 +218,7 @@ class NixlBackend(Notifications, Files, Backend):
         except Exception as exc:  # nothing untyped may escape a call that takes network input
             raise MetadataError(f"could not load the NIXL metadata of {peer_name!r}: {exc!r}") from exc
         local = None
-        other = instances.get(parsed.instance) if parsed.identity.token == peers.here().token else None
+        other = instances.find(parsed.instance, parsed.identity.token, peers.here().token)
         if other is not None and other is not self and other.agent_name == peer_name:
             local = weakref.ref(other)
         old = self._remotes.get(peer_name)

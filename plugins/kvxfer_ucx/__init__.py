@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.extras import install_hint
-from kvxfer.plugin import RegisterBackend, hookimpl
+from kvxfer.plugin import RegisterBackend, hookimpl, install_hint
 
 from ._options import OPTIONS
 
@@ -47,9 +46,9 @@ def kvxfer_register_backends(register: RegisterBackend) -> None:
 @hookimpl
 def kvxfer_doctor_checks(gpus: int) -> list[Any]:
     """UCX's rows of ``kvxfer doctor`` (:mod:`kvxfer_ucx._doctor`)."""
-    from ._doctor import check_ucx
+    from ._doctor import check_ptrace, check_ucx
 
-    return check_ucx(gpus, diagnostics())
+    return check_ucx(gpus, diagnostics()) + check_ptrace()
 
 
 def diagnostics() -> dict[str, Any]:
@@ -61,7 +60,7 @@ def diagnostics() -> dict[str, Any]:
     it is validated against the receive-queue layout of ``validated`` releases only, and off
     on any other, where a killed peer can wedge an agent's receive queue again.
     """
-    from kvxfer.ucxabi import mmqueue as _stuckslot
+    from kvxfer.plugin.ucxabi import mmqueue as _stuckslot
 
     from . import _libucp
 

@@ -17,8 +17,8 @@ import base64
 import json
 from typing import Any, NamedTuple
 
+from kvxfer import MetadataError
 from kvxfer.plugin import wire as _wire
-from kvxfer.errors import MetadataError
 
 __all__ = ["BLOB_VERSION", "Blob", "Host", "encode_blob", "parse_blob"]
 

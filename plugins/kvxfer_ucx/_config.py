@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from kvxfer.errors import BackendError
+from kvxfer import BackendError
 
-from kvxfer.ucxabi.mmqueue import CONFIG as STUCK_SLOT_CONFIG
+from kvxfer.plugin.ucxabi import mmqueue
 
 __all__ = ["NETWORK_TLS", "SAME_HOST_TLS", "transport_config", "warn_if_ptrace_is_narrower"]
 
@@ -28,7 +28,7 @@ NETWORK_TLS = "self,tcp,posix"
 _LOCAL_TLS = frozenset(SAME_HOST_TLS.split(","))
 #: Shared memory reports dead peers only with this on; keepalive rounds bound detection time.
 #: The receive queue's layout is pinned: ``kvxfer.ucxabi.mmqueue`` reads it.
-_BASE_CONFIG = {"POSIX_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "100ms", **STUCK_SLOT_CONFIG}
+_BASE_CONFIG = {"POSIX_ERROR_HANDLING": "y", "KEEPALIVE_INTERVAL": "100ms", **mmqueue.CONFIG}
 
 
 def transport_config(tls: str | None, trusted_network: bool, extra: Mapping[str, Any] | None) -> dict[str, str]:

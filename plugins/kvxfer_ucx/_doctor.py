@@ -1,4 +1,5 @@
-"""``kvxfer doctor``'s checks of the ucx backend: the libucp loaded, its transports, the stuck-slot skip."""
+"""``kvxfer doctor``'s checks of the ucx backend: the libucp loaded, its transports, the stuck-slot skip,
+and Yama's ptrace policy for the same-host copy path."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import shutil
 import subprocess
 from typing import Any
 
-from kvxfer.extras import install_hint
+from kvxfer.plugin import install_hint
 from kvxfer.plugin.doctor import PROBE_TIMEOUT, Check
 
-__all__ = ["check_ucx", "stuck_slot_check", "ucx_transports"]
+__all__ = ["check_ptrace", "check_ucx", "stuck_slot_check", "ucx_transports"]
 
 
 def _ucx_info(lib: str | None = None) -> tuple[str | None, dict[str, str]]:
@@ -88,3 +89,17 @@ def stuck_slot_check(d: dict[str, Any]) -> Check:
                                                 f"({', '.join(d['validated'])}); a peer killed mid-message can wedge "
                                                 "an agent's receive queue for all its peers",
                  f"{install_hint('ucx')} (it pins a validated libucx-cu12)")
+
+
+def check_ptrace() -> list[Check]:
+    """Whether Yama lets the same-host copy path (:mod:`kvxfer_ucx._samehost`) read a peer."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return [Check("same-host copy", "ok", "no Yama restriction: the ucx backend's process_vm_readv path can run")]
+    if scope >= 2:
+        return [Check("same-host copy", "warn", f"kernel.yama.ptrace_scope={scope}: the ucx backend cannot use "
+                                                "process_vm_readv between processes and falls back to UCX RMA",
+                      "sysctl kernel.yama.ptrace_scope=1 (needs root), or accept the slower path")]
+    return [Check("same-host copy", "ok", f"kernel.yama.ptrace_scope={scope}: process_vm_readv allowed")]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from kvxfer.prove import backend_probe, named, unnamed
+from kvxfer.plugin.prover import backend_probe, named, unnamed
 
 __all__ = ["make_probe"]
 

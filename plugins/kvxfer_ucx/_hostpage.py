@@ -33,11 +33,10 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from kvxfer import Allocation, MemoryKind, peers
-from kvxfer.errors import (BackendError, IdentityError, KvxferError, MetadataError, OutOfRegistrationError,
-                           PeerDisconnectedError, StalePeerError)
-from kvxfer.ucxabi.address import Here
-from kvxfer.spans import SpanIndex
+from kvxfer import (Allocation, BackendError, IdentityError, KvxferError, MemoryKind, MetadataError,
+                    OutOfRegistrationError, PeerDisconnectedError, StalePeerError)
+from kvxfer.plugin import SpanIndex, identity as peers
+from kvxfer.plugin.ucxabi import Here
 
 from ._blob import Blob, Host
 from ._identity import check_reach

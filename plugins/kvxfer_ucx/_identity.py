@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 
-from kvxfer.errors import IdentityError
-from kvxfer.peers import third
+from kvxfer import IdentityError
+from kvxfer.plugin.identity import third
 
 from ._blob import Blob, Host
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvxfer import DescriptorList, MemoryKind
-from kvxfer.errors import BackendError, OutOfRegistrationError
-from kvxfer.spans import SpanIndex
+from kvxfer import BackendError, DescriptorList, MemoryKind, OutOfRegistrationError
+from kvxfer.plugin import SpanIndex
 
 __all__ = ["Prepared"]
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kvxfer import Allocation, MemoryKind
-from kvxfer.errors import BackendError, UnsupportedError
-from kvxfer.spans import SpanIndex
+from kvxfer import Allocation, BackendError, MemoryKind, UnsupportedError
+from kvxfer.plugin import SpanIndex
 
 from ._blob import MAX_ALLOCATIONS
 from ._hostpage import RegistrationPage

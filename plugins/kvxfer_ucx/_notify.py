@@ -12,7 +12,7 @@ import struct
 from collections import defaultdict
 from typing import Any, Callable
 
-from kvxfer.errors import UnsupportedError
+from kvxfer import UnsupportedError
 
 from . import _libucp as L
 from ._worker import Worker

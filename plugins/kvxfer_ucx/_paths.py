@@ -14,10 +14,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from kvxfer.deadlines import Deadline
-from kvxfer import Op
-from kvxfer.errors import BackendError, KvxferError, PeerDisconnectedError
-from kvxfer.spans import merge_runs
+from kvxfer import BackendError, KvxferError, Op, PeerDisconnectedError
+from kvxfer.plugin import Deadline, merge_runs
 
 from . import _libucp as L, _samehost as SH
 from ._lists import Prepared

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import KvxferError
-from kvxfer.spans import SpanIndex
+from kvxfer import KvxferError
+from kvxfer.plugin import SpanIndex
 
 from ._hostpage import PeerPage, ProcessWatch
 from ._worker import Worker

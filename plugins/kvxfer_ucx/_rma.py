@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvxfer.errors import KvxferError
+from kvxfer import KvxferError
 
 from . import _libucp as L
 from ._worker import Worker

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from kvxfer.errors import BackendError, KvxferError, PeerDisconnectedError, TransferCancelledError
+from kvxfer import BackendError, KvxferError, PeerDisconnectedError, TransferCancelledError
 
 __all__ = [
     "DEFAULT_CHUNK",

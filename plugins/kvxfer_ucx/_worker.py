@@ -21,11 +21,11 @@ import ctypes
 import time
 from typing import Any, Callable
 
-from kvxfer.deadlines import Deadline
-from kvxfer.errors import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
+from kvxfer import BackendError, BackendUnavailableError, MetadataError, PeerDisconnectedError
+from kvxfer.plugin import Deadline
 
 from . import _libucp as L
-from kvxfer.ucxabi import mmqueue as _stuckslot
+from kvxfer.plugin.ucxabi import mmqueue as _stuckslot
 
 from . import _requests
 

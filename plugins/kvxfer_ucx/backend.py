@@ -27,18 +27,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from kvxfer.deadlines import Deadline
-from kvxfer import Allocation, Backend, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import (BackendClosedError, BackendError, IdentityError, KvxferError, MetadataError,
-                           OutOfRegistrationError,
-                           PeerDisconnectedError, StalePeerError, TransferCancelledError, UnknownPeerError,
-                           UnsupportedError)
-from kvxfer.ucxabi import address as ucxaddr
-from kvxfer.ucxabi.address import Here
-from kvxfer.plugin import DataPath, choose
-from kvxfer.progress import Pump
-from kvxfer.prove import named, shared
-from kvxfer.spans import SpanIndex
+from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, IdentityError,
+                    KvxferError, MemoryKind, MetadataError, Op, OutOfRegistrationError, PeerDisconnectedError,
+                    StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, Deadline, Pump, SpanIndex, choose
+from kvxfer.plugin.prover import named, shared
+from kvxfer.plugin.ucxabi import Here, SlotWatch, address as ucxaddr
 
 from . import _libucp as L, _samehost as SH
 from ._config import transport_config, warn_if_ptrace_is_narrower
@@ -51,7 +45,6 @@ from ._notify import Notifications, check_size
 from ._paths import CopyPath, RmaPath
 from ._peers import Peer as _Peer, Xfer as _Xfer
 from ._peerworkers import PeerWorkers
-from kvxfer.ucxabi.mmqueue import SlotWatch
 from ._worker import UcxCallError, Worker
 
 __all__ = ["UcxBackend"]

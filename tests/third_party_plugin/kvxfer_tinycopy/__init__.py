@@ -2,7 +2,8 @@
 
 It is the worked example of CONTRIBUTING.md: register through the hook, implement the
 seam with numpy, let the core do validation, planning, deadlines and notifications' order.
-It lists its one data path (:class:`kvxfer.plugin.DataPath`), memmove, and
+A peer is another agent of this process, found in :class:`kvxfer.plugin.Live`. It lists
+its one data path (:class:`kvxfer.plugin.DataPath`), memmove, and
 :class:`kvxfer.plugin.PathBackend` posts over it. VRAM is not its business: the agent routes
 VRAM pairs between its agents to the core's device path, beside it.
 """
@@ -17,12 +18,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import Allocation, Capabilities, DescriptorList, MemoryKind, Op
-from kvxfer.errors import PeerDisconnectedError, UnknownPeerError, UnsupportedError
-from kvxfer.plugin import PathBackend, RegisterBackend, hookimpl
+from kvxfer import (Allocation, Capabilities, DescriptorList, MemoryKind, Op, PeerDisconnectedError, UnknownPeerError,
+                    UnsupportedError)
+from kvxfer.plugin import Live, PathBackend, RegisterBackend, hookimpl, identity
 
-_LIVE: dict[bytes, "TinyCopy"] = {}
-_TOKEN = 16  # the blob: bytes naming the agent
+_LIVE: "Live[TinyCopy]" = Live()  # the agents of this process, by their blob's first bytes
+_TOKEN = 16  # the blob: bytes naming the agent, then this process's identity token
 
 
 class Listed:
@@ -83,10 +84,11 @@ class TinyCopy(PathBackend):
         pass
 
     def local_metadata(self) -> bytes:
-        return self._token
+        return self._token + identity.here().token
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
-        other = _LIVE.get(bytes(blob))
+        # an agent's name alone is no proof: the blob must also carry this process's token
+        other = _LIVE.find(bytes(blob[:_TOKEN]), bytes(blob[_TOKEN:]), identity.here().token)
         if other is None:
             raise PeerDisconnectedError(f"{peer_name} is not alive in this process")
         self._peers[peer_name] = other
