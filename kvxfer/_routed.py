@@ -188,8 +188,8 @@ class Routed(PathBackend):
         pieces = (type(la)(la.addr[lr] + off, n, la.device[lr], la.peer, la.epoch),
                   type(ra)(ra.addr[rr] + off, n, ra.device[rr], ra.peer, ra.epoch))
         k = np.arange(run.shape[0], dtype=np.int64)
-        x = PathBackend.post(self, Op.READ, Listed(None, pieces[0], local.peer), k, Listed(None, pieces[1], remote.peer),
-                             k, notification, expect=Pieces(digest, cells, expect))
+        lo, re = Listed(None, pieces[0], local.peer), Listed(None, pieces[1], remote.peer)
+        x = PathBackend.post(self, Op.READ, lo, k, re, k, notification, expect=Pieces(digest, cells, expect))
         if getattr(x.h, "verified", False):  # the fused kernel took it (else a plain copy, checked after DONE)
             expect.cover(cells)
         return x

@@ -4,8 +4,9 @@ A backend holds one :class:`DevicePath` and calls it at the same points of the s
 calls its transport: ``register`` (export IPC handles), ``blob`` (appended to its connection
 blob), ``add_peer`` (decide the route, open the peer's handles once), ``prepare`` (check and
 translate a list once), ``post``/``poll``/``release`` (one batched copy per post, completion
-from a CUDA event: :mod:`kvxfer.cuda.completion`). Where the route is not direct, or a list cannot be proven to lie inside
-what the peer exported, ``prepare`` returns ``None`` and the transport carries the bytes.
+from a CUDA event: :mod:`kvxfer.cuda.completion`). Where the route is not direct, or a list
+cannot be proven to lie inside what the peer exported, ``prepare`` returns ``None`` and the
+transport carries the bytes.
 
 Bounds: every span of a remote list is looked up with :class:`~kvxfer.spans.SpanIndex` in
 the allocations the peer exported (or, for a peer of this process, in what it registered
