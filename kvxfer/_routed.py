@@ -176,6 +176,8 @@ class Routed(PathBackend):
                     notification: bytes | None, expect: "Expected") -> Post | None:
         """One fused post of the pair cut into whole cells, or None where the runs are not whole
         cells (the caller posts a plain copy; the check after DONE covers it)."""
+        from .integrity.fused import Pieces
+
         la, ra = local.device, remote.device
         assert la is not None and ra is not None
         cut = expect.cut(la.addr[li], la.nbytes[li])
@@ -186,8 +188,8 @@ class Routed(PathBackend):
         pieces = (type(la)(la.addr[lr] + off, n, la.device[lr], la.peer, la.epoch),
                   type(ra)(ra.addr[rr] + off, n, ra.device[rr], ra.peer, ra.epoch))
         k = np.arange(run.shape[0], dtype=np.int64)
-        x = PathBackend.post(self, Op.READ, Listed(None, pieces[0], local.peer), k, Listed(None, pieces[1], remote.peer),
-                             k, notification, expect=digest)
+        lo, re = Listed(None, pieces[0], local.peer), Listed(None, pieces[1], remote.peer)
+        x = PathBackend.post(self, Op.READ, lo, k, re, k, notification, expect=Pieces(digest, cells, expect))
         if getattr(x.h, "verified", False):  # the fused kernel took it (else a plain copy, checked after DONE)
             expect.cover(cells)
         return x

@@ -179,7 +179,7 @@ class Transfer:
         # slow network transfer does not burn a core the peer may need. A backend that
         # needs someone to drive progress gets no sleeps: this loop *is* its progress
         # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
-        if type(self._backend).wait is not _no_wait:
+        if getattr(type(self._backend), "wait", _no_wait) is not _no_wait:  # the store's engine has none
             self._block(deadline)
         backoff = None if self._backend.capabilities.needs_progress else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
         while not self.done():

@@ -160,11 +160,13 @@ def test_a_corrupted_byte_fails_the_verified_agent_read(monkeypatch: pytest.Monk
         else:
             with pytest.raises(IntegrityError) as e:
                 t.wait(30)
-            assert e.value.mismatches == 1
+            assert e.value.mismatches == 1  # named as the check after DONE names it:
+            assert (e.value.block, e.value.remote_block, e.value.member) == (5, 2, "v")
+            assert "block 5 (source block 2): member 'v'" in str(e.value)
             if how == "fused":
-                assert "copy_mm8" in cap.calls and hashed == [6]
+                assert "copy_mm8" in cap.calls and hashed == [6]  # no second pass found it
             else:
-                assert "copy_mm8" not in cap.calls and "block 5 (source block 2)" in str(e.value)
+                assert "copy_mm8" not in cap.calls and hashed == [6, 6]
     want = np.full_like(dst, SENTINEL)
     want[AL] = src[AR]  # the bytes landed either way: a failed check says nobody vouches for them
     np.testing.assert_array_equal(dst, want)
@@ -185,3 +187,51 @@ def test_runs_are_cut_only_into_whole_adjacent_cells() -> None:
     t.cover(cells)
     assert t.complete()
     assert t.cut(np.array([0], np.uint64), np.array([16], np.uint64)) is None  # a cell already checked
+
+
+class _Backend:
+    """The agent as post_parts saw it before it posted through the seam: its backend, not its router."""
+
+    def __init__(self, agent: object) -> None:
+        self.__dict__["_a"] = agent
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._a, "backend" if name == "_route" else name)
+
+
+@pytest.mark.parametrize("seam", [True, False])
+def test_a_verified_read_in_parts_goes_through_the_agents_seam(monkeypatch: pytest.MonkeyPatch, seam: bool) -> None:
+    """Parts on (``PART_BYTES``) and the fused kernel out of the way: a verified VRAM READ posted
+    part by part goes through the agent's seam, so the device path carries each part and each is
+    checked as it lands. Control: posted to the backend itself, the device path is passed by."""
+    from kvxfer import _posting
+    from kvxfer.cuda import SAME_PROCESS
+    from kvxfer.errors import UnsupportedError
+    from kvxfer.integrity import fused, overlap
+
+    cap = FakeCuda()
+    monkeypatch.setattr(fused.Expected, "of", classmethod(lambda cls, check: None))
+    monkeypatch.setattr(overlap, "PART_BYTES", 2 * HALF)  # three blocks of 2 KiB: a part each
+    if not seam:
+        real = _posting.post_parts
+        monkeypatch.setattr(_posting, "post_parts", lambda agent, *a: real(_Backend(agent), *a))
+    p, d, src, dst, hashed = _agents(monkeypatch, cap)
+    before_d, before_s = dst.copy(), src.copy()
+    with p, d:
+        expect = p.digest(AR, algorithm="mm8")  # type: ignore[attr-defined]
+        if not seam:  # the backend is handed the VRAM lists (its own copy is not run: no real GPU here)
+            asked: list[int] = []
+
+            def post(self: object, op: Op, local: object, li: np.ndarray, *a: object) -> object:
+                asked.append(len(li))
+                raise UnsupportedError("the backend was asked to move the VRAM itself")
+            monkeypatch.setattr(type(d.backend), "post", post)  # type: ignore[attr-defined]
+            with pytest.raises(UnsupportedError):
+                d.read("p", AL, AR, expect=expect).wait(30)  # type: ignore[attr-defined]
+            assert asked and "copy" not in cap.calls and (dst == SENTINEL).all()
+            return
+        t = d.read("p", AL, AR, expect=expect)  # type: ignore[attr-defined]
+        t.wait(30)
+        assert t.stats.path == SAME_PROCESS
+    assert cap.calls.count("copy") == 3 and hashed[1:] == [2, 2, 2]  # one post and one check a part
+    assert_rows_moved(Op.READ, dst, src, before_d, before_s, np.array(AL), np.array(AR))

@@ -85,14 +85,17 @@ def test_cross_kind_transfers_verify(src_mem: str, dst_mem: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", faults.CORRUPTIONS)
 def test_every_vram_corruption_is_caught(backend: str, kind: str) -> None:
+    """The damage lands between the transport's completion and DONE, so the backend must carry
+    the bytes: the agents' device path is off (it would carry these same-process VRAM pairs past
+    the corrupting wrapper; its own check is the next test's)."""
     faults.install()
     c = faults.Corruption(kind, page=PAGE)
     X = _X(7)
     made = []
     try:
         for shape in (("packed", "packed"), ("packed", "layers"), ("layers", "layers")):
-            p = kvxfer.Agent("prefill", backend="corrupting", inner=backend)
-            d = kvxfer.Agent("decode", backend="corrupting", inner=backend, corruption=c)
+            p = kvxfer.Agent("prefill", backend="corrupting", inner=backend, device_copy=False)
+            d = kvxfer.Agent("decode", backend="corrupting", inner=backend, corruption=c, device_copy=False)
             p.register(_cache(shape[0], X)[0])
             t, logical = _cache(shape[1], None)
             d.register(t)
@@ -120,3 +123,46 @@ def test_every_vram_corruption_is_caught(backend: str, kind: str) -> None:
             d.close()
             p.close()
         faults.uninstall()
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_the_device_paths_fused_check_catches_a_changed_source(verified: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's device path carries these reads; with ``expect`` the core hands it the source's
+    mm8 digests and the fused kernel copies and hashes in one pass (no second pass after DONE).
+    A source byte changed after it was digested fails the read, typed, naming block and member.
+    Control: the same read unverified lands the changed bytes silently."""
+    from kvxfer.cuda import SAME_PROCESS
+    from kvxfer.integrity import digests
+
+    X = _X(11)
+    second: list[int] = []
+    real = digests.hash_spans
+    monkeypatch.setattr(digests, "hash_spans", lambda spans, algo: (second.append(1), real(spans, algo))[1])
+    with kvxfer.Agent("p") as p, kvxfer.Agent("d") as d:
+        views, _ = _cache("packed", X)
+        p.register(views)
+        t, logical = _cache("layers", None)
+        d.register(t)
+        d.add_peer(p.metadata())
+        expect = p.digest(RB)
+        second.clear()
+        ok = d.read("p", LB, RB, expect=expect)
+        ok.wait(30)
+        assert ok.stats.path == SAME_PROCESS and not second  # fused: no pass over the destination after DONE
+        assert (logical()[:, LB] == X[:, RB]).all()
+        views["layer.1"][int(RB[2]), 100] ^= 1  # block 11's layer.1 page, after it was digested
+        torch.cuda.synchronize()
+        for v in t.values():
+            v.fill_(0xAA)
+        torch.cuda.synchronize()
+        if verified:
+            with pytest.raises(IntegrityError) as e:
+                d.read("p", LB, RB, expect=expect).wait(30)
+            assert (e.value.block, e.value.remote_block, e.value.member) == (int(LB[2]), int(RB[2]), "layer.1")
+            assert e.value.mismatches == 1 and not second
+        else:
+            d.read("p", LB, RB).wait(30)
+        want = X.copy()
+        want[1, RB[2], 100] ^= 1
+        assert (logical()[:, LB] == want[:, RB]).all()  # the bytes landed: verified, nobody vouches for them

@@ -35,6 +35,7 @@ class PathXfer:
     released: bool = False
     fenced: bool = False
     expect: np.ndarray | None = None  # a verified post: the source's digest of each descriptor
+    describe: Any = None  # names a verified post's mismatches (the core's: block and member), or None
 
     @property
     def verified(self) -> bool:  # completion compares what the fused kernel hashed with expect
@@ -78,6 +79,8 @@ class Completion:
             return
         got = self.cap.digests(x.handles[0])
         bad = np.flatnonzero(got != x.expect)
+        if bad.shape[0] and x.describe is not None:
+            raise x.describe(bad)
         if bad.shape[0]:
             raise IntegrityError(f"{bad.shape[0]} of {got.shape[0]} descriptors of a device-path post arrived with "
                                  f"another mm8 digest than the source's (first: descriptor {int(bad[0])}); the "

@@ -4,8 +4,9 @@ A backend holds one :class:`DevicePath` and calls it at the same points of the s
 calls its transport: ``register`` (export IPC handles), ``blob`` (appended to its connection
 blob), ``add_peer`` (decide the route, open the peer's handles once), ``prepare`` (check and
 translate a list once), ``post``/``poll``/``release`` (one batched copy per post, completion
-from a CUDA event: :mod:`kvxfer.cuda.completion`). Where the route is not direct, or a list cannot be proven to lie inside
-what the peer exported, ``prepare`` returns ``None`` and the transport carries the bytes.
+from a CUDA event: :mod:`kvxfer.cuda.completion`). Where the route is not direct, or a list
+cannot be proven to lie inside what the peer exported, ``prepare`` returns ``None`` and the
+transport carries the bytes.
 
 Bounds: every span of a remote list is looked up with :class:`~kvxfer.spans.SpanIndex` in
 the allocations the peer exported (or, for a peer of this process, in what it registered
@@ -318,7 +319,7 @@ class DevicePath(Completion):
 
     # -- transfers -----------------------------------------------------------------------
     def post(self, op: Op, local: Spans, li: np.ndarray, remote: Spans, ri: np.ndarray,
-             expect: np.ndarray | None = None) -> PathXfer:
+             expect: Any = None) -> PathXfer:
         """One batched copy per GPU pair (usually exactly one) on the copier's private stream.
 
         ``expect`` (uint64, one mm8 digest per descriptor pair, of the source's bytes) makes it
@@ -326,7 +327,9 @@ class DevicePath(Completion):
         it moves (kvxfer/cuda/digest.py), and completion compares the two, so the bytes are read
         once; a mismatch is :class:`IntegrityError`. Where the kernel cannot serve (a span off a
         16-byte boundary, descriptors on several GPU pairs) the post is a plain copy and
-        ``verified`` stays False: the caller's own check after DONE still runs."""
+        ``verified`` stays False: the caller's own check after DONE still runs. ``expect`` may
+        also carry its digests as ``values`` and name a mismatch with ``error(bad)`` (the core's
+        :class:`kvxfer.integrity.fused.Pieces`: block and member, as the check after DONE does)."""
         p = self._peers.get(remote.peer or "")
         if p is None or p.epoch != remote.epoch:
             raise StalePeerError(f"the list was prepared for {remote.peer!r}, which was removed or re-added since")
@@ -349,7 +352,8 @@ class DevicePath(Completion):
                 run_on = (dd if op is Op.READ else sd) if self.copy_on == "local" else (sd if op is Op.READ else dd)
                 h = self.cap.copy_mm8(d, s, n, run_on, sd, dd)  # every descriptor its own cell: no merging
                 if h is not None:
-                    return PathXfer(p, [h], p.route.kind or "", expect=np.asarray(expect, np.uint64).reshape(-1))
+                    values = np.asarray(getattr(expect, "values", expect), np.uint64).reshape(-1)
+                    return PathXfer(p, [h], p.route.kind or "", expect=values, describe=getattr(expect, "error", None))
             for d, s, n, dd, sd in groups:
                 d, s, n = merge_runs(d, s, n)
                 mine = dd if op is Op.READ else sd
@@ -366,7 +370,7 @@ class DevicePath(Completion):
         return local.device is not None and remote.device is not None
 
     def start(self, op: Op, local: Listed, li: np.ndarray, remote: Listed, ri: np.ndarray, peer: str,
-              notification: bytes | None, expect: np.ndarray | None = None) -> PathXfer:
+              notification: bytes | None, expect: Any = None) -> PathXfer:
         assert local.device is not None and remote.device is not None
         return self.post(op, local.device, li, remote.device, ri, expect)
 

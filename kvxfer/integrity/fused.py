@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import IntegrityError
 from ..memory import MemoryKind
 from .verified import PairingCheck
 
-__all__ = ["Expected"]
+__all__ = ["Expected", "Pieces"]
 
 
 class Expected:
@@ -27,11 +28,13 @@ class Expected:
     Built only for ``mm8`` cell digests (the fused kernel's function; not row digests, which
     name no cell) whose cells all lie in VRAM, at distinct addresses."""
 
-    __slots__ = ("addr", "length", "digest", "_covered")
+    __slots__ = ("addr", "length", "digest", "check", "_flat", "_covered")
 
-    def __init__(self, addr: np.ndarray, length: np.ndarray, digest: np.ndarray) -> None:
+    def __init__(self, addr: np.ndarray, length: np.ndarray, digest: np.ndarray, check: Any = None) -> None:
         order = np.argsort(addr, kind="stable")
         self.addr, self.length, self.digest = addr[order], length[order], digest[order]
+        self.check = check  # the PairingCheck it stands in for: names a mismatch's block and member
+        self._flat = order  # each cell's position in the check's [blocks, cells] order
         self._covered = np.zeros(addr.shape[0], dtype=bool)
 
     @classmethod
@@ -47,7 +50,7 @@ class Expected:
                                                                           spans.length.shape[0])).ravel()
         if (length == 0).any():
             return None
-        t = cls(addr, length, np.asarray(e.values, np.uint64).ravel())
+        t = cls(addr, length, np.asarray(e.values, np.uint64).ravel(), check)
         if t.addr.shape[0] > 1 and (t.addr[1:] < t.addr[:-1] + t.length[:-1]).any():
             return None  # cells that overlap (a block read twice): no run cuts into them one way
         return t
@@ -78,6 +81,21 @@ class Expected:
             return None  # a cell twice in one request: the check after DONE decides
         return run, self.addr[cell] - a[run], self.length[cell], self.digest[cell], cell
 
+    def mismatch(self, cells: np.ndarray, bad: np.ndarray) -> IntegrityError:
+        """The error for a fused post whose pieces ``bad`` (of ``cells``) hashed otherwise than the
+        source's digests: named as the check after DONE names it (block, source block, member)."""
+        n = int(bad.shape[0])
+        if self.check is None:
+            return IntegrityError(f"{n} cells arrived with another mm8 digest than the source's", mismatches=n)
+        e = self.check.expect
+        b, c = divmod(int(self._flat[int(cells[int(bad[0])])]), int(e.values.shape[1]))
+        lb, rb, member = int(self.check.lb[b]), int(e.blocks[b]), e.cells.members[c]
+        return IntegrityError(f"block {lb} (source block {rb}): member {member!r} bytes {int(e.cells.offsets[c])}+"
+                              f"{int(e.cells.lengths[c])} differs from the source's digest ({n} of {len(cells)} "
+                              "cells of one device-path post differ, compared as they were copied). The bytes are "
+                              "not the source's: recompute this request", block=lb, remote_block=rb, member=member,
+                              mismatches=n)
+
     def cover(self, cells: np.ndarray) -> None:
         """These cells were moved by a fused post: its completion compares their digests."""
         self._covered[cells] = True
@@ -85,3 +103,16 @@ class Expected:
     def complete(self) -> bool:
         """Whether fused posts moved every cell (then the check after DONE has nothing left to do)."""
         return bool(self._covered.all())
+
+
+class Pieces:
+    """One fused post's expected digests (``values``, one per descriptor), and how its
+    mismatches are named (``error``), as the device path takes them (``DevicePath.post(expect=)``)."""
+
+    __slots__ = ("values", "cells", "table")
+
+    def __init__(self, values: np.ndarray, cells: np.ndarray, table: Expected) -> None:
+        self.values, self.cells, self.table = values, cells, table
+
+    def error(self, bad: np.ndarray) -> IntegrityError:
+        return self.table.mismatch(self.cells, bad)

@@ -69,8 +69,9 @@ class PathBackend(Backend):
         peer = self.peer_of(remote)
         if expect is None:
             h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
-        else:
-            h = path.start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
+        else:  # an optional keyword of some rows, not of the protocol
+            start: Any = path.start
+            h = start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
         x = Post(path, h, peer, None if path.sends_notification else notification)
         if x.notification is not None and not self.poll(x):
             self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
