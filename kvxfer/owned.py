@@ -29,6 +29,10 @@ class Owner(Protocol):
 
     def _cancel(self, t: "OwnedTransfer") -> None: ...
 
+    def _drive(self, t: "OwnedTransfer", until: float | None, once: bool = False) -> None: ...
+
+    def _kick(self) -> None: ...
+
 log = logging.getLogger("kvxfer.owner")
 T = TypeVar("T")
 F = TypeVar("F", bound="OwnedFuture[Any]")
@@ -110,12 +114,17 @@ class OwnedFuture(Generic[T]):
         """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
         which it does by the transfer's deadline). Raises the error if it failed."""
         self._owner._check_not_loop("wait")
-        if timeout is None:
-            self._event.wait()
-        elif not self._event.wait(check_timeout(timeout, "wait timeout")):
-            self._timed_out(timeout)
+        limit = None if timeout is None else check_timeout(timeout, "wait timeout")
+        if not self._event.is_set():
+            until = None if limit is None else time.monotonic() + limit
+            self._help(until)
+            if not self._event.wait(None if until is None else max(0.0, until - time.monotonic())):
+                self._timed_out(limit)  # type: ignore[arg-type]
         self.done()  # raises a failure
         return self
+
+    def _help(self, until: float | None) -> None:
+        """Before waiting: what the waiting thread may do itself (see :class:`OwnedTransfer`)."""
 
     def _timed_out(self, timeout: float) -> None:
         raise TransferTimeoutError(f"not finished within {timeout:g} s")
@@ -199,7 +208,8 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         self.deadline, self.timeout = deadline, timeout
         self.expect: Any = None  # a READ's source digests (kvxfer.integrity), checked after DONE
         self.submitted = time.perf_counter()
-        self._inner: Any = None  # the agent's Transfer, once posted: the owner's thread only
+        self._inner: Any = None  # the agent's Transfer, once posted: under the owner's engine lock only
+        self._ended = False  # claimed by whoever ends it, under the engine lock (kvxfer._direct)
         # Posted (or finished without being posted): a flag made only for wait_posted(), which few
         # callers use; the owner sets ``posted`` and then the flag if one exists (see _mark_posted).
         self.posted = False
@@ -228,6 +238,26 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         """The plan the agent posted (None until posted)."""
         inner = self._inner
         return None if inner is None else inner.plan
+
+    def done(self) -> bool:
+        """True once finished; raises the error if it failed. Never blocks: while the owner's
+        loop sleeps, it polls the posted transfer once on this thread (kvxfer._direct)."""
+        if not self._event.is_set() and self._inner is not None:
+            self._owner._drive(self, None, once=True)
+        return super().done()
+
+    def _help(self, until: float | None) -> None:
+        """A waiter polls its posted transfer itself while the owner's loop sleeps, instead of
+        being woken by it (kvxfer._direct.drive): one thread wake-up less per small READ."""
+        if self._inner is not None:
+            self._owner._drive(self, until)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """As :meth:`OwnedFuture.add_done_callback`; the owner's loop is woken to poll a posted
+        transfer that a caller posted itself (kvxfer._direct), so ``fn`` runs there, soon."""
+        super().add_done_callback(fn)
+        if self._inner is not None and not self._event.is_set():
+            self._owner._kick()
 
     def wait_posted(self, timeout: float | None = None) -> "OwnedTransfer":
         """Block until the owner posted it (or it ended first; its error, planning's included,
