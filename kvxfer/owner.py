@@ -149,18 +149,23 @@ class Owner:
             if not direct:
                 self._inbox.append(("transfer", t))
         if direct and not _direct.post(self, t, route):  # the loop was busy after all: queue it
-            with self._lock:
-                if self._closing:  # closed meanwhile, and nothing went out: as if submitted after
-                    self._held -= 1
-                    route.held -= 1
-                    self._forget_idle(route)
-                    self._check_open()
-                self._inbox.append(("transfer", t))
+            self._queue_late(t, route)
         elif direct:
             return t
         if self._sleeping:
             self._kick()
         return t
+
+    def _queue_late(self, t: OwnedTransfer, route: Route) -> None:
+        """Queue ``t`` after its turn was refused; if the owner closed meanwhile, the loop may
+        be gone: nothing went out, so it fails as if submitted after the close."""
+        with self._lock:
+            if self._closing:
+                self._held -= 1
+                route.held -= 1
+                self._forget_idle(route)
+                self._check_open()
+            self._inbox.append(("transfer", t))
 
     def route(self, key: str, fetch: Callable[[], bytes], *, expect: str | None = None) -> None:
         """Name a peer that the owner reaches by itself: ``fetch()`` returns its metadata.
