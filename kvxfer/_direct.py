@@ -64,7 +64,7 @@ def drive(owner: Any, t: Any, until: float | None, once: bool = False) -> None:
     """Poll ``t`` on the calling thread while the loop sleeps, until it ends, ``until`` (None:
     its deadline, where polling expires it) passes, or the loop must take over."""
     engine = owner._engine
-    backoff = None if owner._progress_driven else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
+    spins, backoff = 0, None  # as Transfer.wait: spin first, then nap (never for a progress-driven backend)
     while not t._ended:
         if not owner._sleeping or owner._inbox or t._callbacks or t._inner is None:
             break
@@ -85,10 +85,11 @@ def drive(owner: Any, t: Any, until: float | None, once: bool = False) -> None:
                 return
         if once or (until is not None and time.monotonic() >= until):
             break
-        if backoff is not None:
-            d = backoff.next()
-            if d:
-                time.sleep(d)
+        spins += 1
+        if spins > 64 and not owner._progress_driven:
+            if backoff is None:
+                backoff = Backoff(1e-6, 1e-3, factor=1.0, step=1e-6)
+            time.sleep(backoff.next())
     if not t._ended and not once:
         owner._kick()  # the loop polls what is in flight from here on
 

@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
+from . import _direct
 from .deadlines import check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
@@ -28,8 +29,6 @@ class Owner(Protocol):
     def _check_not_loop(self, what: str) -> None: ...
 
     def _cancel(self, t: "OwnedTransfer") -> None: ...
-
-    def _drive(self, t: "OwnedTransfer", until: float | None, once: bool = False) -> None: ...
 
     def _kick(self) -> None: ...
 
@@ -115,7 +114,7 @@ class OwnedFuture(Generic[T]):
         which it does by the transfer's deadline). Raises the error if it failed."""
         self._owner._check_not_loop("wait")
         limit = None if timeout is None else check_timeout(timeout, "wait timeout")
-        if not self._event.is_set():
+        if not self._event._set:
             until = None if limit is None else time.monotonic() + limit
             self._help(until)
             if not self._event.wait(None if until is None else max(0.0, until - time.monotonic())):
@@ -242,15 +241,27 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
     def done(self) -> bool:
         """True once finished; raises the error if it failed. Never blocks: while the owner's
         loop sleeps, it polls the posted transfer once on this thread (kvxfer._direct)."""
-        if not self._event.is_set() and self._inner is not None:
-            self._owner._drive(self, None, once=True)
+        if not self._event._set and self._inner is not None:
+            _direct.drive(self._owner, self, None, once=True)
         return super().done()
+
+    @property
+    def status(self) -> Status:
+        """As on a Transfer; read while pending, it looks once as :meth:`done` does: a transfer a
+        caller posted itself is finished by whoever looks first (kvxfer._direct)."""
+        if self._status is Status.PENDING and self._inner is not None and not self._event._set:
+            _direct.drive(self._owner, self, None, once=True)
+        return self._status
+
+    @status.setter
+    def status(self, value: Status) -> None:
+        self._status = value
 
     def _help(self, until: float | None) -> None:
         """A waiter polls its posted transfer itself while the owner's loop sleeps, instead of
         being woken by it (kvxfer._direct.drive): one thread wake-up less per small READ."""
         if self._inner is not None:
-            self._owner._drive(self, until)
+            _direct.drive(self._owner, self, until)
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """As :meth:`OwnedFuture.add_done_callback`; the owner's loop is woken to poll a posted
@@ -300,4 +311,7 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
 
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
         super()._finish(status, value, error)
-        self._mark_posted()
+        self.posted = True  # _mark_posted(), inlined: every owned READ ends here once
+        flag = self._posted
+        if flag is not None:
+            flag.set()

@@ -99,6 +99,7 @@ class Owner:
         self._progress_driven = caps.needs_progress
         self._thread = threading.Thread(target=self._run, name=name or f"kvxfer-owner:{agent.name}", daemon=True)
         self._thread.start()
+        self._ident = self._thread.ident  # read once: Thread.ident is a property
 
     def __enter__(self) -> "Owner":
         return self
@@ -131,7 +132,8 @@ class Owner:
         t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
         t.expect = expect
         with self._lock:
-            self._check_open()
+            if self._closing:
+                self._check_open()
             route = self._routes.get(key)
             if route is None:  # a peer added directly: its name is its route
                 route = self._routes[key] = Route(key, peer=key)
@@ -145,7 +147,8 @@ class Owner:
                                         pending=route.held, limit=self.max_pending_per_peer, peer=key)
             self._held += 1
             route.held += 1
-            direct = self._sleeping and not self._inbox and not route.queue and route.ready
+            direct = self._sleeping and not self._inbox and not route.queue and route.peer is not None \
+                and not route.fetching  # the caller's turn (kvxfer._direct), checked again there
             if not direct:
                 self._inbox.append(("transfer", t))
         if direct and not _direct.post(self, t, route):  # the loop was busy after all: queue it
@@ -245,7 +248,7 @@ class Owner:
             raise AgentClosedError(f"the owner of agent {self.agent.name!r} is closed")
 
     def _check_not_loop(self, what: str) -> None:
-        if threading.get_ident() == self._thread.ident:
+        if threading.get_ident() == self._ident:
             raise RuntimeError(f"{what}() on the owner's own thread would wait for itself; use add_done_callback")
 
     @property
@@ -421,10 +424,6 @@ class Owner:
 
     _poll_one = staticmethod(_direct.poll_one)
 
-    def _drive(self, t: OwnedTransfer, until: float | None, once: bool = False) -> None:
-        """A waiter's turn: poll ``t`` itself while the loop sleeps (:func:`kvxfer._direct.drive`)."""
-        _direct.drive(self, t, until, once)
-
     def _expire_queued(self, now: float) -> None:
         if self._held == len(self._inflight):  # nothing queued (the common case): nothing to expire
             return
@@ -487,9 +486,11 @@ class Owner:
         """Under the lock: drop a route named only by submissions once it holds nothing.
 
         The next submission builds the same route again, so 20,000 unknown names leave
-        nothing behind; routes named by :meth:`route` (how to fetch a peer) are kept.
+        nothing behind; routes named by :meth:`route` (how to fetch a peer) are kept, and so
+        is a peer's own while the agent knows it (bounded by its peers; not rebuilt per READ).
         """
-        if route.fetch is None and not route.held and not route.queue and not route.waiters:
+        if route.fetch is None and not route.held and not route.queue and not route.waiters \
+                and route.peer not in self.agent._peers:
             self._routes.pop(route.key, None)
 
     def _shutdown(self) -> None:

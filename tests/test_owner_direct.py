@@ -175,7 +175,10 @@ def _stopped(two: Any, monkeypatch: pytest.MonkeyPatch, mutant: Callable[..., No
         threading.Event().wait(0.001)  # until the waiter polls it (the mutant: holding the engine)
     before = dst.layer_pages()
     fast = owner.read("p1", [7, 8], [3, 4])
-    fast._event.wait(1.5)
+    for _ in range(1500):  # done() looks without waiting; a wait that timed out would cancel it
+        if fast.done():
+            break
+        threading.Event().wait(0.001)
     fast_first = fast._event.is_set() and not stuck._ended
     waiter.join(30)
     assert fast.wait(30).status is Status.DONE
@@ -280,3 +283,28 @@ def test_control_a_late_queue_without_the_check_leaves_a_handle_pending(two: Any
     with pytest.raises(KvxferError):
         h.wait(0.3)
     assert h.status is Status.PENDING and owner.pending == 1  # queued where no loop will ever look
+
+
+def _callback_thread(two: Any, monkeypatch: pytest.MonkeyPatch, mutant: Callable[..., None] | None) -> str:
+    owner, src, dst, hold = two
+    if mutant is not None:
+        monkeypatch.setattr(_direct, "drive", mutant)
+    before = dst.layer_pages()
+    hold.on = True
+    t = owner.read("p1", [11], [12])  # posted by this thread (the caller's turn), held in flight
+    hold.on = False
+    seen: list[str] = []
+    t.add_done_callback(lambda h: seen.append(threading.current_thread().name))
+    hold.held.clear()
+    assert t.wait(30).status is Status.DONE
+    _check(dst, before, src["p1"], [11], [12])
+    return seen[0]
+
+
+def test_done_callbacks_of_a_callers_post_run_on_the_owner(two: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _callback_thread(two, monkeypatch, None).startswith("kvxfer-owner")
+
+
+def test_control_a_waiter_that_finishes_it_runs_the_callback_itself(two: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _callback_thread(two, monkeypatch, _hog) == threading.current_thread().name
