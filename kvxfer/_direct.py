@@ -29,7 +29,7 @@ from typing import Any
 from .deadlines import Backoff
 from .errors import KvxferError
 
-__all__ = ["post", "drive"]
+__all__ = ["post", "drive", "poll_one", "queue_late"]
 
 
 def post(owner: Any, t: Any, route: Any) -> bool:
@@ -60,6 +60,18 @@ def post(owner: Any, t: Any, route: Any) -> bool:
         engine.release()
 
 
+def queue_late(owner: Any, t: Any, route: Any) -> None:
+    """Queue ``t`` after its turn was refused; if the owner closed meanwhile, the loop may be
+    gone: nothing went out, so it fails as if submitted after the close."""
+    with owner._lock:
+        if owner._closing:
+            owner._held -= 1
+            route.held -= 1
+            owner._forget_idle(route)
+            owner._check_open()
+        owner._inbox.append(("transfer", t))
+
+
 def drive(owner: Any, t: Any, until: float | None, once: bool = False) -> None:
     """Poll ``t`` on the calling thread while the loop sleeps, until it ends, ``until`` (None:
     its deadline, where polling expires it) passes, or the loop must take over."""
@@ -72,7 +84,7 @@ def drive(owner: Any, t: Any, until: float | None, once: bool = False) -> None:
             ended, error = False, None
             try:
                 if owner._sleeping and not owner._inbox and not t._ended:
-                    ended, error = owner._poll_one(t, time.monotonic())
+                    ended, error = poll_one(t, time.monotonic())
                     if ended:
                         t._ended = True  # claimed: neither the loop nor a cancel ends it again
                         owner._inflight.pop(t, None)

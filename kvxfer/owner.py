@@ -152,23 +152,12 @@ class Owner:
             if not direct:
                 self._inbox.append(("transfer", t))
         if direct and not _direct.post(self, t, route):  # the loop was busy after all: queue it
-            self._queue_late(t, route)
+            _direct.queue_late(self, t, route)
         elif direct:
             return t
         if self._sleeping:
             self._kick()
         return t
-
-    def _queue_late(self, t: OwnedTransfer, route: Route) -> None:
-        """Queue ``t`` after its turn was refused; if the owner closed meanwhile, the loop may
-        be gone: nothing went out, so it fails as if submitted after the close."""
-        with self._lock:
-            if self._closing:
-                self._held -= 1
-                route.held -= 1
-                self._forget_idle(route)
-                self._check_open()
-            self._inbox.append(("transfer", t))
 
     def route(self, key: str, fetch: Callable[[], bytes], *, expect: str | None = None) -> None:
         """Name a peer that the owner reaches by itself: ``fetch()`` returns its metadata.
@@ -421,8 +410,6 @@ class Owner:
                     self._maybe_refresh(self._routes.get(t.route), error)
                 moved = True
         return moved
-
-    _poll_one = staticmethod(_direct.poll_one)
 
     def _expire_queued(self, now: float) -> None:
         if self._held == len(self._inflight):  # nothing queued (the common case): nothing to expire

@@ -10,6 +10,7 @@ safety case has its control: the same steps with the rule undone show the bad ou
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -153,7 +154,7 @@ def _hog(owner: Any, t: Any, until: float | None, once: bool = False) -> None:
         return
     with owner._engine:
         while not t._ended:
-            ended, err = owner._poll_one(t, __import__("time").monotonic())
+            ended, err = _direct.poll_one(t, time.monotonic())
             if ended:
                 t._ended = True
                 owner._inflight.pop(t, None)
@@ -253,11 +254,11 @@ def _close_racing(two: Any, monkeypatch: pytest.MonkeyPatch, control: bool) -> t
 
     monkeypatch.setattr(_direct, "post", racing)
     if control:  # the mutant: the late queueing without its check for a close
-        def late(self: Owner, t: Any, route: Any) -> None:
-            with self._lock:
-                self._inbox.append(("transfer", t))
+        def late(o: Owner, t: Any, route: Any) -> None:
+            with o._lock:
+                o._inbox.append(("transfer", t))
 
-        monkeypatch.setattr(Owner, "_queue_late", late)
+        monkeypatch.setattr(_direct, "queue_late", late)
     try:
         h = owner.read("p1", [9], [9])
     except AgentClosedError as exc:
