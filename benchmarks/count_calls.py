@@ -3,7 +3,8 @@
 A count, unlike a time, compares across machines (issue 37). One process holds two NIXL
 agents over a packed 4 KB cache; after 200 warm-up READs, cProfile counts the calls of 100
 more: ``Agent.read`` alone (until the transport's post returns), then ``read`` with ``done()``
-polled until DONE. Printed per READ: all calls, Python functions, and those in ``kvxfer/``.
+polled until DONE, then ``Owner.read(...).wait()`` over the same agent (counted on the calling
+thread only). Printed per READ: all calls, Python functions, and those in ``kvxfer/``.
 
     PYTHONPATH=$PWD:$PWD/plugins python benchmarks/count_calls.py [--backend nixl]
 """
@@ -56,6 +57,14 @@ def main() -> None:
                 pass
 
         print("read() + done() until DONE:    %.0f calls, %.0f Python functions, %.0f in kvxfer/" % count(full))
+        owner = kvxfer.Owner(b, close_agent=False)
+        try:
+            for i in range(200):  # the first READ of the shape goes the general way, on the loop
+                owner.read("p", [i % 60], [(i * 7) % 60]).wait(5)
+            print("Owner.read().wait():           %.0f calls, %.0f Python functions, %.0f in kvxfer/"
+                  % count(lambda i: owner.read("p", [i % 60], [(i * 7) % 60]).wait(5)))
+        finally:
+            owner.close()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
+from . import _direct
 from .deadlines import check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
@@ -28,6 +29,8 @@ class Owner(Protocol):
     def _check_not_loop(self, what: str) -> None: ...
 
     def _cancel(self, t: "OwnedTransfer") -> None: ...
+
+    def _kick(self) -> None: ...
 
 log = logging.getLogger("kvxfer.owner")
 T = TypeVar("T")
@@ -110,12 +113,17 @@ class OwnedFuture(Generic[T]):
         """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
         which it does by the transfer's deadline). Raises the error if it failed."""
         self._owner._check_not_loop("wait")
-        if timeout is None:
-            self._event.wait()
-        elif not self._event.wait(check_timeout(timeout, "wait timeout")):
-            self._timed_out(timeout)
+        limit = None if timeout is None else check_timeout(timeout, "wait timeout")
+        if not self._event._set:
+            until = None if limit is None else time.monotonic() + limit
+            self._help(until)
+            if not self._event.wait(None if until is None else max(0.0, until - time.monotonic())):
+                self._timed_out(limit)  # type: ignore[arg-type]
         self.done()  # raises a failure
         return self
+
+    def _help(self, until: float | None) -> None:
+        """Before waiting: what the waiting thread may do itself (see :class:`OwnedTransfer`)."""
 
     def _timed_out(self, timeout: float) -> None:
         raise TransferTimeoutError(f"not finished within {timeout:g} s")
@@ -199,7 +207,8 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         self.deadline, self.timeout = deadline, timeout
         self.expect: Any = None  # a READ's source digests (kvxfer.integrity), checked after DONE
         self.submitted = time.perf_counter()
-        self._inner: Any = None  # the agent's Transfer, once posted: the owner's thread only
+        self._inner: Any = None  # the agent's Transfer, once posted: under the owner's engine lock only
+        self._ended = False  # claimed by whoever ends it, under the engine lock (kvxfer._direct)
         # Posted (or finished without being posted): a flag made only for wait_posted(), which few
         # callers use; the owner sets ``posted`` and then the flag if one exists (see _mark_posted).
         self.posted = False
@@ -228,6 +237,38 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         """The plan the agent posted (None until posted)."""
         inner = self._inner
         return None if inner is None else inner.plan
+
+    def done(self) -> bool:
+        """True once finished; raises the error if it failed. Never blocks: while the owner's
+        loop sleeps, it polls the posted transfer once on this thread (kvxfer._direct)."""
+        if not self._event._set and self._inner is not None:
+            _direct.drive(self._owner, self, None, once=True)
+        return super().done()
+
+    @property
+    def status(self) -> Status:
+        """As on a Transfer; read while pending, it looks once as :meth:`done` does: a transfer a
+        caller posted itself is finished by whoever looks first (kvxfer._direct)."""
+        if self._status is Status.PENDING and self._inner is not None and not self._event._set:
+            _direct.drive(self._owner, self, None, once=True)
+        return self._status
+
+    @status.setter
+    def status(self, value: Status) -> None:
+        self._status = value
+
+    def _help(self, until: float | None) -> None:
+        """A waiter polls its posted transfer itself while the owner's loop sleeps, instead of
+        being woken by it (kvxfer._direct.drive): one thread wake-up less per small READ."""
+        if self._inner is not None:
+            _direct.drive(self._owner, self, until)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """As :meth:`OwnedFuture.add_done_callback`; the owner's loop is woken to poll a posted
+        transfer that a caller posted itself (kvxfer._direct), so ``fn`` runs there, soon."""
+        super().add_done_callback(fn)
+        if self._inner is not None and not self._event.is_set():
+            self._owner._kick()
 
     def wait_posted(self, timeout: float | None = None) -> "OwnedTransfer":
         """Block until the owner posted it (or it ended first; its error, planning's included,
@@ -270,4 +311,7 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
 
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
         super()._finish(status, value, error)
-        self._mark_posted()
+        self.posted = True  # _mark_posted(), inlined: every owned READ ends here once
+        flag = self._posted
+        if flag is not None:
+            flag.set()

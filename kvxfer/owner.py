@@ -30,7 +30,7 @@ import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
-from . import _args, _handshake
+from . import _args, _direct, _handshake
 from .agent import Agent
 from .deadlines import Backoff, Deadline, check_timeout
 from .errors import (
@@ -84,6 +84,10 @@ class Owner:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._sleeping = False
+        # Whoever touches the agent holds this: the loop whenever it is awake, else a caller
+        # taking its turn (kvxfer._direct), who only ever tries it. Held for good once closed.
+        self._engine = threading.Lock()
+        self._engine.acquire()
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._routes: dict[str, Route] = {}
         self._held = 0
@@ -92,8 +96,10 @@ class Owner:
         self._inflight: dict[OwnedTransfer, None] = {}  # the loop's only
         caps = agent.backend.capabilities
         self._max_sleep = 50e-6 if caps.needs_progress else 1e-3
+        self._progress_driven = caps.needs_progress
         self._thread = threading.Thread(target=self._run, name=name or f"kvxfer-owner:{agent.name}", daemon=True)
         self._thread.start()
+        self._ident = self._thread.ident  # read once: Thread.ident is a property
 
     def __enter__(self) -> "Owner":
         return self
@@ -126,7 +132,8 @@ class Owner:
         t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
         t.expect = expect
         with self._lock:
-            self._check_open()
+            if self._closing:
+                self._check_open()
             route = self._routes.get(key)
             if route is None:  # a peer added directly: its name is its route
                 route = self._routes[key] = Route(key, peer=key)
@@ -140,7 +147,14 @@ class Owner:
                                         pending=route.held, limit=self.max_pending_per_peer, peer=key)
             self._held += 1
             route.held += 1
-            self._inbox.append(("transfer", t))
+            direct = self._sleeping and not self._inbox and not route.queue and route.peer is not None \
+                and not route.fetching  # the caller's turn (kvxfer._direct), checked again there
+            if not direct:
+                self._inbox.append(("transfer", t))
+        if direct and not _direct.post(self, t, route):  # the loop was busy after all: queue it
+            _direct.queue_late(self, t, route)
+        elif direct:
+            return t
         if self._sleeping:
             self._kick()
         return t
@@ -223,7 +237,7 @@ class Owner:
             raise AgentClosedError(f"the owner of agent {self.agent.name!r} is closed")
 
     def _check_not_loop(self, what: str) -> None:
-        if threading.get_ident() == self._thread.ident:
+        if threading.get_ident() == self._ident:
             raise RuntimeError(f"{what}() on the owner's own thread would wait for itself; use add_done_callback")
 
     @property
@@ -267,7 +281,13 @@ class Owner:
             if not self._inbox and not self._closing and not spinning:
                 self._sleeping = True  # then look again: a submitter that missed the flag appended first
                 if not self._inbox and not self._closing:
-                    self._wake.acquire(timeout=self._idle_wait(naps.delay))
+                    wait = self._idle_wait(naps.delay)
+                    self._engine.release()  # callers may take their turn (kvxfer._direct) meanwhile
+                    try:
+                        self._wake.acquire(timeout=wait)
+                    finally:
+                        self._sleeping = False
+                        self._engine.acquire()
                 self._sleeping = False
             closing = self._closing  # read before draining: all that came before closing is applied
             had_ops = bool(self._inbox)
@@ -383,20 +403,11 @@ class Owner:
     def _poll(self, now: float) -> bool:
         moved = False
         for t in list(self._inflight):
-            inner = t._inner
-            try:
-                finished = inner.done()
-            except KvxferError as exc:
-                self._end(t, exc)
-                self._maybe_refresh(self._routes.get(t.route), exc)
-                moved = True
-                continue
-            if finished:
-                self._end(t)
-                moved = True
-            elif inner.expire(now):
-                self._end(t, inner.error)
-                self._maybe_refresh(self._routes.get(t.route), inner.error)
+            ended, error = _direct.poll_one(t, now)
+            if ended:
+                self._end(t, error)
+                if error is not None:
+                    self._maybe_refresh(self._routes.get(t.route), error)
                 moved = True
         return moved
 
@@ -419,7 +430,7 @@ class Owner:
                 self._handshake(route)
 
     def _cancel_now(self, t: OwnedTransfer) -> None:
-        if t._event.is_set():
+        if t._ended:
             return
         if t._inner is None:
             route = self._routes.get(t.route)
@@ -439,10 +450,15 @@ class Owner:
         self._end(t, TransferCancelledError("transfer was cancelled"))
 
     def _end(self, t: OwnedTransfer, error: BaseException | None = None) -> None:
-        """Finish ``t`` once: give back its admission, then run its callbacks."""
-        if t._event.is_set():
+        """Finish ``t`` once (under the engine lock): give back its admission, run its callbacks."""
+        if t._ended:
             return
+        t._ended = True
         self._inflight.pop(t, None)
+        self._settle(t, error)
+
+    def _settle(self, t: OwnedTransfer, error: BaseException | None) -> None:
+        """``t`` was claimed (``_ended``) by whoever ends it: admission back, then its callbacks."""
         with self._lock:
             self._held -= 1
             route = self._routes[t.route]
@@ -457,9 +473,11 @@ class Owner:
         """Under the lock: drop a route named only by submissions once it holds nothing.
 
         The next submission builds the same route again, so 20,000 unknown names leave
-        nothing behind; routes named by :meth:`route` (how to fetch a peer) are kept.
+        nothing behind; routes named by :meth:`route` (how to fetch a peer) are kept, and so
+        is a peer's own while the agent knows it (bounded by its peers; not rebuilt per READ).
         """
-        if route.fetch is None and not route.held and not route.queue and not route.waiters:
+        if route.fetch is None and not route.held and not route.queue and not route.waiters \
+                and route.peer not in self.agent._peers:
             self._routes.pop(route.key, None)
 
     def _shutdown(self) -> None:

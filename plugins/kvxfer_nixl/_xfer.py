@@ -186,7 +186,7 @@ class NixlPath:
             raise BackendError(f"a descriptor list of {_what(x, a, b)} was released")
         li, ri = (x.li, x.ri) if a == 0 and last else (x.li[a:b], x.ri[a:b])
         try:
-            h = self._agent.make_prepped_xfer(x.op.value, lh, li, rh, ri, x.notification if last else b"")
+            h = self._agent.make_prepped_xfer(x.op._value_, lh, li, rh, ri, x.notification if last else b"")  # not .value: 2 calls
         except Exception as exc:
             raise map_error(exc, f"creating {_what(x, a, b)}", x.peer) from exc
         try:
