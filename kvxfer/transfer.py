@@ -179,10 +179,16 @@ class Transfer:
         # slow network transfer does not burn a core the peer may need. A backend that
         # needs someone to drive progress gets no sleeps: this loop *is* its progress
         # engine (UCX software RMA ran 25x slower with 1 ms naps between polls).
-        if getattr(type(self._backend), "wait", _no_wait) is not _no_wait:  # the store's engine has none
-            self._block(deadline)
+        # A transfer still pending at the first poll is handed to the backend's own wait once, if
+        # it has one (a device-path post: its CUDA event); one done at once (a small DRAM READ)
+        # never asks. The store's engine is no Backend and has none.
+        block = getattr(type(self._backend), "wait", _no_wait) is not _no_wait
         backoff = None if self._backend.capabilities.needs_progress else Backoff(1e-6, 1e-3, factor=1.0, step=1e-6, spins=64)
         while not self.done():
+            if block:
+                block = False
+                self._block(deadline)
+                continue  # poll again: what ended reports, a missed deadline expires below
             if self.expire(time.monotonic(), deadline, limit):
                 self._raise()
             if backoff is not None:

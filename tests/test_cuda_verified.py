@@ -134,7 +134,7 @@ def test_a_verified_agent_read_is_copied_and_checked_in_one_pass(monkeypatch: py
         cap.calls.clear()
         t = d.read("p", AL, AR, expect=expect)  # type: ignore[attr-defined]
         t.wait(30)
-    assert cap.calls == ["copy_mm8", "wait", "digests"]  # one fused launch, compared at completion
+    assert cap.calls == ["copy_mm8", "query", "digests"]  # one fused launch, compared at completion
     assert hashed == [len(AR) * 2]  # and no second pass over the destination after DONE
     assert_rows_moved(Op.READ, dst, src, before_d, before_s, np.array(AL), np.array(AR))
 

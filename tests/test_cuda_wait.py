@@ -258,23 +258,40 @@ def _agents(monkeypatch: pytest.MonkeyPatch, cap: FakeCuda) -> tuple[Any, Any, n
 
 @pytest.mark.parametrize("hook", [True, False])
 def test_transfer_wait_blocks_on_the_device_paths_event(monkeypatch: pytest.MonkeyPatch, hook: bool) -> None:
-    """Transfer.wait hands a device-path post to the backend's wait: one event wait, no polls.
-    Control: without the hook (the Backend default) the core polls the post instead."""
+    """Transfer.wait hands a device-path post still pending at its first poll to the backend's
+    wait: one event wait, no more polls. Control: without the hook (the Backend default) the
+    core polls the post again and again. The "GPU" runs the copy once the waiter is seen waiting."""
+    import threading
+
     from kvxfer._routed import Routed
     from kvxfer.plugin import Backend
 
-    cap = FakeCuda()
+    cap = FakeCuda(hold=True)
     if not hook:
         monkeypatch.setattr(Routed, "wait", Backend.wait)
     p, d, src, dst = _agents(monkeypatch, cap)
     before_d, before_s = dst.copy(), src.copy()
     li, ri = np.array([0, 5, 6], np.int64), np.array([3, 1, 7], np.int64)
+
+    def gpu() -> None:  # no timing: it acts once the caller is waiting (an event wait, or a second poll)
+        for _ in range(20000):
+            if "wait" in cap.calls or cap.calls.count("query") >= 2:
+                break
+            time.sleep(0.0005)
+        cap.finish()
+
     with p, d:
         cap.calls.clear()
         t = d.read("p", li.tolist(), ri.tolist())
+        g = threading.Thread(target=gpu)
+        g.start()
         t.wait(30)
+        g.join()
         assert t.stats.path == "same-process"
-        assert cap.calls == (["copy", "wait"] if hook else ["copy", "query"])
+        if hook:
+            assert cap.calls == ["copy", "query", "wait"]
+        else:
+            assert "wait" not in cap.calls and cap.calls.count("query") >= 2
     assert_rows_moved(Op.READ, dst, src, before_d, before_s, li, ri)
 
 
@@ -298,7 +315,7 @@ def test_transfer_wait_past_its_deadline_is_typed_and_nothing_lands_after(monkey
         with pytest.raises(TransferTimeoutError, match="did not finish within"):
             t.wait(0.02)
         assert t.status is Status.FAILED
-        assert cap.calls[:2] == ["copy", "wait"]  # it blocked on the event, not on naps
+        assert cap.calls[:3] == ["copy", "query", "wait"]  # it blocked on the event, not on naps
         assert ("fence" in cap.calls) is fence
         cap.finish()  # the GPU gets to the copy after the transfer ended
     want = np.full_like(dst, SENTINEL)
