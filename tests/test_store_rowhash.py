@@ -176,3 +176,30 @@ def test_wait_keeps_the_stores_deadline(tmp_path, control) -> None:
         st.close()
     with _store(tmp_path, dims) as st:
         assert st.lookup([b"a", b"b"]).tolist() == [control, control]
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_source_changed_between_write_and_hash_is_a_miss_never_served(tmp_path, control) -> None:
+    """An offload hashes a host cache's rows right after writing them: a row the caller changes
+    in between is stored with the digest of bytes the slab does not hold, so its restore fails
+    typed and leaves the destination as it was (a miss), never the changed or stale bytes
+    served. Control: the same offload with the source left alone restores the exact bytes."""
+    dims = DIMS["aligned"]
+    X = logical(dims)
+    src = cache("row", dims, X)
+    with _store(tmp_path, dims) as st:
+        def change(stage: str) -> None:
+            if stage == "call" and not control:  # right after the write, before the hash
+                src.storages[0].view(np.uint8)[2, 0, 0, 0, 0, :8] ^= 0xFF
+
+        st._fault = change
+        st.offload(src.spec, [2, 6], keys(2)).wait()
+        st._fault = None
+        dst = cache("row", dims)
+        if control:
+            st.restore(keys(2), dst.spec, [1, 4]).wait()
+            assert np.array_equal(dst.logical()[:, :, [1, 4]], X[:, :, [2, 6]]) and dst.untouched([1, 4])
+        else:
+            with pytest.raises(kvxfer.errors.StoreCorruptError):
+                st.restore(keys(2), dst.spec, [1, 4]).wait()
+            assert dst.untouched([]) and not st.lookup(keys(2))[0]
