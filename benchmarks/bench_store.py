@@ -218,8 +218,6 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
                                     **_rates(nbytes, secs)})
         finally:
             store_module.row_digests = real
-    for a in agents:
-        a.close()
     slots = np.arange(n)
     secs = samples(lambda: row_digests(store._slab.mapped, slots), args.repeat)
     out.append({"run": "row digests alone (kvxfer.integrity xxh3 rows, one thread)", "cache": "-",
@@ -227,10 +225,12 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
     store.close()
     for a in keep_dst:
         a.view(np.uint8)[...] = 0xAA
-    try:
+    try:  # like with like: the store's agents (their background threads) stay alive for raw NIXL too
         out += nixl_posix(os.path.join(work, "nixl.dat"), n, row_bytes, keep_src, keep_dst, local, args.repeat)
     except Exception as exc:  # record the refusal next to the other numbers
         out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
+    for a in agents:
+        a.close()
     target = os.path.join(work, "fio.dat")
     for rw in ("write", "read"):
         for direct in (0, 1):

@@ -19,7 +19,8 @@ import numpy as np
 from ..geometry._spec import KVCacheSpec
 from ..integrity import compute
 from ..integrity.cells import Cells, source_spans
-from ..integrity.digests import _combine, hash_spans
+from ..integrity.digests import _combine, _in_place, hash_spans
+from ..integrity.mm8 import _xxh3
 
 __all__ = ["row_digests", "local_row_digests", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
 
@@ -27,21 +28,47 @@ DIGEST_NAME = "integrity-xxh3-row2"
 LEGACY_NAME = "integrity-xxh3-rows"
 
 
+def _runs(spec: KVCacheSpec) -> tuple[memoryview, int, int, int] | None:
+    """Where block ``b``'s row lies when every row of ``spec`` is one run of one host
+    allocation: ``(view, offset of block 0, block stride, length)``, found once per spec from
+    block 0's cells (:func:`kvxfer.integrity.digests._in_place` decides, so the hash is the
+    definition's); None for any other layout (then :func:`~kvxfer.integrity.compute` streams)."""
+    key = ("store-row-runs",)
+    if key not in spec._cache:
+        spans = source_spans(spec, np.zeros(1, np.int64), Cells.pages(spec))
+        run = _in_place(spans) if spans.base.shape[0] and (spans.stride == spans.stride[0]).all() else None
+        spec._cache[key] = None if run is None else (run[0], int(run[1][0]), int(spans.stride[0]), run[2])
+    return spec._cache[key]  # type: ignore[no-any-return]
+
+
+def _digests(spec: KVCacheSpec, blocks: np.ndarray) -> np.ndarray:
+    """Row digests of ``blocks``: one xxh3 call per row (it releases the GIL) and no other
+    Python per row, where rows are runs (a group's digests on a store worker cost its hash);
+    else the definition's own path. Equal either way (tests/test_store.py compares them)."""
+    if blocks.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    run = _runs(spec)
+    if run is None:
+        return compute(spec, blocks, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
+    mv, at, stride, n = run
+    b = np.asarray(blocks, dtype=np.int64)
+    if int(b.min()) < 0 or int(b.max()) >= spec.num_blocks:  # the same refusal as compute's
+        compute(spec, b, algorithm="xxh3", rows=True)
+    h = _xxh3()
+    return np.fromiter([h(mv[o:o + n]) for o in (at + b * stride).tolist()], dtype=np.uint64, count=b.shape[0])
+
+
 def row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:
     """One ``uint64`` digest per slot of ``mapped`` (the slab spec over its map), as
     :func:`kvxfer.integrity.compute` defines row digests."""
-    if slots.shape[0] == 0:
-        return np.zeros(0, dtype=np.uint64)
-    return compute(mapped, slots, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
+    return _digests(mapped, slots)
 
 
 def local_row_digests(spec: KVCacheSpec, blocks: np.ndarray) -> np.ndarray:
     """The same digest of ``blocks`` of a host cache, where the cache holds them: an offload
     hashes its source (warm, already mapped) instead of the slab's map (cold pages, a page
     fault each), a restore the rows it just read (:meth:`kvxfer.Store._run`)."""
-    if blocks.shape[0] == 0:
-        return np.zeros(0, dtype=np.uint64)
-    return compute(spec, blocks, algorithm="xxh3", rows=True).values[:, 0].astype(np.uint64)
+    return _digests(spec, blocks)
 
 
 def legacy_row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:

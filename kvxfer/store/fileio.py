@@ -15,17 +15,21 @@ import ctypes
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..deadlines import check_timeout
 from ..errors import StoreError, StoreFullError, TransferCancelledError
 from ..plugin.backend import Backend, Capabilities
+from ..stats import Status
+from ..transfer import Transfer
 
-__all__ = ["Calls", "build_calls", "groups", "run_calls", "wipe", "Job", "FileEngine", "IOV_MAX"]
+__all__ = ["Calls", "build_calls", "groups", "run_calls", "wipe", "Job", "FileEngine", "JobTransfer", "IOV_MAX"]
 
 IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -271,3 +275,19 @@ class FileEngine:
 
 
 ENGINE = FileEngine()
+
+
+class JobTransfer(Transfer):
+    """A store request's :class:`~kvxfer.Transfer`: :meth:`wait` sleeps on the job's future,
+    woken once when the job ends, before the core's own wait (deadline, cancel on timeout and
+    errors unchanged). The core's polling rhythm (naps growing by a microsecond) woke the
+    caller's thread hundreds of times per request, taking the GIL and a core from the
+    workers (BENCHMARKS.md, "Issue 37: store offload")."""
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        if self.status is Status.PENDING and len(self._posts) == 1:
+            end = self._due() if timeout is None else time.monotonic() + check_timeout(timeout, "wait timeout")
+            wait([self._posts[0].handle.future], timeout=max(0.0, end - time.monotonic()))
+            if timeout is not None:  # what is left of the caller's timeout, for the core's wait
+                timeout = max(end - time.monotonic(), 1e-6)
+        return super().wait(timeout)

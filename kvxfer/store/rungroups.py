@@ -31,7 +31,9 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
         local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
     """Move the calls group by group on the worker threads (:func:`~.fileio.groups`); returns
     the digests. ``local`` (a host cache and its blocks): an offload digests a group's rows
-    in the cache right before writing them; a restore reads a group into the cache, then
+    in the cache right after writing them (warm in the CPU caches: BENCHMARKS.md, "Issue 37:
+    store offload"; a row changed meanwhile fails its digest at restore, a miss); a restore
+    reads a group into the cache, then
     checks its rows there while warm, and zeroes the group's memory if any row fails or
     the read is cut short, inside the fence (no unchecked byte stays, none lands after).
     Otherwise a restore (``want``: the digests on record) checks a group's rows in the slab
@@ -53,10 +55,10 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
         if local is not None:
             k, m = np.searchsorted(by_slot, [lo, hi + 1]).tolist()
             ix = order[k:m]
-            if write:
-                out[ix] = st._digest_local(local[0], local[1][ix])
+            if write:  # hashed right after the kernel read the rows, while they are in the CPU caches
                 with job.io():
                     mover(True, part, cancelled, hook)
+                out[ix] = st._digest_local(local[0], local[1][ix])
                 return
             st._stage("reading")
             with job.io():

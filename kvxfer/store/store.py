@@ -29,7 +29,7 @@ from ..planner import TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
 from .digest import local_row_digests, row_digests
-from .fileio import ENGINE, MAX_CALL, Calls, Job, build_calls, groups, run_calls
+from .fileio import ENGINE, MAX_CALL, Calls, Job, JobTransfer, build_calls, groups, run_calls
 from .rungroups import _Damaged, run
 from .index import Entry, Index, check_keys as _keys
 from .migrate import migrate
@@ -429,7 +429,7 @@ class Store:
                               backend="store", op=op.value, peer=self.geometry.fingerprint, mode=p.mode)
         started = time.perf_counter()
         job = Job(self._jobs, body, cleanup, path, keep=spec)  # the spec keeps the local memory alive
-        return Transfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
+        return JobTransfer(ENGINE, [_Post(job)], stats, default_timeout=limit, deadline=deadline, started=started)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Wait for jobs in flight, compact the journal and release the slab's lock. The lock
