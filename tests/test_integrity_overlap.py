@@ -35,14 +35,19 @@ BACKENDS = ["loopback", pytest.param("nixl", marks=[pytest.mark.nixl,
 class Pair:
     """A source holding ``X`` (packed rows) and a destination of sentinels, over ``backend``."""
 
-    def __init__(self, backend: str, corruption: faults.Corruption | None = None) -> None:
+    def __init__(self, backend: str, corruption: faults.Corruption | None = None,
+                 fault: faults.Faults | None = None) -> None:
         self.X = np.random.default_rng(5).integers(0, 256, (L, NB, PAGE), dtype=np.uint8)
         self.src = np.ascontiguousarray(self.X.transpose(1, 0, 2).reshape(NB, L * PAGE))
         self.dst = np.full((NB, L * PAGE), 0xAA, np.uint8)
-        wrap: dict[str, Any] = {"backend": backend} if corruption is None else \
-            {"backend": "corrupting", "inner": backend}
+        wrap: dict[str, Any] = {"backend": backend}
+        extra: dict[str, Any] = {}
+        if corruption is not None:
+            wrap, extra = {"backend": "corrupting", "inner": backend}, {"corruption": corruption}
+        elif fault is not None:
+            wrap, extra = {"backend": "faulty", "inner": backend}, {"faults": fault}
         self.p = kvxfer.Agent("prefill", **wrap)
-        self.d = kvxfer.Agent("decode", **wrap, **({} if corruption is None else {"corruption": corruption}))
+        self.d = kvxfer.Agent("decode", **wrap, **extra)
         self.p.register({f"layer.{i}": self.src[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.register({f"layer.{i}": self.dst[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.add_peer(self.p.metadata())
@@ -62,8 +67,8 @@ def folded() -> Iterator[Any]:
     made: list[Pair] = []
     faults.install()
 
-    def make(backend: str, corruption: faults.Corruption | None = None) -> Pair:
-        made.append(Pair(backend, corruption))
+    def make(backend: str, corruption: faults.Corruption | None = None, fault: faults.Faults | None = None) -> Pair:
+        made.append(Pair(backend, corruption, fault))
         return made[-1]
 
     try:
@@ -88,17 +93,23 @@ def test_loopback_hashes_each_row_as_it_copies_it(folded: Any) -> None:
     assert t.status is kvxfer.Status.DONE and p.delivered()
 
 
-def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    p = folded("loopback")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("parts", [False, True])
+def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                     backend: str, parts: bool) -> None:
+    """Row digests checked in the copy (loopback), or part by part on the worker (NIXL, parts)."""
+    if parts:
+        monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+    p = folded(backend)
     expect = p.p.digest(RB, rows=True)
     p.src[RB[5], 100] ^= 0x10  # the source changed after it was digested: block LB[5] arrives unlike it
     p.X[:, RB[5]] = p.src[RB[5]].reshape(L, PAGE)
     with pytest.raises(IntegrityError) as e:
         p.d.read("prefill", LB, RB, expect=expect).wait(30)
     assert e.value.block == LB[5]
-    # Control: the folded check switched off reports DONE over a row unlike the source's digest.
+    # Control: the folded checks switched off report DONE over a row unlike the source's digest.
     monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
+    monkeypatch.setattr(overlap.Folded, "part", lambda self, a, b: lambda: None)
     p.dst[...] = 0xAA
     t = p.d.read("prefill", LB, RB, expect=expect).wait(30)
     assert t.status is kvxfer.Status.DONE and p.delivered()  # delivered what the source holds now
@@ -191,3 +202,40 @@ def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkey
     monkeypatch.setattr(overlap.Overlapped, "settle", lambda self: None)
     ended_early, seen = cancel_in_thread(False)
     assert ended_early and seen == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parts_go_out_one_after_another_and_none_after_the_end(pair: Any, backend: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part 1 is posted only once part 0 landed; a read that timed out posts no later part,
+    even if part 0's landing is reported after the end."""
+    f = faults.Faults(hang_posts=True)  # part 0 never completes
+    p = pair(backend, fault=f)
+
+    def timed_out() -> Any:
+        p.dst[...] = 0xAA
+        f.hang_posts = True
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert t._parts.parts == 4 and [q.part for q in t._posts] == [0]  # only the first part is out
+        with pytest.raises(kvxfer.TransferTimeoutError):
+            t.wait(0.2)
+        f.hang_posts = False  # the transport works again: a later post would now move bytes
+        t._parts.landed(0)  # part 0's landing, reported late
+        return t
+
+    t = timed_out()
+    assert t.status is kvxfer.Status.FAILED and [q.part for q in t._posts] == [0]
+    assert (p.dst == 0xAA).all()  # nothing landed after the end
+    # Control: an end that does not stop the sequence lets the late landing post the next parts,
+    # whose bytes land after the end.
+    monkeypatch.setattr(overlap.Overlapped, "settle", lambda self: None)
+    t = timed_out()
+    late = [q for q in t._posts if q.part != 0]
+    assert late
+    for q in late:  # let them finish (NIXL completes in its progress)
+        for _ in range(100_000):
+            if p.d.backend.poll(q.handle):
+                break
+    got = p.dst.reshape(NB, L, PAGE).transpose(1, 0, 2)
+    a, b = t._parts._bounds[1]
+    assert (got[:, LB[a:b]] == p.X[:, RB[a:b]]).all() and (p.dst[LB[:a]] == 0xAA).all()
