@@ -30,7 +30,7 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
          deadline: float, planned: float = 0.0, verify: Any = None, learn: bool = False) -> Transfer:
     """Prepare and post one plan; ``plan_seconds`` is ``planned`` plus the time since ``t0``.
     ``learn``: a request the hot path may repeat (:func:`kvxfer._hot.learn` decides)."""
-    if verify is not None and hasattr(verify, "part") and op is Op.READ:
+    if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend):
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
             return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)

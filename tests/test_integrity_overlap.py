@@ -82,7 +82,22 @@ def folded() -> Iterator[Any]:
 @pytest.fixture
 def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+    monkeypatch.setattr(copies, "reports", lambda backend: False)  # parts also where the backend folds
     return folded
+
+
+def test_a_backend_seen_folding_gets_its_verified_reads_whole(folded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loopback folds row checks into its copies: once seen doing so, no more parts for it."""
+    monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)
+    monkeypatch.setattr(copies, "_REPORTERS", set())
+    p = folded("loopback")
+    for whole in (False, True):
+        p.dst[...] = 0xAA
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert (t._parts is None) is whole and copies.reports(p.d.backend)
+        assert whole or t._parts.parts == 2  # part 0 folded in the copy: the rest went out as one
+        t.wait(30)
+        assert t.status is kvxfer.Status.DONE and p.delivered()
 
 
 def test_loopback_hashes_each_row_as_it_copies_it(folded: Any) -> None:
@@ -100,6 +115,7 @@ def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any
     """Row digests checked in the copy (loopback), or part by part on the worker (NIXL, parts)."""
     if parts:
         monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+        monkeypatch.setattr(copies, "reports", lambda backend: False)
     p = folded(backend)
     expect = p.p.digest(RB, rows=True)
     p.src[RB[5], 100] ^= 0x10  # the source changed after it was digested: block LB[5] arrives unlike it
