@@ -7,11 +7,11 @@ Checked after DONE on the caller's thread, the hash's whole time adds to the tra
   (:mod:`kvxfer.plugin.copies`) and the row just copied is hashed while it is in the cache;
   rows no copy covered whole are hashed later.
 * :class:`Overlapped`: a large verified READ is posted in parts of about :data:`PART_BYTES`,
-  one after another: part ``j + 1`` is posted only once part ``j`` has landed and its check
-  went to one worker thread, so the worker hashes part ``j`` while the caller's thread posts
-  part ``j + 1``. Over UCX's shared memory (``cma``) that post *is* the copy (a system call
-  that releases the GIL), so the caller cannot hash while the next part moves: a second
-  thread must (BENCHMARKS.md, issue 37 item 4 on NIXL). When the backend folded part 0's
+  one after another: part ``j + 2`` is posted only once part ``j`` has landed and its check
+  went to one worker thread (:data:`WINDOW` parts in flight), so the worker hashes part ``j``
+  while the caller's thread posts the next. Over UCX's shared memory (``cma``) that post
+  *is* the copy (a system call that releases the GIL), so the caller cannot hash while the
+  next part moves: a second thread must (BENCHMARKS.md, issue 37 item 4 on NIXL). When the backend folded part 0's
   rows in its own copy, the rest goes out as one more part: nothing is left to hide.
 
 What does not change: DONE is reported only after every row was checked and matched; a
@@ -33,7 +33,7 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "MAX_PARTS", "Folded", "Overlapped", "part_bounds"]
+__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
 
 #: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
 #: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
@@ -41,6 +41,9 @@ __all__ = ["PART_BYTES", "MAX_PARTS", "Folded", "Overlapped", "part_bounds"]
 PART_BYTES = 8 << 20
 #: At most this many parts per request (each costs a plan, a post and a hand-off).
 MAX_PARTS = 16
+#: Parts in flight at once: with two, part ``j + 1`` moves while part ``j``'s completion is
+#: still on its way to the poll that reports it (in-process NIXL: ~65 us per part, BENCHMARKS.md).
+WINDOW = 2
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -72,15 +75,16 @@ PostPart = Callable[[int, int, int], int]
 
 
 class Overlapped:
-    """The check of one transfer in parts, posted one after another.
+    """The check of one transfer in parts, posted one after another, at most :data:`WINDOW`
+    in flight.
 
     ``check_of(a, b)``: the check of positions ``[a, b)``; ``post``: see :data:`PostPart`;
     ``final``: run after every part matched (the folded rows' comparison), or None;
     ``folded(a, b)``: whether the backend already hashed those rows in its copy (then the
-    parts left go out as one). :meth:`start` posts part 0 (and more, while parts complete
-    inside their post); ``landed(j)`` is called once per completed post of part ``j``; when
-    all its posts are in, its check goes to the worker and part ``j + 1`` is posted. Calling
-    the object (after DONE) waits for every part and raises the first part's error, in order.
+    parts left go out as one). :meth:`start` posts the first parts; ``landed(j)`` is called
+    once per completed post of part ``j``; when all its posts are in, its check goes to the
+    worker and the next part is posted. Calling the object (after DONE) waits for every part
+    and raises the first part's error, in part order.
     """
 
     def __init__(self, bounds: list[tuple[int, int]], check_of: Callable[[int, int], Callable[[], None]],
@@ -89,8 +93,9 @@ class Overlapped:
         self._bounds = list(bounds)
         self._check_of, self._post, self._final, self._folded = check_of, post, final, folded
         self._left: list[int] = []  # per posted part: its posts not yet landed
-        self._checks: list[Callable[[], None]] = []
-        self._futures: list[Future[None]] = []
+        self._flying = 0  # parts posted and not yet landed
+        self._checks: dict[int, Callable[[], None]] = {}
+        self._futures: dict[int, Future[None]] = {}
         self._ended = False
 
     @property
@@ -98,31 +103,33 @@ class Overlapped:
         return len(self._bounds)
 
     def start(self) -> None:
-        self._advance(0)
+        self._advance()
 
     def landed(self, part: int) -> None:
         self._left[part] -= 1
         if self._left[part] == 0:
+            self._flying -= 1
             self._submit(part)
-            self._advance(part + 1)
+            self._advance()
 
-    def _advance(self, j: int) -> None:
-        """Post parts from ``j`` on until one is still in flight (its landing posts the next)."""
-        while j < len(self._bounds) and not self._ended:
+    def _advance(self) -> None:
+        """Post the next parts while fewer than :data:`WINDOW` are in flight."""
+        while len(self._left) < len(self._bounds) and self._flying < WINDOW and not self._ended:
+            j = len(self._left)
             a, b = self._bounds[j]
             self._left.append(0)
-            self._left[j] = self._post(j, a, b)
+            self._left[j] = left = self._post(j, a, b)
             if j == 0 and len(self._bounds) > 2 and self._folded is not None and self._folded(a, b):
                 self._bounds[1:] = [(b, self._bounds[-1][1])]  # the backend hashes as it copies
-            if self._left[j]:
-                return
-            self._submit(j)
-            j += 1
+            if left:
+                self._flying += 1
+            else:
+                self._submit(j)
 
     def _submit(self, j: int) -> None:
         check = self._check_of(*self._bounds[j])
-        self._checks.append(check)
-        self._futures.append(_worker().submit(check))
+        self._checks[j] = check
+        self._futures[j] = _worker().submit(check)
 
     def __call__(self) -> None:
         """Every part checked, else the first error. A part the worker has not started yet is
@@ -131,7 +138,8 @@ class Overlapped:
             raise IntegrityError(f"{len(self._bounds) - len(self._futures)} of {len(self._bounds)} parts of a "
                                  "verified read were never checked; refused")
         first: BaseException | None = None
-        for j, f in enumerate(self._futures):
+        for j in range(len(self._bounds)):
+            f = self._futures[j]
             try:
                 if f.cancel():
                     self._checks[j]()
@@ -152,7 +160,7 @@ class Overlapped:
         """The transfer ended early: post nothing more, drop checks not started, wait for one
         still reading."""
         self._ended = True
-        running = [f for f in self._futures if not f.cancel()]  # all dropped first
+        running = [f for f in self._futures.values() if not f.cancel()]  # all dropped first
         for f in running:
             try:
                 f.result()
