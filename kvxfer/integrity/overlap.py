@@ -7,7 +7,7 @@ Checked after DONE on the caller's thread, the hash's whole time adds to the tra
   (:mod:`kvxfer.plugin.copies`) and the row just copied is hashed while it is in the cache;
   rows no copy covered whole are hashed later.
 * :class:`Overlapped`: a large verified READ is posted in parts of about :data:`PART_BYTES`,
-  one after another: part ``j + 2`` is posted only once part ``j`` has landed and its check
+  one after another: part ``j + 1`` is posted only once part ``j`` has landed and its check
   went to one worker thread (:data:`WINDOW` parts in flight), so the worker hashes part ``j``
   while the caller's thread posts the next. Over UCX's shared memory (``cma``) that post
   *is* the copy (a system call that releases the GIL), so the caller cannot hash while the
@@ -41,9 +41,10 @@ __all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bo
 PART_BYTES = 8 << 20
 #: At most this many parts per request (each costs a plan, a post and a hand-off).
 MAX_PARTS = 16
-#: Parts in flight at once: with two, part ``j + 1`` moves while part ``j``'s completion is
-#: still on its way to the poll that reports it (in-process NIXL: ~65 us per part, BENCHMARKS.md).
-WINDOW = 2
+#: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
+#: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
+#: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
+WINDOW = 1
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
