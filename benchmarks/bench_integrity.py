@@ -133,7 +133,7 @@ def run(backend: str, memory: str, shape: str, args: argparse.Namespace) -> dict
             "off_ms": 1e3 * m_off, "on_ms": 1e3 * m_on, "added": (m_on - m_off) / m_off,
             "xfer_GBps": nbytes / m_off / 1e9, "digest_GBps": nbytes / m_dig / 1e9, "bytes_ok": ok,
             "digest_seq_GBps": nbytes / statistics.median(contig) / 1e9,
-            "threads": args.threads, "rows": args.rows, "digest": args.digest}
+            "threads": args.threads, "rows": args.rows, "digest": args.digest, "parts_MiB": args.parts}
 
 
 def main() -> None:
@@ -150,8 +150,9 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true", help="row digests (one per block, what vLLM params carry)")
     ap.add_argument("--digest", choices=("kernel", "torch"), default="kernel",
                     help="VRAM mm8: the device path's one-pass kernel, or the torch ops it replaced")
-    ap.add_argument("--parts", type=int, default=0,
-                    help="MiB per part of a verified READ hashed on a worker as parts land (0: off, the default)")
+    ap.add_argument("--parts", type=int, default=None,
+                    help="MiB per part of a verified READ hashed on a worker as parts land "
+                         "(0: off; default: kvxfer.integrity.overlap.PART_BYTES)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from kvxfer.integrity import digests, set_mm8_kernel
@@ -160,10 +161,11 @@ def main() -> None:
         set_mm8_kernel(None)  # VRAM mm8 through the torch ops, not the device path's kernel
 
     digests.THREADS = args.threads
-    if args.parts:
-        from kvxfer.integrity import overlap
+    from kvxfer.integrity import overlap
 
+    if args.parts is not None:
         overlap.PART_BYTES = args.parts << 20
+    args.parts = overlap.PART_BYTES >> 20
     rows = []
     for b in args.backends.split(","):
         try:
@@ -179,7 +181,7 @@ def main() -> None:
                        Column("added", "added", "{:+.1%}"), Column("xfer_GBps", "xfer GB/s", "{:.1f}"),
                        Column("digest_GBps", "digest GB/s", "{:.1f}"),
                        Column("digest_seq_GBps", "digest GB/s (blocks 0..n-1)", "{:.1f}"),
-                       Column("bytes_ok")])
+                       Column("parts_MiB", "parts MiB"), Column("bytes_ok")])
     print(f"plain copy of the same bytes on {args.memory}: {copy:.1f} GB/s")
     from kvxfer.integrity import gpu_product
 

@@ -34,7 +34,7 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
     fused = Expected.of(verify) if verify is not None and op is Op.READ else None
     if fused is not None:  # VRAM mm8 cells: the device path copies and checks them in one pass
         return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn, fused)
-    if verify is not None and hasattr(verify, "part") and op is Op.READ:
+    if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend):
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
             return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)
@@ -92,47 +92,70 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
 
 def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
                deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]]) -> Transfer:
-    """A verified READ in parts, each checked on a worker as soon as its posts landed
-    (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole request, planned and validated before
-    anything moved) stays the transfer's plan; each part is planned again for its own blocks."""
+    """A verified READ in parts posted one after another, each checked on a worker once it
+    landed while the next one moves (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole
+    request, planned and validated before anything moved) stays the transfer's plan; each part
+    is planned again for its own blocks when its turn comes. The transfer polls ``posts``, the
+    list each part's posts join (part ``j + 1`` is posted from the poll that saw ``j`` land)."""
     lb, rb = check.lb, check.expect.blocks
-    parts = Overlapped([check.part(a, b) for a, b in bounds])
-    backend = agent._route  # the agent's seam: its lists (and the device path's) are the ones cached
-    chunks: list[Chunk] = []
+    route, backend = agent._route, agent.backend
+    fold = check.folder()  # rows hashed in the backend's own copy where it makes one (loopback)
     posts: list[_Post] = []
-    descriptors = 0
+    stats = TransferStats(p.descriptors, p.nbytes, 0, 0.0, backend=agent.backend_name, op=op.value, peer=peer.name,
+                          mode=p.mode)
+
+    def post_part(j: int, a: int, b: int) -> int:
+        q = agent._plan(peer, lb[a:b], rb[a:b], op)
+        mine: list[Chunk] = []
+        left, n = 0, 0
+        try:
+            plan_chunks(route, q, peer.name, agent._local_prepared, peer.prepared, mine)
+            for lp, li, rp, ri, cleanup in mine:
+                if fold is not None:
+                    with copies.watching(backend, fold.copied):
+                        handle = route.post(op, lp, li, rp, ri, None)
+                else:
+                    handle = route.post(op, lp, li, rp, ri, None)
+                post = _Post(handle, False, cleanup, j)
+                posts.append(post)  # the transfer releases it (and its lists) from here on
+                n += 1
+                stats.posts += 1
+                if route.poll(handle):  # done inside post (a copy kvxfer ran, or UCX's cma)
+                    post.done = True
+                else:
+                    left += 1
+        except BaseException:
+            # Lists of chunks not posted go with the last posted one (released after its
+            # handle), or now when none of this part was posted.
+            rest = [fn for _, _, _, _, cleanup in mine[n:] for fn in cleanup]
+            if n:
+                posts[-1].cleanup.extend(rest)
+            else:
+                for fn in rest:
+                    fn()
+            raise
+        return left
+
+    parts = Overlapped(bounds, fold.part if fold is not None else check.part, post_part, final=fold,
+                       folded=(lambda a, b: bool(fold.seen[a:b].all())) if fold is not None else None)
     started = time.perf_counter()
+    stats.plan_seconds = planned + started - t0
     try:
         _check_deadline(agent, deadline, p, "planning")
-        for j, (a, b) in enumerate(bounds):
-            q = agent._plan(peer, lb[a:b], rb[a:b], op)
-            descriptors += q.descriptors
-            mine: list[Chunk] = []
-            plan_chunks(backend, q, peer.name, agent._local_prepared, peer.prepared, mine)
-            chunks += mine
-            for lp, li, rp, ri, cleanup in mine:
-                parts.expect(j)
-                post = _Post(backend.post(op, lp, li, rp, ri, None), False, cleanup, j)
-                posts.append(post)
-                if backend.poll(post.handle):  # done inside post (a copy kvxfer ran): check it now
-                    post.done = True
-                    parts.landed(j)
-            _check_deadline(agent, deadline, p, "posting")
+        parts.start()
     except BaseException:
         parts.settle()
         for post in posts:
-            backend.release(post.handle)
-        for _, _, _, _, cleanup in chunks:
-            for fn in cleanup:
+            route.release(post.handle)
+            for fn in post.cleanup:
                 fn()
         raise
-    stats = TransferStats(descriptors, p.nbytes, len(posts), planned + started - t0, backend=agent.backend_name,
-                          op=op.value, peer=peer.name, mode=p.mode, post_seconds=time.perf_counter() - started)
+    stats.post_seconds = time.perf_counter() - started
     on_done = None
-    if notify is not None:  # the parts complete in any order: notify once all data is visible
+    if notify is not None:  # notify once all data is visible
         msg, key = bytes(notify), peer.name
-        on_done = lambda: backend.notify(key, msg)  # noqa: E731
-    t = Transfer(backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
+        on_done = lambda: route.notify(key, msg)  # noqa: E731
+    t = Transfer(route, posts, stats, default_timeout=agent.timeout, deadline=deadline, on_done=on_done,
                  started=started, on_finish=agent._finished, plan=p, verify=parts, parts=parts,
                  path_of=posts[0].handle if posts else None)
     agent._inflight.add(t)

@@ -35,14 +35,19 @@ BACKENDS = ["loopback", pytest.param("nixl", marks=[pytest.mark.nixl,
 class Pair:
     """A source holding ``X`` (packed rows) and a destination of sentinels, over ``backend``."""
 
-    def __init__(self, backend: str, corruption: faults.Corruption | None = None) -> None:
+    def __init__(self, backend: str, corruption: faults.Corruption | None = None,
+                 fault: faults.Faults | None = None) -> None:
         self.X = np.random.default_rng(5).integers(0, 256, (L, NB, PAGE), dtype=np.uint8)
         self.src = np.ascontiguousarray(self.X.transpose(1, 0, 2).reshape(NB, L * PAGE))
         self.dst = np.full((NB, L * PAGE), 0xAA, np.uint8)
-        wrap: dict[str, Any] = {"backend": backend} if corruption is None else \
-            {"backend": "corrupting", "inner": backend}
+        wrap: dict[str, Any] = {"backend": backend}
+        extra: dict[str, Any] = {}
+        if corruption is not None:
+            wrap, extra = {"backend": "corrupting", "inner": backend}, {"corruption": corruption}
+        elif fault is not None:
+            wrap, extra = {"backend": "faulty", "inner": backend}, {"faults": fault}
         self.p = kvxfer.Agent("prefill", **wrap)
-        self.d = kvxfer.Agent("decode", **wrap, **({} if corruption is None else {"corruption": corruption}))
+        self.d = kvxfer.Agent("decode", **wrap, **extra)
         self.p.register({f"layer.{i}": self.src[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.register({f"layer.{i}": self.dst[:, i * PAGE:(i + 1) * PAGE] for i in range(L)})
         self.d.add_peer(self.p.metadata())
@@ -62,8 +67,8 @@ def folded() -> Iterator[Any]:
     made: list[Pair] = []
     faults.install()
 
-    def make(backend: str, corruption: faults.Corruption | None = None) -> Pair:
-        made.append(Pair(backend, corruption))
+    def make(backend: str, corruption: faults.Corruption | None = None, fault: faults.Faults | None = None) -> Pair:
+        made.append(Pair(backend, corruption, fault))
         return made[-1]
 
     try:
@@ -77,7 +82,22 @@ def folded() -> Iterator[Any]:
 @pytest.fixture
 def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+    monkeypatch.setattr(copies, "reports", lambda backend: False)  # parts also where the backend folds
     return folded
+
+
+def test_a_backend_seen_folding_gets_its_verified_reads_whole(folded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loopback folds row checks into its copies: once seen doing so, no more parts for it."""
+    monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)
+    monkeypatch.setattr(copies, "_REPORTERS", set())
+    p = folded("loopback")
+    for whole in (False, True):
+        p.dst[...] = 0xAA
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert (t._parts is None) is whole and copies.reports(p.d.backend)
+        assert whole or t._parts.parts == 2  # part 0 folded in the copy: the rest went out as one
+        t.wait(30)
+        assert t.status is kvxfer.Status.DONE and p.delivered()
 
 
 def test_loopback_hashes_each_row_as_it_copies_it(folded: Any) -> None:
@@ -88,17 +108,24 @@ def test_loopback_hashes_each_row_as_it_copies_it(folded: Any) -> None:
     assert t.status is kvxfer.Status.DONE and p.delivered()
 
 
-def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    p = folded("loopback")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("parts", [False, True])
+def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                     backend: str, parts: bool) -> None:
+    """Row digests checked in the copy (loopback), or part by part on the worker (NIXL, parts)."""
+    if parts:
+        monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+        monkeypatch.setattr(copies, "reports", lambda backend: False)
+    p = folded(backend)
     expect = p.p.digest(RB, rows=True)
     p.src[RB[5], 100] ^= 0x10  # the source changed after it was digested: block LB[5] arrives unlike it
     p.X[:, RB[5]] = p.src[RB[5]].reshape(L, PAGE)
     with pytest.raises(IntegrityError) as e:
         p.d.read("prefill", LB, RB, expect=expect).wait(30)
     assert e.value.block == LB[5]
-    # Control: the folded check switched off reports DONE over a row unlike the source's digest.
+    # Control: the folded checks switched off report DONE over a row unlike the source's digest.
     monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
+    monkeypatch.setattr(overlap.Folded, "part", lambda self, a, b: lambda: None)
     p.dst[...] = 0xAA
     t = p.d.read("prefill", LB, RB, expect=expect).wait(30)
     assert t.status is kvxfer.Status.DONE and p.delivered()  # delivered what the source holds now
@@ -124,9 +151,12 @@ def test_a_verified_read_in_parts_moves_exactly_the_blocks(pair: Any, backend: s
     for rows in (False, True):
         p.dst[...] = 0xAA
         t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=rows))
-        assert t._parts is not None and len({q.part for q in t._posts}) == 4  # posted in parts
+        # Loopback hashes row digests in its copy: the parts after the first go out as one.
+        parts = 2 if (backend, rows) == ("loopback", True) else 4
+        assert t._parts is not None and t._parts.parts == parts
         t.wait(30)
         assert t.status is kvxfer.Status.DONE and p.delivered()
+        assert sorted({q.part for q in t._posts}) == list(range(parts))  # each part posted, in turn
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -145,12 +175,15 @@ def test_one_damaged_part_fails_typed_and_is_never_done(pair: Any, backend: str,
     assert c.done == 2 and t.status is kvxfer.Status.DONE and not p.delivered()
 
 
-def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkeypatch: pytest.MonkeyPatch,
+                                                               rows: bool) -> None:
     """No worker still reads the destination once cancel() returned (the caller may free it)."""
     started, go, finished = threading.Event(), threading.Event(), []
-    real = PairingCheck.part
+    cls = overlap.Folded if rows else PairingCheck  # whose part check the worker runs
+    real = cls.part
 
-    def slow(self: PairingCheck, a: int, b: int) -> Any:
+    def slow(self: Any, a: int, b: int) -> Any:
         check = real(self, a, b)
 
         def run() -> None:
@@ -160,14 +193,14 @@ def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkey
             finished.append((a, b))
         return run
 
-    monkeypatch.setattr(PairingCheck, "part", slow)
+    monkeypatch.setattr(cls, "part", slow)
     p = pair("loopback")
 
     def cancel_in_thread(settle: bool) -> list[Any]:
         started.clear()
         go.clear()
         finished.clear()
-        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))  # loopback: every part landed
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=rows))  # loopback: every part landed
         assert started.wait(30)  # the first part's check runs on the worker, held
         seen: list[Any] = []
         c = threading.Thread(target=lambda: (t.cancel(), seen.append(list(finished))))
@@ -185,3 +218,41 @@ def test_a_cancelled_read_returns_only_after_its_running_check(pair: Any, monkey
     monkeypatch.setattr(overlap.Overlapped, "settle", lambda self: None)
     ended_early, seen = cancel_in_thread(False)
     assert ended_early and seen == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parts_go_out_one_after_another_and_none_after_the_end(pair: Any, backend: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most WINDOW parts are out before part 0 landed; a read that timed out posts no later
+    part, even if part 0's landing is reported after the end."""
+    f = faults.Faults(hang_posts=True)  # part 0 never completes
+    first = list(range(overlap.WINDOW))
+    p = pair(backend, fault=f)
+
+    def timed_out() -> Any:
+        p.dst[...] = 0xAA
+        f.hang_posts = True
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert t._parts.parts == 4 and [q.part for q in t._posts] == first  # the first WINDOW parts
+        with pytest.raises(kvxfer.TransferTimeoutError):
+            t.wait(0.2)
+        f.hang_posts = False  # the transport works again: a later post would now move bytes
+        t._parts.landed(0)  # part 0's landing, reported late
+        return t
+
+    t = timed_out()
+    assert t.status is kvxfer.Status.FAILED and [q.part for q in t._posts] == first
+    assert (p.dst == 0xAA).all()  # nothing landed after the end
+    # Control: an end that does not stop the sequence lets the late landing post the next parts,
+    # whose bytes land after the end.
+    monkeypatch.setattr(overlap.Overlapped, "settle", lambda self: None)
+    t = timed_out()
+    late = [q for q in t._posts if q.part >= overlap.WINDOW]
+    assert late
+    for q in late:  # let them finish (NIXL completes in its progress)
+        for _ in range(100_000):
+            if p.d.backend.poll(q.handle):
+                break
+    got = p.dst.reshape(NB, L, PAGE).transpose(1, 0, 2)
+    a, b = t._parts._bounds[overlap.WINDOW]
+    assert (got[:, LB[a:b]] == p.X[:, RB[a:b]]).all() and (p.dst[LB[:a]] == 0xAA).all()

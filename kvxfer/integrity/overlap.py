@@ -1,21 +1,24 @@
 """A verified READ checked while it moves, instead of read back from memory after DONE.
 
 Checked after DONE on the caller's thread, the hash's whole time adds to the transfer's (issue
-37: +36 to +53 % for verified DRAM READs). Two ways to hide it:
+37: +36 to +53 % for verified DRAM READs). Two ways to hide it, used together:
 
 * :class:`Folded`: where the backend copies host bytes itself (loopback), it reports each copy
   (:mod:`kvxfer.plugin.copies`) and the row just copied is hashed while it is in the cache;
-  rows no copy covered whole are hashed after DONE as before. On by default.
-* :class:`Overlapped`: a large verified READ is posted in parts of :data:`PART_BYTES`
-  (:func:`kvxfer._posting.post_parts`); as each part's posts complete, one worker thread hashes
-  its blocks while later parts still move. Off by default (``PART_BYTES = 0``): on the 2-core
-  machine of BENCHMARKS.md the worker's hash slowed the copy beside it more than it hid.
+  rows no copy covered whole are hashed later.
+* :class:`Overlapped`: a large verified READ is posted in parts of about :data:`PART_BYTES`,
+  one after another: part ``j + 1`` is posted only once part ``j`` has landed and its check
+  went to one worker thread (:data:`WINDOW` parts in flight), so the worker hashes part ``j``
+  while the caller's thread posts the next. Over UCX's shared memory (``cma``) that post
+  *is* the copy (a system call that releases the GIL), so the caller cannot hash while the
+  next part moves: a second thread must (BENCHMARKS.md, issue 37 item 4 on NIXL). When the backend folded part 0's
+  rows in its own copy, the rest goes out as one more part: nothing is left to hide.
 
 What does not change: DONE is reported only after every row was checked and matched; a
 mismatch is the same typed :class:`~kvxfer.errors.IntegrityError`, raised by the transfer's
-``done()`` / ``wait()``; a transfer that ends early (cancelled, failed, timed out) waits for a
-hash still reading its destination before it returns, so no worker reads memory the caller
-may free next.
+``done()`` / ``wait()``; a transfer that ends early (cancelled, failed, timed out) posts no
+further part and waits for a hash still reading its destination before it returns, so no
+worker reads memory the caller may free next.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "MAX_PARTS", "Folded", "Overlapped", "part_bounds"]
+__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
 
-#: Bytes per part, 0 for none: large enough that a part's planning and post (~0.1 ms) stay
-#: small beside its copy, small enough that the last part's hash (not overlapped) is short.
-#: 16 << 20 turns parts on (``bench_integrity.py --parts``).
-PART_BYTES = 0
-#: At most this many parts per request (each costs a plan and a post).
+#: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
+#: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
+#: nothing hides) is short. BENCHMARKS.md (issue 37, verified DRAM over NIXL) has the choice.
+PART_BYTES = 8 << 20
+#: At most this many parts per request (each costs a plan, a post and a hand-off).
 MAX_PARTS = 16
+#: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
+#: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
+#: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
+WINDOW = 1
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -63,31 +70,79 @@ def part_bounds(blocks: int, nbytes: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(k)]
 
 
+#: Posts part ``j`` (positions ``[a, b)``) for the transfer and returns how many of its posts
+#: have not landed yet (0: every one completed inside its post).
+PostPart = Callable[[int, int, int], int]
+
+
 class Overlapped:
-    """The check of one transfer in parts. ``landed(j)`` is called once per completed post of
-    part ``j``; when all its posts are in, its check goes to the worker. Calling the object
-    (after DONE) waits for every part and raises the first part's error, in part order."""
+    """The check of one transfer in parts, posted one after another, at most :data:`WINDOW`
+    in flight.
 
-    def __init__(self, checks: list[Callable[[], None]]) -> None:
-        self._checks = checks
-        self._left = [0] * len(checks)  # posts of each part not yet landed
-        self._futures: list[Future[None] | None] = [None] * len(checks)
+    ``check_of(a, b)``: the check of positions ``[a, b)``; ``post``: see :data:`PostPart`;
+    ``final``: run after every part matched (the folded rows' comparison), or None;
+    ``folded(a, b)``: whether the backend already hashed those rows in its copy (then the
+    parts left go out as one). :meth:`start` posts the first parts; ``landed(j)`` is called
+    once per completed post of part ``j``; when all its posts are in, its check goes to the
+    worker and the next part is posted. Calling the object (after DONE) waits for every part
+    and raises the first part's error, in part order.
+    """
 
-    def expect(self, part: int) -> None:
-        """One more post carries part ``part`` (called while posting)."""
-        self._left[part] += 1
+    def __init__(self, bounds: list[tuple[int, int]], check_of: Callable[[int, int], Callable[[], None]],
+                 post: PostPart, final: Callable[[], None] | None = None,
+                 folded: Callable[[int, int], bool] | None = None) -> None:
+        self._bounds = list(bounds)
+        self._check_of, self._post, self._final, self._folded = check_of, post, final, folded
+        self._left: list[int] = []  # per posted part: its posts not yet landed
+        self._flying = 0  # parts posted and not yet landed
+        self._checks: dict[int, Callable[[], None]] = {}
+        self._futures: dict[int, Future[None]] = {}
+        self._ended = False
+
+    @property
+    def parts(self) -> int:
+        return len(self._bounds)
+
+    def start(self) -> None:
+        self._advance()
 
     def landed(self, part: int) -> None:
         self._left[part] -= 1
-        if self._left[part] == 0 and self._futures[part] is None:
-            self._futures[part] = _worker().submit(self._checks[part])
+        if self._left[part] == 0:
+            self._flying -= 1
+            self._submit(part)
+            self._advance()
+
+    def _advance(self) -> None:
+        """Post the next parts while fewer than :data:`WINDOW` are in flight."""
+        while len(self._left) < len(self._bounds) and self._flying < WINDOW and not self._ended:
+            j = len(self._left)
+            a, b = self._bounds[j]
+            self._left.append(0)
+            self._left[j] = left = self._post(j, a, b)
+            if j == 0 and len(self._bounds) > 2 and self._folded is not None and self._folded(a, b):
+                self._bounds[1:] = [(b, self._bounds[-1][1])]  # the backend hashes as it copies
+            if left:
+                self._flying += 1
+            else:
+                self._submit(j)
+
+    def _submit(self, j: int) -> None:
+        check = self._check_of(*self._bounds[j])
+        self._checks[j] = check
+        self._futures[j] = _worker().submit(check)
 
     def __call__(self) -> None:
-        """Every part checked (one a worker never got, here), else the first error."""
+        """Every part checked, else the first error. A part the worker has not started yet is
+        checked here (the caller would only wait), beside the worker's last."""
+        if len(self._futures) != len(self._bounds):  # DONE over a part never posted: no proof of it
+            raise IntegrityError(f"{len(self._bounds) - len(self._futures)} of {len(self._bounds)} parts of a "
+                                 "verified read were never checked; refused")
         first: BaseException | None = None
-        for j, f in enumerate(self._futures):
+        for j in range(len(self._bounds)):
+            f = self._futures[j]
             try:
-                if f is None:
+                if f.cancel():
                     self._checks[j]()
                 else:
                     f.result()
@@ -99,10 +154,14 @@ class Overlapped:
                 first = first or err
         if first is not None:
             raise first
+        if self._final is not None:
+            self._final()
 
     def settle(self) -> None:
-        """The transfer ended early: drop checks not started, wait for one still reading."""
-        running = [f for f in self._futures if f is not None and not f.cancel()]  # all dropped first
+        """The transfer ended early: post nothing more, drop checks not started, wait for one
+        still reading."""
+        self._ended = True
+        running = [f for f in self._futures.values() if not f.cancel()]  # all dropped first
         for f in running:
             try:
                 f.result()
@@ -113,18 +172,19 @@ class Overlapped:
 class Folded:
     """Row digests taken as the backend copies (:mod:`kvxfer.plugin.copies`): a copy that
     starts at one of our rows and covers it whole has that row hashed at once, in the cache.
-    Calling the object (after DONE) hashes the rows no copy covered and compares them all.
+    :meth:`part` hashes (on the worker) the rows of a landed part no copy covered; calling the
+    object (after DONE) hashes the rows still not hashed and compares them all.
 
     ``view``: the destination allocation's bytes; ``offs``: each row's offset in it (request
     order); ``n``: a row's bytes; ``base``: the allocation's address; ``check``: the plain
     check (:class:`kvxfer.integrity.verified.PairingCheck`), whose spans and blocks these are.
     """
 
-    __slots__ = ("expect", "spans", "lb", "view", "n", "at", "got", "seen", "_h")
+    __slots__ = ("expect", "spans", "lb", "view", "n", "offs", "at", "got", "seen", "_h")
 
     def __init__(self, expect: Digests, spans: object, lb: np.ndarray, view: memoryview, offs: list[int], n: int,
                  base: int) -> None:
-        self.expect, self.spans, self.lb, self.view, self.n = expect, spans, lb, view, n
+        self.expect, self.spans, self.lb, self.view, self.n, self.offs = expect, spans, lb, view, n, offs
         self.at = {base + o: (i, o) for i, o in enumerate(offs)}  # a row's address -> (position, offset)
         self.got = np.zeros(len(offs), dtype=np.uint64)
         self.seen = np.zeros(len(offs), dtype=bool)
@@ -141,6 +201,19 @@ class Folded:
             self.got[i] = self._h(self.view[o:o + n])
             self.seen[i] = True
             addr += n
+
+    def part(self, a: int, b: int) -> Callable[[], None]:
+        """The check of positions ``[a, b)`` once they landed: hash the rows not hashed in a copy
+        (one call per row, which releases the GIL), then compare them."""
+        def check() -> None:
+            h, view, n, offs, got, seen = self._h, self.view, self.n, self.offs, self.got, self.seen
+            for i in np.flatnonzero(~seen[a:b]).tolist():
+                o = offs[a + i]
+                got[a + i] = h(view[o:o + n])
+                seen[a + i] = True
+            pos = np.arange(a, b)
+            compare(self.expect.take(pos), got[a:b, None], self.lb[a:b])
+        return check
 
     def __call__(self) -> None:
         import dataclasses

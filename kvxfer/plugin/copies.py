@@ -14,17 +14,27 @@ import contextlib
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
-__all__ = ["watcher", "watching"]
+__all__ = ["reports", "watcher", "watching"]
 
 Watch = Callable[[int, int], None]
 _WATCH: ContextVar[tuple[object, Watch] | None] = ContextVar("kvxfer_copies", default=None)
+_REPORTERS: set[type] = set()  # backend classes seen reporting their copies to a watcher
 
 
 def watcher(backend: object) -> Watch | None:
     """What ``backend`` calls after each host copy it makes inside the current post, with the
     destination address and byte count; None when nobody watches (then it calls nothing)."""
     w = _WATCH.get()
-    return w[1] if w is not None and w[0] is backend else None
+    if w is not None and w[0] is backend:
+        _REPORTERS.add(type(backend))
+        return w[1]
+    return None
+
+
+def reports(backend: object) -> bool:
+    """Whether ``backend``'s class was seen reporting its copies: the core then folds the check
+    into them rather than posting a verified READ in parts (which only adds posts there)."""
+    return type(backend) in _REPORTERS
 
 
 @contextlib.contextmanager
