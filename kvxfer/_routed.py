@@ -11,8 +11,9 @@ field, :mod:`kvxfer.metadata`), not inside the backend's blob.
 The hot path stays the backend's: a list the device path did not take is the backend's own
 prepared list, and a post over two such lists is the backend's own handle, so a DRAM transfer
 costs a type check more (and, for a backend on :class:`~kvxfer.plugin.PathBackend`, whose
-posts are :class:`~kvxfer.plugin.Post` too, one identity check). Device-path posts go through :class:`~kvxfer.plugin.PathBackend`'s
-loop, whose notification leaves through the backend's ``notify`` once the copy is done.
+posts are :class:`~kvxfer.plugin.Post` too, one identity check). Device-path posts go through
+:class:`~kvxfer.plugin.PathBackend`'s loop, whose notification leaves through the backend's
+``notify`` once the copy is done.
 """
 
 from __future__ import annotations

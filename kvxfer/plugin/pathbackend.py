@@ -115,13 +115,11 @@ class PathBackend(Backend):
 
     def poll(self, xfer: Any) -> bool:
         x: Post = xfer
-        if x.error is not None:
-            raise x.error
-        if x.done:
-            return True
-        if x.released:
-            raise TransferCancelledError("transfer was released")
+        if x.error is not None or x.done or x.released:
+            return _ended(x)
         with self.guard:
+            if x.error is not None or x.done or x.released:  # the other poller (pump or caller) ended it meanwhile
+                return _ended(x)
             try:
                 self.step(x)
                 if x.sending is None:  # else the bytes are in and the notification is on its way
@@ -161,3 +159,12 @@ class PathBackend(Backend):
 
     def close(self) -> None:
         self._pump.stop()
+
+
+def _ended(x: Post) -> bool:
+    """What polling an ended post says: its error, done, or cancelled."""
+    if x.error is not None:
+        raise x.error
+    if x.done:
+        return True
+    raise TransferCancelledError("transfer was released")
