@@ -10,8 +10,10 @@ field, :mod:`kvxfer.metadata`), not inside the backend's blob.
 
 The hot path stays the backend's: a list the device path did not take is the backend's own
 prepared list, and a post over two such lists is the backend's own handle, so a DRAM transfer
-costs one type check more. Device-path posts go through :class:`~kvxfer.plugin.PathBackend`'s
-loop, whose notification leaves through the backend's ``notify`` once the copy is done.
+costs a type check more (and, for a backend on :class:`~kvxfer.plugin.PathBackend`, whose
+posts are :class:`~kvxfer.plugin.Post` too, one identity check). Device-path posts go through
+:class:`~kvxfer.plugin.PathBackend`'s loop, whose notification leaves through the backend's
+``notify`` once the copy is done.
 """
 
 from __future__ import annotations
@@ -194,24 +196,30 @@ class Routed(PathBackend):
             expect.cover(cells)
         return x
 
+    def _ours(self, xfer: Any) -> bool:
+        """A device-path post; a backend on :class:`PathBackend` (UCX, tinycopy) hands out posts too."""
+        return xfer.__class__ is Post and xfer.path is self.device
+
     def poll(self, xfer: Any) -> bool:
-        return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)
+        if xfer.__class__ is Post and xfer.path is self.device:  # _ours(), inlined: every poll passes here
+            return PathBackend.poll(self, xfer)
+        return self.inner.poll(xfer)
 
     def wait(self, xfer: Any, deadline: float) -> bool | None:
         """A device-path post blocks on its CUDA event; the backend's own, as the backend says."""
-        return PathBackend.wait(self, xfer, deadline) if xfer.__class__ is Post else self.inner.wait(xfer, deadline)
+        return PathBackend.wait(self, xfer, deadline) if self._ours(xfer) else self.inner.wait(xfer, deadline)
 
     def release(self, xfer: Any) -> None:
-        if xfer.__class__ is Post:
+        if self._ours(xfer):
             PathBackend.release(self, xfer)
         else:
             self.inner.release(xfer)
 
     def data_path(self, xfer: Any) -> str | None:
-        return PathBackend.data_path(self, xfer) if xfer.__class__ is Post else self.inner.data_path(xfer)
+        return PathBackend.data_path(self, xfer) if self._ours(xfer) else self.inner.data_path(xfer)
 
     def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
-        return None if xfer.__class__ is Post else self.inner.telemetry(xfer)
+        return None if self._ours(xfer) else self.inner.telemetry(xfer)
 
     def stall_hint(self, peer: str | None) -> str | None:
         return self.inner.stall_hint(peer)

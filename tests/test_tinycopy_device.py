@@ -20,7 +20,8 @@ from common import SENTINEL, assert_rows_moved, pattern_rows
 from kvxfer import Allocation, DescriptorList, MemoryKind, Op
 from kvxfer._routed import Routed
 from kvxfer.cuda import SAME_PROCESS, DevicePath, capability
-from kvxfer.errors import UnsupportedError
+from kvxfer.errors import PeerDisconnectedError, UnsupportedError
+from kvxfer.plugin import PathBackend, Post
 from kvxfer.testing.fake_cuda import FakeCuda
 from kvxfer.testing.wait import wait_until
 
@@ -31,18 +32,18 @@ ROWS, ROW = 12, 64
 
 
 class Side:
-    def __init__(self, name: str, kind: MemoryKind, seed: int | None) -> None:
+    def __init__(self, name: str, kind: MemoryKind, seed: int | None, backend: type[TinyCopy] = TinyCopy) -> None:
         self.mem = pattern_rows(ROWS, ROW, seed)
         self.kind = kind
-        self.b = Routed(TinyCopy(name), DevicePath())  # what an Agent holds
+        self.b = Routed(backend(name), DevicePath())  # what an Agent holds
         self.b.register([Allocation(self.mem.ctypes.data, self.mem.nbytes, kind, 0)])
 
     def rows(self) -> DescriptorList:
         return DescriptorList([[self.mem.ctypes.data + i * ROW, ROW, 0] for i in range(ROWS)], self.kind)
 
 
-def _pair(kind: MemoryKind) -> tuple[Side, Side]:
-    a, b = Side("a", kind, seed=None), Side("b", kind, seed=7)
+def _pair(kind: MemoryKind, backend: type[TinyCopy] = TinyCopy) -> tuple[Side, Side]:
+    a, b = Side("a", kind, seed=None, backend=backend), Side("b", kind, seed=7)
     a.b.add_remote("b", b.b.local_metadata(), b.b.device_metadata())
     b.b.add_remote("a", a.b.local_metadata(), a.b.device_metadata())
     return a, b
@@ -90,3 +91,36 @@ def test_without_cuda_vram_is_refused_not_memmoved(monkeypatch: pytest.MonkeyPat
     with pytest.raises(UnsupportedError, match="host memory only"):
         a.b.prepare("b", b.rows())
     assert (a.mem == SENTINEL).all()
+
+
+class _Distrusting(TinyCopy):
+    """tinycopy whose loop refuses landed bytes, as UCX's ``landed`` does when the peer died meanwhile."""
+
+    def landed(self, x: Post) -> None:
+        raise PeerDisconnectedError("the peer died before its bytes counted")
+
+
+def _routers_loop_for_every_post(self: Routed, xfer: object) -> bool:
+    """The router's dispatch before UCX was on PathBackend: every Post taken for a device post."""
+    return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_path_backend_inside_the_router_polls_through_its_own_hooks(monkeypatch: pytest.MonkeyPatch,
+                                                                     control: bool) -> None:
+    """The backend's posts are Posts too: the router hands them back to the backend's loop, whose
+    ``landed`` check fails the transfer. Control: the router's old dispatch runs them through its
+    own loop, which has no such check, and reports done bytes the backend refused."""
+    if control:
+        monkeypatch.setattr(Routed, "poll", _routers_loop_for_every_post)
+    a, b = _pair(MemoryKind.DRAM, backend=_Distrusting)
+    before_a, before_b = a.mem.copy(), b.mem.copy()
+    li, ri = np.array([0, 4], np.int64), np.array([7, 1], np.int64)
+    x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), li, a.b.prepare("b", b.rows()), ri, None)
+    assert_rows_moved(Op.READ, a.mem, b.mem, before_a, before_b, li, ri)  # memmove moved them inside start
+    if control:
+        assert a.b.poll(x)  # the refusal bypassed
+    else:
+        with pytest.raises(PeerDisconnectedError, match="before its bytes counted"):
+            a.b.poll(x)
+    a.b.release(x)

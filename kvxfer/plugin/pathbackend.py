@@ -6,14 +6,20 @@ handle, poll the row until every byte is in place, only then send the notificati
 that do not send it themselves), hand a post with a notification to a
 :class:`~kvxfer.progress.Pump` so it leaves even if nobody polls, and cancel through the row.
 :class:`PathBackend` is that loop; a subclass lists its rows and says how a notification
-reaches a peer. The core's router (:mod:`kvxfer.plugin.routed`) is built on it too: its rows
+reaches a peer. A transport with more to it (a lock around every step, a peer's liveness to check
+before each step and once the bytes are in, a notification that is itself a request to poll)
+fills the hooks: :attr:`~PathBackend.poll_at_post`, :attr:`~PathBackend.guard`,
+:meth:`~PathBackend.admit`, :meth:`~PathBackend.started`, :meth:`~PathBackend.step`,
+:meth:`~PathBackend.landed`, :meth:`~PathBackend.delivered` and :meth:`~PathBackend.withdraw`;
+each one's default does nothing. The core's router (:mod:`kvxfer.plugin.routed`) is built on it too: its rows
 are the device path and the backend itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Sequence
+from typing import Any, ContextManager, Sequence
 
 import numpy as np
 
@@ -29,12 +35,14 @@ __all__ = ["PathBackend", "Post"]
 class Post:
     """One posted transfer: the row that carries it, the row's handle, and what is still owed."""
 
-    __slots__ = ("path", "h", "peer", "notification", "error", "released")
+    __slots__ = ("path", "h", "peer", "notification", "error", "released", "done", "sending", "__weakref__")
 
-    def __init__(self, path: DataPath, h: Any, peer: str, notification: bytes | None) -> None:
+    def __init__(self, path: DataPath, h: Any, peer: Any, notification: bytes | None) -> None:
         self.path, self.h, self.peer, self.notification = path, h, peer, notification
         self.error: KvxferError | None = None
         self.released = False
+        self.done = False
+        self.sending: Any = None  # what deliver() returned: a notification still on its way
 
 
 class PathBackend(Backend):
@@ -47,53 +55,97 @@ class PathBackend(Backend):
     """
 
     paths: Sequence[DataPath] = ()
+    #: Whether post() polls a transfer with a notification once before handing it to the pump
+    #: (a row that finishes inside ``start`` then needs no pump thread).
+    poll_at_post = True
+    #: Held around each step of the loop (post, poll, release): a transport that is not
+    #: thread-safe puts its lock here, since the pump polls from its own thread.
+    guard: ContextManager[Any] = contextlib.nullcontext()
 
     def __init__(self, agent_name: str, /, **options: Any) -> None:
         super().__init__(agent_name, **options)
         self._post_lock = threading.Lock()  # the caller and the pump may finish one post together
         self._pump: Pump[Post] = Pump(self.poll, name=f"kvxfer-{self.name}-notify")
 
-    def peer_of(self, remote: Any) -> str:
-        """The peer a prepared remote list belongs to (passed to the row and to :meth:`deliver`)."""
+    def peer_of(self, remote: Any) -> Any:
+        """The peer a prepared remote list belongs to (passed to the row and to :meth:`deliver`):
+        its name, or the backend's own record of it."""
         raise NotImplementedError
 
-    def deliver(self, peer: str, message: bytes) -> None:
-        """Send a transfer's notification, once its bytes are in place. Default: :meth:`notify`."""
+    def deliver(self, peer: Any, message: bytes) -> Any:
+        """Send a transfer's notification, once its bytes are in place. Default: :meth:`notify`.
+        A send that is itself a request returns it; the post is done once :meth:`delivered` says so."""
         self.notify(peer, message)
 
+    # -- hooks: each default does nothing -------------------------------------------------------
+    def admit(self, local: Any, remote: Any, peer: Any) -> None:
+        """Under the guard, before a post starts: refuse a stale list or a dead peer (typed error)."""
+
+    def started(self, x: Post) -> None:
+        """Under the guard, once the row started ``x``: record it where the backend tracks posts."""
+
+    def step(self, x: Post) -> None:
+        """Under the guard, before each poll of ``x``: drive the transport, raise if its peer is gone."""
+
+    def landed(self, x: Post) -> None:
+        """Once the row reported every byte of ``x`` in place, before the notification: raise if
+        those bytes cannot be trusted (the peer died meanwhile)."""
+
+    def delivered(self, sending: Any) -> bool:
+        """Whether a notification :meth:`deliver` returned has left; raises if its send failed
+        (either way it is then settled, and not withdrawn)."""
+        return True
+
+    def withdraw(self, sending: Any) -> None:
+        """On release, a notification still on its way: settle it (bounded)."""
+
+    # -- the loop -------------------------------------------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None, expect: Any = None) -> Post:
         """``expect``: the source's digest of each descriptor, for a row that verifies as it copies
         (the device path's fused kernel); passed on only when given, so other rows never see it."""
-        path = choose(self.paths, local, remote)
-        peer = self.peer_of(remote)
-        if expect is None:
-            h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
-        else:  # an optional keyword of some rows, not of the protocol
-            start: Any = path.start
-            h = start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
-        x = Post(path, h, peer, None if path.sends_notification else notification)
-        if x.notification is not None and not self.poll(x):
+        with self.guard:
+            path = choose(self.paths, local, remote)
+            peer = self.peer_of(remote)
+            self.admit(local, remote, peer)
+            if expect is None:
+                h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
+            else:  # an optional keyword of some rows, not of the protocol
+                start: Any = path.start
+                h = start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
+            x = Post(path, h, peer, None if path.sends_notification else notification)
+            self.started(x)
+        if x.notification is not None and not (self.poll_at_post and self.poll(x)):
             self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
         return x
 
     def poll(self, xfer: Any) -> bool:
         x: Post = xfer
-        if x.error is not None:
-            raise x.error
-        if x.released:
-            raise TransferCancelledError("transfer was released")
-        try:
-            if not x.path.poll(x.h):
-                return False
-        except KvxferError as exc:
-            x.error = exc
-            raise
-        if x.notification is not None:
-            with self._post_lock:
-                note, x.notification = x.notification, None
-            if note is not None:  # after the data: the receiver may read on arrival
-                self.deliver(x.peer, note)
+        if x.error is not None or x.done or x.released:
+            return _ended(x)
+        with self.guard:
+            if x.error is not None or x.done or x.released:  # the other poller (pump or caller) ended it meanwhile
+                return _ended(x)
+            try:
+                self.step(x)
+                if x.sending is None:  # else the bytes are in and the notification is on its way
+                    if not x.path.poll(x.h):
+                        return False
+                    self.landed(x)
+                    if x.notification is not None:
+                        with self._post_lock:
+                            note, x.notification = x.notification, None
+                        if note is not None:  # after the data: the receiver may read on arrival
+                            x.sending = self.deliver(x.peer, note)
+                if x.sending is not None:
+                    sending, x.sending = x.sending, None  # once delivered() answered, it is settled
+                    if not self.delivered(sending):
+                        x.sending = sending
+                        return False
+            except KvxferError as exc:
+                x.error = exc
+                raise
+            x.done = True
         return True
 
     def wait(self, xfer: Any, deadline: float) -> bool | None:
@@ -118,10 +170,23 @@ class PathBackend(Backend):
             return
         x.released = True
         self._pump.discard(x)
-        x.path.cancel(x.h)
+        with self.guard:
+            x.path.cancel(x.h)
+            sending, x.sending = x.sending, None
+            if sending is not None:
+                self.withdraw(sending)
 
     def data_path(self, xfer: Any) -> str | None:
         return xfer.path.kind(xfer.h)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._pump.stop()
+
+
+def _ended(x: Post) -> bool:
+    """What polling an ended post says: its error, done, or cancelled."""
+    if x.error is not None:
+        raise x.error
+    if x.done:
+        return True
+    raise TransferCancelledError("transfer was released")

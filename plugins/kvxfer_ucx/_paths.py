@@ -4,8 +4,9 @@
 proven to be on this host; :class:`RmaPath` (UCX GET/PUT and a flush, :mod:`kvxfer_ucx._rma`)
 every other peer. Both resolve the paired descriptors the same way and neither sends the
 notification: the backend sends it once ``poll`` reported every byte in place, after the
-peer's liveness was checked once more. Each path drives its job under the backend's lock
-(the backend holds it around every call here) with the backend's budget and timeouts.
+peer's liveness was checked once more, and clears the handle's job (nothing is left to cancel).
+Each path drives its job under the backend's lock (the backend holds it around every call
+here) with the backend's budget and timeouts.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def guarded(peer: Peer, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class PathJob:
-    """A path's handle: the job moving the bytes and the peer it moves them with."""
+    """A path's handle: the job moving the bytes (None once they are in place, or cancelled) and
+    the peer it moves them with."""
 
     __slots__ = ("job", "peer")
 
@@ -86,7 +88,7 @@ class CopyPath(_Row):
     def serves(local: Prepared, remote: Prepared) -> bool:
         return remote.owner.page is not None  # type: ignore[union-attr]
 
-    def start(self, op: Op, local: Prepared, li: np.ndarray, remote: Prepared, ri: np.ndarray, peer: str,
+    def start(self, op: Op, local: Prepared, li: np.ndarray, remote: Prepared, ri: np.ndarray, peer: Any,
               notification: bytes | None) -> PathJob:
         p: Peer = remote.owner  # type: ignore[assignment]
         la, ra, ln, _ = _pairs(local, li, remote, ri)
@@ -106,7 +108,9 @@ class CopyPath(_Row):
 
     @staticmethod
     def cancel(h: PathJob) -> None:
-        h.job.cancel()  # between steps: no syscall is running, nothing moves any more
+        job, h.job = h.job, None
+        if job is not None:
+            job.cancel()  # between steps: no syscall is running, nothing moves any more
 
     abandon = cancel
 
@@ -131,7 +135,7 @@ class RmaPath(_Row):
     def serves(local: Prepared, remote: Prepared) -> bool:
         return remote.owner.page is None  # type: ignore[union-attr]
 
-    def start(self, op: Op, local: Prepared, li: np.ndarray, remote: Prepared, ri: np.ndarray, peer: str,
+    def start(self, op: Op, local: Prepared, li: np.ndarray, remote: Prepared, ri: np.ndarray, peer: Any,
               notification: bytes | None) -> PathJob:
         p: Peer = remote.owner  # type: ignore[assignment]
         la, ra, ln, slot = _pairs(local, li, remote, ri)
@@ -151,10 +155,11 @@ class RmaPath(_Row):
         A live peer that neither finished nor failed in time has its endpoint forced closed,
         which completes its requests, so that nothing writes into our memory after we return."""
         b, peer = self._b, h.peer
-        if b._closed:
+        job, h.job = h.job, None
+        if job is None or b._closed:
             return
         alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
-        if not h.job.cancel(Deadline.within(b._cancel_timeout), alive) and alive():
+        if not job.cancel(Deadline.within(b._cancel_timeout), alive) and alive():
             peer.failed = L.UCS_ERR_CANCELED
             peer.why = (f"did not settle a cancelled transfer within cancel_timeout={b._cancel_timeout:g} s, "
                         "so its connection was closed (nothing can arrive late)")

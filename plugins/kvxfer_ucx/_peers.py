@@ -1,20 +1,18 @@
-"""What the UCX backend keeps per connected peer and per posted transfer."""
+"""What the UCX backend keeps per connected peer (a posted transfer is the loop's :class:`kvxfer.plugin.Post`)."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from kvxfer import KvxferError
-from kvxfer.plugin import SpanIndex
+from kvxfer.plugin import Post, SpanIndex
 
 from ._hostpage import PeerPage, ProcessWatch
 from ._worker import Worker
 
-__all__ = ["COPY", "RMA", "Peer", "Xfer"]
+__all__ = ["COPY", "RMA", "Peer"]
 
 #: The two data paths' names (``peer_path``, ``TransferStats.path``).
 COPY, RMA = "same-host-copy", "ucx-rma"
@@ -34,22 +32,10 @@ class Peer:
     connected: bool = True  # endpoint still open
     why: str = ""  # why it counts as failed, when the status alone does not say
     w: Worker | None = None  # the worker its endpoint lives on (RMA peers: a worker of their own)
-    xfers: "weakref.WeakSet[Xfer]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
+    xfers: "weakref.WeakSet[Post]" = field(default_factory=weakref.WeakSet)  # posted, maybe in flight
     bound: PeerPage | None = None  # the page its registrations are proven by, on either path (same host)
 
     @property
     def path(self) -> str:
         return COPY if self.page is not None else RMA
 
-
-@dataclass(eq=False)
-class Xfer:
-    peer: Peer
-    path: Any  # the kvxfer_ucx._paths row that moves it
-    job: Any  # that path's handle; None once the bytes are in place
-    notification: bytes | None
-    am: int | None = None
-    am_buffers: tuple[Any, ...] = ()
-    done: bool = False
-    error: KvxferError | None = None
-    released: bool = False

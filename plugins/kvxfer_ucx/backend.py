@@ -1,21 +1,24 @@
-"""The UCX backend's control plane: connections, liveness, notifications, choice of data path.
+"""The UCX backend's control plane: connections, liveness, notifications, its rows' hooks.
 
 Bytes move through one of two data paths, rows of :class:`kvxfer.plugin.DataPath`
-(:mod:`kvxfer_ucx._paths`), of which ``post`` takes the first that serves the pair:
+(:mod:`kvxfer_ucx._paths`), of which :class:`kvxfer.plugin.PathBackend`'s post loop takes
+the first that serves the pair:
 
 * :class:`~kvxfer_ucx._paths.CopyPath`: ``process_vm_readv``/``writev`` for peers proven
   to be on this host (:mod:`kvxfer_ucx._hostpage` says how a peer is proven);
 * :class:`~kvxfer_ucx._paths.RmaPath`: UCX GET/PUT and a flush, for every other peer.
 
 This module proves a peer for the same-host path at :meth:`UcxBackend.add_remote`, checks descriptors
-against registrations at :meth:`~UcxBackend.prepare`, verifies a finished transfer against
-the peer's liveness (same-host: its registration page is unchanged and still its own) before
-reporting it done, and only then sends the notification as an active message, so that a
-notification never overtakes its data. A transfer that carries a notification is also handed
-to a :class:`kvxfer.progress.Pump`, so the notification leaves even if nobody polls.
+against registrations at :meth:`~UcxBackend.prepare`, and fills the loop's hooks: a stale or
+dead peer is refused before each step (``admit``, ``step``), a finished transfer is verified
+against the peer's liveness (same-host: its registration page is unchanged and still its own)
+before it counts (``landed``), and only then the notification leaves as an active message
+whose request is reaped before the transfer is done (``deliver``, ``delivered``), so that a
+notification never overtakes its data. The loop hands a transfer that carries a notification
+to its pump, so the notification leaves even if nobody polls.
 Transport choice and its security reasoning: ``plugins/kvxfer_ucx/README.md``.
 
-Thread model: every libucp call and every step of a job happens under one lock.
+Thread model: every libucp call and every step of a job happens under one lock (the loop's guard).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, IdentityError,
+from kvxfer import (Allocation, BackendClosedError, BackendError, Capabilities, DescriptorList, IdentityError,
                     KvxferError, MemoryKind, MetadataError, Op, OutOfRegistrationError, PeerDisconnectedError,
-                    StalePeerError, TransferCancelledError, UnknownPeerError, UnsupportedError)
-from kvxfer.plugin import DataPath, Deadline, Pump, SpanIndex, choose
+                    StalePeerError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, Deadline, PathBackend, Post, Pump, SpanIndex
 from kvxfer.plugin.prover import named, shared
 from kvxfer.plugin.ucxabi import Here, SlotWatch, address as ucxaddr
 
@@ -43,7 +46,7 @@ from ._lists import Prepared
 from ._memory import Registrations
 from ._notify import Notifications, check_size
 from ._paths import CopyPath, RmaPath
-from ._peers import Peer as _Peer, Xfer as _Xfer
+from ._peers import Peer as _Peer
 from ._peerworkers import PeerWorkers
 from ._worker import UcxCallError, Worker
 
@@ -57,7 +60,7 @@ PROBE_TARGET = "kvxfer_ucx._helper:make_probe"
 ROUTE_RMA, ROUTE_COPY = b"R", b"C"
 
 
-class UcxBackend(Backend):
+class UcxBackend(PathBackend):
     """kvxfer transport on raw UCX (libucp through ctypes). DRAM only.
 
     Options (keyword-only):
@@ -88,6 +91,7 @@ class UcxBackend(Backend):
     """
 
     name = "ucx"
+    poll_at_post = False  # post() only starts: a notification's transfer goes to the pump at once
     capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.DRAM}), notifications=True, strided_lists=True,
                                 merges_runs=False, cheap_prepare=True, max_descriptors=None, needs_progress=True,
                                 cross_process=True)
@@ -114,6 +118,7 @@ class UcxBackend(Backend):
         self._copy_chunk, self._budget, self._cancel_timeout = int(copy_chunk), float(poll_budget), float(cancel_timeout)
         self._trusted = bool(trusted_network)
         self._lock = threading.RLock()
+        self.guard = self._lock  # the loop's every step runs under it
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._by_ep: dict[int, _Peer] = {}
@@ -123,11 +128,10 @@ class UcxBackend(Backend):
         self._notes.w = self._w
         self._pw = PeerWorkers(self._w)  # same-host RMA peers' own workers
         self._slots = SlotWatch(config, self._w.lib.version)  # a slot a dead writer left in our receive queues
-        self._pump: Pump[_Xfer] = Pump(self.poll, name="kvxfer-ucx-notify")
         # Standalone notifications leave only while the worker is progressed: pumped like transfers.
         self._note_pump: Pump[str] = Pump(self._send_queued, name="kvxfer-ucx-notes")
         self._mem = Registrations(self._w)
-        self._paths: tuple[DataPath, ...] = (CopyPath(self), RmaPath(self))  # post() takes the first that serves
+        self.paths: tuple[DataPath, ...] = (CopyPath(self), RmaPath(self))  # post() takes the first that serves
         self._libc: SH.Libc | None = None
         ident = host_identity()
         self._host = None if ident is None else Host(**ident, page=None, digest=None)
@@ -265,11 +269,11 @@ class UcxBackend(Backend):
             del self._by_ep[peer.ep]
         if w is not self._w:
             for x in list(peer.xfers):
-                if x.job is not None:
-                    x.path.abandon(x.job)  # frees every request; nothing is waited on
-                if x.am is not None:
-                    w.drain([x.am], 0.0, lambda: False)
-                    x.am = None
+                if x.h.job is not None:
+                    x.path.abandon(x.h)  # frees every request; nothing is waited on
+                if x.sending is not None:
+                    w.drain([x.sending[0]], 0.0, lambda: False)
+                    x.sending = None
             self._notes.forget(peer.ep)
             self._pw.retire(w, peer.watch, fenced=peer.failed == L.UCS_ERR_CANCELED)  # RmaPath.cancel's fence
 
@@ -311,9 +315,9 @@ class UcxBackend(Backend):
             p = self._peer(peer)
             return Prepared(descs, p.spans, f"peer {peer!r}", owner=p)
 
-    # -- transfers ------------------------------------------------------------------------------
+    # -- transfers: the rows' hooks of PathBackend's loop ------------------------------------------
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             notification: bytes | None) -> _Xfer:
+             notification: bytes | None) -> Post:
         if (not isinstance(local, Prepared) or not isinstance(remote, Prepared) or isinstance(local.owner, _Peer)
                 or not isinstance(remote.owner, _Peer)):
             raise BackendError("ucx backend: post needs a local and a remote list prepared by this backend")
@@ -322,39 +326,25 @@ class UcxBackend(Backend):
         li, ri = np.asarray(local_idx, dtype=np.int64), np.asarray(remote_idx, dtype=np.int64)
         if li.shape != ri.shape or li.ndim != 1:
             raise BackendError("ucx backend: local and remote index arrays must be 1-D and of equal length")
-        peer: _Peer = remote.owner
-        with self._lock:
-            self._check_open()
-            if local.owner != self._mem.epoch:
-                raise OutOfRegistrationError("ucx backend: the local list was prepared over memory deregistered since")
-            if peer.closed or self._peers.get(peer.name) is not peer:
-                raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added since this list was "
-                                     "prepared; prepare it again")
-            self._raise_if_failed(peer)
-            path = choose(self._paths, local, remote)
-            x = _Xfer(peer, path, path.start(op, local, li, remote, ri, peer.name, notification), notification)
-            peer.xfers.add(x)
-        if notification is not None:
-            self._pump.add(x)
-        return x
+        return super().post(op, local, li, remote, ri, notification)
 
-    def poll(self, xfer: Any) -> bool:
-        x: _Xfer = xfer
-        if x.error is not None:
-            raise x.error
-        if x.done:
-            return True
-        if x.released:
-            raise TransferCancelledError("ucx backend: transfer was released")
-        with self._lock:
-            self._check_open()
-            try:
-                return self._advance(x)
-            except KvxferError as exc:
-                x.error = exc
-                raise
+    def peer_of(self, remote: Prepared) -> _Peer:
+        return remote.owner  # type: ignore[return-value]
 
-    def _advance(self, x: _Xfer) -> bool:
+    def admit(self, local: Prepared, remote: Prepared, peer: _Peer) -> None:
+        self._check_open()
+        if local.owner != self._mem.epoch:
+            raise OutOfRegistrationError("ucx backend: the local list was prepared over memory deregistered since")
+        if peer.closed or self._peers.get(peer.name) is not peer:
+            raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added since this list was "
+                                 "prepared; prepare it again")
+        self._raise_if_failed(peer)
+
+    def started(self, x: Post) -> None:
+        x.peer.xfers.add(x)  # a worker of the peer's own frees what is in flight when it goes
+
+    def step(self, x: Post) -> None:
+        self._check_open()
         peer = x.peer
         self._w.progress()
         if peer.connected and peer.w is not None and peer.w is not self._w:
@@ -363,51 +353,35 @@ class UcxBackend(Backend):
         self._raise_if_failed(peer)
         if peer.closed:
             raise StalePeerError(f"ucx backend: peer {peer.name!r} was removed or re-added during this transfer")
-        if x.job is not None:
-            if not x.path.poll(x.job):
-                return False
-            x.job = None
-            self._raise_if_failed(peer, force=True)  # alive when every byte had moved
-        if x.notification is not None:  # every byte is in place: now the notification may go
-            x.am, x.am_buffers = self._send_notification(peer, x.notification)
-            x.notification = None
-        if x.am is not None:
-            st = self._w.reap(x.am)
-            if st is None:
-                return False
-            x.am, x.am_buffers = None, ()
-            if st != L.UCS_OK:
-                raise self._fail(peer, st, "notification send")
-        x.done = True
-        return True
 
-    def release(self, xfer: Any) -> None:
-        x: _Xfer = xfer
-        if x.released:
-            return
-        x.released = True
-        self._pump.discard(x)
-        with self._lock:
-            job, x.job = x.job, None
-            if job is not None:  # the bytes were still moving (a notification is sent only after)
-                x.path.cancel(job)
-            if self._closed or x.am is None:
-                return
-            peer = x.peer
-            alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
-            (peer.w or self._w).drain([x.am], Deadline.within(self._cancel_timeout), alive)
-            x.am = None
+    def landed(self, x: Post) -> None:
+        x.h.job = None  # the row has nothing left to cancel
+        self._raise_if_failed(x.peer, force=True)  # alive when every byte had moved
 
-    def data_path(self, xfer: Any) -> str | None:
-        return xfer.path.kind(xfer.job)  # type: ignore[no-any-return]
-
-    # -- notifications --------------------------------------------------------------------------
-    def _send_notification(self, peer: _Peer, message: bytes) -> tuple[int | None, tuple[Any, ...]]:
+    def deliver(self, peer: _Peer, message: bytes) -> tuple[int, tuple[Any, ...], _Peer] | None:
+        """Every byte is in place: the notification leaves as an active message."""
         try:
-            return self._notes.send(peer.ep, message)
+            am, bufs = self._notes.send(peer.ep, message)
         except UcxCallError as exc:
             raise self._fail(peer, exc.status, "notification send") from None
+        return None if am is None else (am, bufs, peer)  # the buffers live until the request is reaped
 
+    def delivered(self, sending: tuple[int, tuple[Any, ...], _Peer]) -> bool:
+        st = self._w.reap(sending[0])
+        if st is None:
+            return False
+        if st != L.UCS_OK:
+            raise self._fail(sending[2], st, "notification send")
+        return True
+
+    def withdraw(self, sending: tuple[int, tuple[Any, ...], _Peer]) -> None:
+        if self._closed:
+            return
+        am, _, peer = sending
+        alive = lambda: peer.failed is None and peer.connected and (peer.watch is None or peer.watch.alive())  # noqa: E731
+        (peer.w or self._w).drain([am], Deadline.within(self._cancel_timeout), alive)
+
+    # -- notifications --------------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
         check_size(message)
         with self._lock:
@@ -464,7 +438,7 @@ class UcxBackend(Backend):
             raise BackendClosedError("ucx backend is closed")
 
     def close(self) -> None:
-        self._pump.stop()  # outside the lock: its thread may be waiting for it
+        super().close()  # the loop's pump, outside the lock: its thread may be waiting for it
         self._note_pump.stop()
         with self._lock:
             if self._closed:
