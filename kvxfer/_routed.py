@@ -49,8 +49,16 @@ class Listed:
         self.inner, self.device, self.peer = inner, device, peer
 
 
+class _Device(Post):
+    """A device-path post: the backend's posts (a :class:`PathBackend`'s ``Post`` too) are the backend's."""
+
+    __slots__ = ()
+
+
 class Routed(PathBackend):
     """``backend`` and ``device`` as one seam; the agent calls this instead of the backend."""
+
+    post_type = _Device
 
     def __init__(self, backend: Backend, device: "DevicePath") -> None:
         self.name = backend.name
@@ -166,19 +174,19 @@ class Routed(PathBackend):
         return self.inner.post(op, local, local_idx, remote, remote_idx, notification)
 
     def poll(self, xfer: Any) -> bool:
-        return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)
+        return PathBackend.poll(self, xfer) if xfer.__class__ is _Device else self.inner.poll(xfer)
 
     def release(self, xfer: Any) -> None:
-        if xfer.__class__ is Post:
+        if xfer.__class__ is _Device:
             PathBackend.release(self, xfer)
         else:
             self.inner.release(xfer)
 
     def data_path(self, xfer: Any) -> str | None:
-        return PathBackend.data_path(self, xfer) if xfer.__class__ is Post else self.inner.data_path(xfer)
+        return PathBackend.data_path(self, xfer) if xfer.__class__ is _Device else self.inner.data_path(xfer)
 
     def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
-        return None if xfer.__class__ is Post else self.inner.telemetry(xfer)
+        return None if xfer.__class__ is _Device else self.inner.telemetry(xfer)
 
     def stall_hint(self, peer: str | None) -> str | None:
         return self.inner.stall_hint(peer)

@@ -29,12 +29,13 @@ __all__ = ["PathBackend", "Post"]
 class Post:
     """One posted transfer: the row that carries it, the row's handle, and what is still owed."""
 
-    __slots__ = ("path", "h", "peer", "notification", "error", "released")
+    __slots__ = ("path", "h", "peer", "notification", "error", "released", "tag", "done", "pumped")
 
-    def __init__(self, path: DataPath, h: Any, peer: str, notification: bytes | None) -> None:
+    def __init__(self, path: DataPath, h: Any, peer: str, notification: bytes | None, tag: Any = None) -> None:
         self.path, self.h, self.peer, self.notification = path, h, peer, notification
+        self.tag = tag  # what the backend's route() attached (its peer record), for finished()
         self.error: KvxferError | None = None
-        self.released = False
+        self.released = self.done = self.pumped = False
 
 
 class PathBackend(Backend):
@@ -44,9 +45,21 @@ class PathBackend(Backend):
     peer a prepared remote list names) and :meth:`deliver` (hand a notification to that peer;
     called once, after the row reported every byte in place). :meth:`close` must call
     ``super().close()``, which stops the pump.
+
+    Three hooks, neutral by default, let a backend add what its transport needs without
+    writing the loop again: :meth:`route` (refuse a stale peer's list, pick a fenced row),
+    :meth:`waiting` (drive something while a row is not done) and :meth:`finished` (refuse
+    DONE once the bytes are in place, e.g. from a peer that deregistered meanwhile).
     """
 
     paths: Sequence[DataPath] = ()
+    #: Which posts the pump drives until done. ``None``: those whose notification the loop still
+    #: owes and that a first poll did not finish. A number ``n``: every post with a notification
+    #: (a row that sends it itself may send it only while polled) and every post of more than
+    #: ``n`` descriptors (a row that posts later pieces while polled), without a first poll.
+    pump_over: int | None = None
+    #: The class of this backend's posts: a wrapper telling its own posts from another's (kvxfer/_routed.py).
+    post_type: type[Post] = Post
 
     def __init__(self, agent_name: str, /, **options: Any) -> None:
         super().__init__(agent_name, **options)
@@ -57,29 +70,49 @@ class PathBackend(Backend):
         """The peer a prepared remote list belongs to (passed to the row and to :meth:`deliver`)."""
         raise NotImplementedError
 
+    def route(self, op: Op, local: Any, remote: Any) -> tuple[DataPath, str, Any]:
+        """Check the pair may still be posted and pick its row: ``(row, peer, tag)``, ``tag`` kept
+        on the :class:`Post`. Default: the first row that serves the pair, :meth:`peer_of`, None."""
+        return choose(self.paths, local, remote), self.peer_of(remote), None
+
+    def waiting(self, x: Post) -> None:
+        """Called by :meth:`poll` while the row is not done (one process's peers may need driving)."""
+
+    def finished(self, x: Post) -> None:
+        """Called once the row reports every byte in place, before the notification; raise to fail."""
+
     def deliver(self, peer: str, message: bytes) -> None:
         """Send a transfer's notification, once its bytes are in place. Default: :meth:`notify`."""
         self.notify(peer, message)
 
     def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              notification: bytes | None) -> Post:
-        path = choose(self.paths, local, remote)
-        peer = self.peer_of(remote)
-        x = Post(path, path.start(op, local, local_idx, remote, remote_idx, peer, notification), peer,
-                 None if path.sends_notification else notification)
-        if x.notification is not None and not self.poll(x):
-            self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
+        path, peer, tag = self.route(op, local, remote)
+        x = self.post_type(path, path.start(op, local, local_idx, remote, remote_idx, peer, notification), peer,
+                 None if path.sends_notification else notification, tag)
+        over = self.pump_over
+        if over is None:
+            if x.notification is not None and not self.poll(x):
+                x.pumped = True
+                self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
+        elif notification or local_idx.shape[0] > over:
+            x.pumped = True
+            self._pump.add(x)
         return x
 
     def poll(self, xfer: Any) -> bool:
         x: Post = xfer
+        if x.done:
+            return True
         if x.error is not None:
             raise x.error
         if x.released:
             raise TransferCancelledError("transfer was released")
         try:
             if not x.path.poll(x.h):
+                self.waiting(x)
                 return False
+            self.finished(x)
         except KvxferError as exc:
             x.error = exc
             raise
@@ -88,6 +121,7 @@ class PathBackend(Backend):
                 note, x.notification = x.notification, None
             if note is not None:  # after the data: the receiver may read on arrival
                 self.deliver(x.peer, note)
+        x.done = True
         return True
 
     def release(self, xfer: Any) -> None:
@@ -95,7 +129,8 @@ class PathBackend(Backend):
         if x.released:
             return
         x.released = True
-        self._pump.discard(x)
+        if x.pumped:
+            self._pump.discard(x)
         x.path.cancel(x.h)
 
     def data_path(self, xfer: Any) -> str | None:
