@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from common import SENTINEL, assert_rows_moved, pattern_rows
-from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op, _routed
 from kvxfer._routed import Routed
 from kvxfer.cuda import SAME_PROCESS, DevicePath, capability
-from kvxfer.errors import UnsupportedError
+from kvxfer.errors import StalePeerError, UnsupportedError
+from kvxfer.plugin import Post
 from kvxfer.testing.fake_cuda import FakeCuda
 from kvxfer.testing.wait import wait_until
 
@@ -31,18 +32,18 @@ ROWS, ROW = 12, 64
 
 
 class Side:
-    def __init__(self, name: str, kind: MemoryKind, seed: int | None) -> None:
+    def __init__(self, name: str, kind: MemoryKind, seed: int | None, backend: type[TinyCopy] = TinyCopy) -> None:
         self.mem = pattern_rows(ROWS, ROW, seed)
         self.kind = kind
-        self.b = Routed(TinyCopy(name), DevicePath())  # what an Agent holds
+        self.b = Routed(backend(name), DevicePath())  # what an Agent holds
         self.b.register([Allocation(self.mem.ctypes.data, self.mem.nbytes, kind, 0)])
 
     def rows(self) -> DescriptorList:
         return DescriptorList([[self.mem.ctypes.data + i * ROW, ROW, 0] for i in range(ROWS)], self.kind)
 
 
-def _pair(kind: MemoryKind) -> tuple[Side, Side]:
-    a, b = Side("a", kind, seed=None), Side("b", kind, seed=7)
+def _pair(kind: MemoryKind, backend: type[TinyCopy] = TinyCopy) -> tuple[Side, Side]:
+    a, b = Side("a", kind, None, backend), Side("b", kind, 7, backend)
     a.b.add_remote("b", b.b.local_metadata(), b.b.device_metadata())
     b.b.add_remote("a", a.b.local_metadata(), a.b.device_metadata())
     return a, b
@@ -90,3 +91,31 @@ def test_without_cuda_vram_is_refused_not_memmoved(monkeypatch: pytest.MonkeyPat
     with pytest.raises(UnsupportedError, match="host memory only"):
         a.b.prepare("b", b.rows())
     assert (a.mem == SENTINEL).all()
+
+
+class _Refusing(TinyCopy):
+    """tinycopy whose ``landed`` hook refuses DONE, as NIXL's does for a peer that deregistered meanwhile."""
+
+    def landed(self, x: Post) -> None:
+        raise StalePeerError(f"{x.peer!r} deregistered memory during the transfer")
+
+
+@pytest.mark.parametrize("claimed", [False, True], ids=["own-hooks", "control-router-claims-it"])
+def test_the_router_hands_a_path_backends_posts_back_to_it(fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch,
+                                                          claimed: bool) -> None:
+    """Routed is a PathBackend too: it must finish only its device posts, so the backend's own
+    ``landed`` (NIXL's stale-peer check) judges the backend's posts. Control: a router that
+    takes every :class:`Post` for its own reports DONE for a post the backend refuses."""
+    if claimed:
+        monkeypatch.setattr(_routed, "_Device", Post)
+    a, b = _pair(MemoryKind.DRAM, _Refusing)
+    before_a, before_b = a.mem.copy(), b.mem.copy()
+    li, ri = np.array([1, 4], np.int64), np.array([8, 0], np.int64)
+    x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), li, a.b.prepare("b", b.rows()), ri, None)
+    assert_rows_moved(Op.READ, a.mem, b.mem, before_a, before_b, li, ri)  # memmove ran in start()
+    if claimed:
+        assert a.b.poll(x)  # the bad outcome: DONE, the backend's hook never asked
+    else:
+        with pytest.raises(StalePeerError, match="deregistered"):
+            a.b.poll(x)
+    a.b.release(x)

@@ -33,7 +33,7 @@ class Post:
 
     def __init__(self, path: DataPath, h: Any, peer: str, notification: bytes | None, tag: Any = None) -> None:
         self.path, self.h, self.peer, self.notification = path, h, peer, notification
-        self.tag = tag  # what the backend's route() attached (its peer record), for finished()
+        self.tag = tag  # what the backend's route() attached (its peer record), for landed()
         self.error: KvxferError | None = None
         self.released = self.done = self.pumped = False
 
@@ -48,7 +48,7 @@ class PathBackend(Backend):
 
     Three hooks, neutral by default, let a backend add what its transport needs without
     writing the loop again: :meth:`route` (refuse a stale peer's list, pick a fenced row),
-    :meth:`waiting` (drive something while a row is not done) and :meth:`finished` (refuse
+    :meth:`waiting` (drive something while a row is not done) and :meth:`landed` (refuse
     DONE once the bytes are in place, e.g. from a peer that deregistered meanwhile).
     """
 
@@ -78,7 +78,7 @@ class PathBackend(Backend):
     def waiting(self, x: Post) -> None:
         """Called by :meth:`poll` while the row is not done (one process's peers may need driving)."""
 
-    def finished(self, x: Post) -> None:
+    def landed(self, x: Post) -> None:
         """Called once the row reports every byte in place, before the notification; raise to fail."""
 
     def deliver(self, peer: str, message: bytes) -> None:
@@ -89,7 +89,7 @@ class PathBackend(Backend):
              notification: bytes | None) -> Post:
         path, peer, tag = self.route(op, local, remote)
         x = self.post_type(path, path.start(op, local, local_idx, remote, remote_idx, peer, notification), peer,
-                 None if path.sends_notification else notification, tag)
+                           None if path.sends_notification else notification, tag)
         over = self.pump_over
         if over is None:
             if x.notification is not None and not self.poll(x):
@@ -112,7 +112,7 @@ class PathBackend(Backend):
             if not x.path.poll(x.h):
                 self.waiting(x)
                 return False
-            self.finished(x)
+            self.landed(x)
         except KvxferError as exc:
             x.error = exc
             raise

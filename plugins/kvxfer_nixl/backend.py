@@ -4,7 +4,7 @@ This class owns the NIXL agent's lifetime, registrations, peers (loading and unl
 metadata) and notifications. The post loop is :class:`kvxfer.plugin.PathBackend`'s; this
 backend adds its rows, :mod:`kvxfer_nixl._xfer` (NIXL prepared lists, plain or fenced), and
 its hooks: which row a post takes once its lists are checked current (:meth:`NixlBackend.route`),
-and the stale-peer check once the bytes are in place (:meth:`NixlBackend.finished`). VRAM
+and the stale-peer check once the bytes are in place (:meth:`NixlBackend.landed`). VRAM
 between agents of one host is routed by the agent to the core's device path
 (:mod:`kvxfer._routed`) before it reaches this backend. Why it is built this way is in
 ``plugins/kvxfer_nixl/README.md``.
@@ -336,7 +336,7 @@ class NixlBackend(Notifications, Files, PathBackend):
             return self._fenced, rem.name, rem
         return self._nixl_path, rem.name, rem
 
-    def finished(self, x: Post) -> None:
+    def landed(self, x: Post) -> None:
         """Refuse DONE for a peer known to have deregistered; a sent notification still needs progress."""
         now = time.monotonic()
         if now - self._collected > _COLLECT_EVERY:
