@@ -32,7 +32,10 @@ class Post:
     __slots__ = ("path", "h", "peer", "notification", "error", "released", "tag", "done", "pumped")
 
     def __init__(self, path: DataPath, h: Any, peer: str, notification: bytes | None, tag: Any = None) -> None:
-        self.path, self.h, self.peer, self.notification = path, h, peer, notification
+        self.path = path
+        self.h = h
+        self.peer = peer
+        self.notification = notification
         self.tag = tag  # what the backend's route() attached (its peer record), for landed()
         self.error: KvxferError | None = None
         self.released = self.done = self.pumped = False
