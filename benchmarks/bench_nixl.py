@@ -274,7 +274,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         target.call({"cmd": "add", "kvxfer": [base64.b64encode(a.metadata()).decode() for a in agents.values()],
                      "raw": base64.b64encode(raw.get_agent_metadata()).decode()})
         kx_rows = agents[("rows", variants[0])]
-        results["routes"] = {f"{m}/{v}": str(a.backend._path.route(peer)) for (m, v), a in agents.items()}
+        results["routes"] = {f"{m}/{v}": str(a.device_path.route(peer)) for (m, v), a in agents.items()}
         for k, r in results["routes"].items():
             print(f"route {k}: {r}", flush=True)
         # raw NIXL lists, prepared once, as strided rows (the fastest way to prepare)

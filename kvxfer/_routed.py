@@ -52,8 +52,16 @@ class Listed:
         self.inner, self.device, self.peer = inner, device, peer
 
 
+class _Device(Post):
+    """A device-path post: the backend's posts (a :class:`PathBackend`'s ``Post`` too) are the backend's."""
+
+    __slots__ = ()
+
+
 class Routed(PathBackend):
     """``backend`` and ``device`` as one seam; the agent calls this instead of the backend."""
+
+    post_type = _Device
 
     def __init__(self, backend: Backend, device: "DevicePath") -> None:
         self.name = backend.name
@@ -196,30 +204,24 @@ class Routed(PathBackend):
             expect.cover(cells)
         return x
 
-    def _ours(self, xfer: Any) -> bool:
-        """A device-path post; a backend on :class:`PathBackend` (UCX, tinycopy) hands out posts too."""
-        return xfer.__class__ is Post and xfer.path is self.device
-
     def poll(self, xfer: Any) -> bool:
-        if xfer.__class__ is Post and xfer.path is self.device:  # _ours(), inlined: every poll passes here
-            return PathBackend.poll(self, xfer)
-        return self.inner.poll(xfer)
+        return PathBackend.poll(self, xfer) if xfer.__class__ is _Device else self.inner.poll(xfer)
 
     def wait(self, xfer: Any, deadline: float) -> bool | None:
         """A device-path post blocks on its CUDA event; the backend's own, as the backend says."""
-        return PathBackend.wait(self, xfer, deadline) if self._ours(xfer) else self.inner.wait(xfer, deadline)
+        return PathBackend.wait(self, xfer, deadline) if xfer.__class__ is _Device else self.inner.wait(xfer, deadline)
 
     def release(self, xfer: Any) -> None:
-        if self._ours(xfer):
+        if xfer.__class__ is _Device:
             PathBackend.release(self, xfer)
         else:
             self.inner.release(xfer)
 
     def data_path(self, xfer: Any) -> str | None:
-        return PathBackend.data_path(self, xfer) if self._ours(xfer) else self.inner.data_path(xfer)
+        return PathBackend.data_path(self, xfer) if xfer.__class__ is _Device else self.inner.data_path(xfer)
 
     def telemetry(self, xfer: Any) -> Mapping[str, Any] | None:
-        return None if self._ours(xfer) else self.inner.telemetry(xfer)
+        return None if xfer.__class__ is _Device else self.inner.telemetry(xfer)
 
     def stall_hint(self, peer: str | None) -> str | None:
         return self.inner.stall_hint(peer)

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from common import SENTINEL, assert_rows_moved, pattern_rows
-from kvxfer import Allocation, DescriptorList, MemoryKind, Op
+from kvxfer import Allocation, DescriptorList, MemoryKind, Op, _routed
 from kvxfer._routed import Routed
 from kvxfer.cuda import SAME_PROCESS, DevicePath, capability
-from kvxfer.errors import PeerDisconnectedError, UnsupportedError
-from kvxfer.plugin import PathBackend, Post
+from kvxfer.errors import StalePeerError, UnsupportedError
+from kvxfer.plugin import Post
 from kvxfer.testing.fake_cuda import FakeCuda
 from kvxfer.testing.wait import wait_until
 
@@ -43,7 +43,7 @@ class Side:
 
 
 def _pair(kind: MemoryKind, backend: type[TinyCopy] = TinyCopy) -> tuple[Side, Side]:
-    a, b = Side("a", kind, seed=None, backend=backend), Side("b", kind, seed=7)
+    a, b = Side("a", kind, None, backend), Side("b", kind, 7, backend)
     a.b.add_remote("b", b.b.local_metadata(), b.b.device_metadata())
     b.b.add_remote("a", a.b.local_metadata(), a.b.device_metadata())
     return a, b
@@ -93,34 +93,29 @@ def test_without_cuda_vram_is_refused_not_memmoved(monkeypatch: pytest.MonkeyPat
     assert (a.mem == SENTINEL).all()
 
 
-class _Distrusting(TinyCopy):
-    """tinycopy whose loop refuses landed bytes, as UCX's ``landed`` does when the peer died meanwhile."""
+class _Refusing(TinyCopy):
+    """tinycopy whose ``landed`` hook refuses DONE, as NIXL's does for a peer that deregistered meanwhile."""
 
     def landed(self, x: Post) -> None:
-        raise PeerDisconnectedError("the peer died before its bytes counted")
+        raise StalePeerError(f"{x.peer!r} deregistered memory during the transfer")
 
 
-def _routers_loop_for_every_post(self: Routed, xfer: object) -> bool:
-    """The router's dispatch before UCX was on PathBackend: every Post taken for a device post."""
-    return PathBackend.poll(self, xfer) if xfer.__class__ is Post else self.inner.poll(xfer)
-
-
-@pytest.mark.parametrize("control", [False, True])
-def test_a_path_backend_inside_the_router_polls_through_its_own_hooks(monkeypatch: pytest.MonkeyPatch,
-                                                                     control: bool) -> None:
-    """The backend's posts are Posts too: the router hands them back to the backend's loop, whose
-    ``landed`` check fails the transfer. Control: the router's old dispatch runs them through its
-    own loop, which has no such check, and reports done bytes the backend refused."""
-    if control:
-        monkeypatch.setattr(Routed, "poll", _routers_loop_for_every_post)
-    a, b = _pair(MemoryKind.DRAM, backend=_Distrusting)
+@pytest.mark.parametrize("claimed", [False, True], ids=["own-hooks", "control-router-claims-it"])
+def test_the_router_hands_a_path_backends_posts_back_to_it(fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch,
+                                                          claimed: bool) -> None:
+    """Routed is a PathBackend too: it must finish only its device posts, so the backend's own
+    ``landed`` (NIXL's stale-peer check) judges the backend's posts. Control: a router that
+    takes every :class:`Post` for its own reports DONE for a post the backend refuses."""
+    if claimed:
+        monkeypatch.setattr(_routed, "_Device", Post)
+    a, b = _pair(MemoryKind.DRAM, _Refusing)
     before_a, before_b = a.mem.copy(), b.mem.copy()
-    li, ri = np.array([0, 4], np.int64), np.array([7, 1], np.int64)
+    li, ri = np.array([1, 4], np.int64), np.array([8, 0], np.int64)
     x = a.b.post(Op.READ, a.b.prepare(None, a.rows()), li, a.b.prepare("b", b.rows()), ri, None)
-    assert_rows_moved(Op.READ, a.mem, b.mem, before_a, before_b, li, ri)  # memmove moved them inside start
-    if control:
-        assert a.b.poll(x)  # the refusal bypassed
+    assert_rows_moved(Op.READ, a.mem, b.mem, before_a, before_b, li, ri)  # memmove ran in start()
+    if claimed:
+        assert a.b.poll(x)  # the bad outcome: DONE, the backend's hook never asked
     else:
-        with pytest.raises(PeerDisconnectedError, match="before its bytes counted"):
+        with pytest.raises(StalePeerError, match="deregistered"):
             a.b.poll(x)
     a.b.release(x)

@@ -35,13 +35,14 @@ __all__ = ["PathBackend", "Post"]
 class Post:
     """One posted transfer: the row that carries it, the row's handle, and what is still owed."""
 
-    __slots__ = ("path", "h", "peer", "notification", "error", "released", "done", "sending", "__weakref__")
+    __slots__ = ("path", "h", "peer", "notification", "error", "released", "done", "sending", "tag", "pumped",
+                 "__weakref__")
 
-    def __init__(self, path: DataPath, h: Any, peer: Any, notification: bytes | None) -> None:
+    def __init__(self, path: DataPath, h: Any, peer: Any, notification: bytes | None, tag: Any = None) -> None:
         self.path, self.h, self.peer, self.notification = path, h, peer, notification
+        self.tag = tag  # what the backend's route() attached (its peer record), for landed()
         self.error: KvxferError | None = None
-        self.released = False
-        self.done = False
+        self.released = self.done = self.pumped = False
         self.sending: Any = None  # what deliver() returned: a notification still on its way
 
 
@@ -52,6 +53,11 @@ class PathBackend(Backend):
     peer a prepared remote list names) and :meth:`deliver` (hand a notification to that peer;
     called once, after the row reported every byte in place). :meth:`close` must call
     ``super().close()``, which stops the pump.
+
+    Three hooks, neutral by default, let a backend add what its transport needs without
+    writing the loop again: :meth:`route` (refuse a stale peer's list, pick a fenced row),
+    :meth:`waiting` (drive something while a row is not done) and :meth:`landed` (refuse
+    DONE once the bytes are in place, e.g. from a peer that deregistered meanwhile).
     """
 
     paths: Sequence[DataPath] = ()
@@ -61,6 +67,13 @@ class PathBackend(Backend):
     #: Held around each step of the loop (post, poll, release): a transport that is not
     #: thread-safe puts its lock here, since the pump polls from its own thread.
     guard: ContextManager[Any] = contextlib.nullcontext()
+    #: Which posts the pump drives until done. ``None``: those whose notification the loop still
+    #: owes and that a first poll did not finish. A number ``n``: every post with a notification
+    #: (a row that sends it itself may send it only while polled) and every post of more than
+    #: ``n`` descriptors (a row that posts later pieces while polled), without a first poll.
+    pump_over: int | None = None
+    #: The class of this backend's posts: a wrapper telling its own posts from another's (kvxfer/_routed.py).
+    post_type: type[Post] = Post
 
     def __init__(self, agent_name: str, /, **options: Any) -> None:
         super().__init__(agent_name, **options)
@@ -71,6 +84,14 @@ class PathBackend(Backend):
         """The peer a prepared remote list belongs to (passed to the row and to :meth:`deliver`):
         its name, or the backend's own record of it."""
         raise NotImplementedError
+
+    def route(self, op: Op, local: Any, remote: Any) -> tuple[DataPath, Any, Any]:
+        """Check the pair may still be posted and pick its row: ``(row, peer, tag)``, ``tag`` kept
+        on the :class:`Post`. Default: the first row that serves the pair, :meth:`peer_of`, None."""
+        return choose(self.paths, local, remote), self.peer_of(remote), None
+
+    def waiting(self, x: Post) -> None:
+        """Called by :meth:`poll` while the row is not done (one process's peers may need driving)."""
 
     def deliver(self, peer: Any, message: bytes) -> Any:
         """Send a transfer's notification, once its bytes are in place. Default: :meth:`notify`.
@@ -105,18 +126,23 @@ class PathBackend(Backend):
         """``expect``: the source's digest of each descriptor, for a row that verifies as it copies
         (the device path's fused kernel); passed on only when given, so other rows never see it."""
         with self.guard:
-            path = choose(self.paths, local, remote)
-            peer = self.peer_of(remote)
+            path, peer, tag = self.route(op, local, remote)
             self.admit(local, remote, peer)
             if expect is None:
                 h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
             else:  # an optional keyword of some rows, not of the protocol
                 start: Any = path.start
                 h = start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
-            x = Post(path, h, peer, None if path.sends_notification else notification)
+            x = self.post_type(path, h, peer, None if path.sends_notification else notification, tag)
             self.started(x)
-        if x.notification is not None and not (self.poll_at_post and self.poll(x)):
-            self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
+        over = self.pump_over
+        if over is None:
+            if x.notification is not None and not (self.poll_at_post and self.poll(x)):
+                x.pumped = True
+                self._pump.add(x)  # still moving: its notification leaves when it is done, polled or not
+        elif notification or local_idx.shape[0] > over:
+            x.pumped = True
+            self._pump.add(x)
         return x
 
     def poll(self, xfer: Any) -> bool:
@@ -130,6 +156,7 @@ class PathBackend(Backend):
                 self.step(x)
                 if x.sending is None:  # else the bytes are in and the notification is on its way
                     if not x.path.poll(x.h):
+                        self.waiting(x)
                         return False
                     self.landed(x)
                     if x.notification is not None:
@@ -169,7 +196,8 @@ class PathBackend(Backend):
         if x.released:
             return
         x.released = True
-        self._pump.discard(x)
+        if x.pumped:
+            self._pump.discard(x)
         with self.guard:
             x.path.cancel(x.h)
             sending, x.sending = x.sending, None

@@ -173,11 +173,14 @@ class Notifications:
     def stall_hint(self, peer: str | None) -> str | None:
         return STALL_HINT
 
-    def _progress_local_peers(self) -> None:
-        """Progress peers of this process: nobody else drives them when the thread is off.
+    def waiting(self, x: Any = None) -> None:
+        """Progress peers of this process while a transfer waits (PathBackend's hook) and in
+        ``progress()``: nobody else drives them when the thread is off.
 
         Never blocks: a peer busy in another thread is progressing anyway.
         """
+        if self._progress_thread:
+            return
         for rem in tuple(self._remotes.values()):
             other = rem.local() if rem.local is not None else None
             if other is not None and not other._closed:

@@ -24,7 +24,7 @@ from kvxfer import BackendError, Op, TransferCancelledError, UnsupportedError
 from ._bounce import Bounce, Quarantine, expand
 from ._nixl import map_error
 
-__all__ = ["NixlPath", "NixlXfer", "as_int32"]
+__all__ = ["Fenced", "NixlPath", "NixlXfer", "as_int32"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -80,6 +80,12 @@ class NixlPath:
               notification: bytes | None, fence: bool = False) -> NixlXfer:
         """Post the first piece (the whole transfer when it fits in one). ``fence``: a READ over
         a transport that cannot recall it lands in a :class:`~kvxfer_nixl._bounce.Bounce`."""
+        li = li if li.dtype == np.int32 and li.flags.c_contiguous else as_int32(li)  # inlined: the hot path
+        ri = ri if ri.dtype == np.int32 and ri.flags.c_contiguous else as_int32(ri)
+        if li.shape != ri.shape:
+            raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
+        if local.nixl is None or remote.nixl is None:
+            raise BackendError("NIXL prepared neither or only one of these lists (released, or empty?)")
         bounce = None
         if fence and op is Op.READ:
             rows = getattr(local, "rows", None)
@@ -199,7 +205,10 @@ class NixlPath:
             raise BackendError(f"NIXL refused to post {_what(x, a, b)} to {x.peer!r}")
         x.next = b
         if state == "DONE":
-            self._release(h)
+            try:  # _release(), inlined: a small READ is done here (issue 37 counts its calls)
+                self._agent.release_xfer_handle(h)
+            except Exception:
+                self.unreleased.append(h)
         else:
             x.live.append(h)
 
@@ -209,6 +218,20 @@ class NixlPath:
         except Exception:
             self.unreleased.append(h)  # NIXL is still aborting it
 
+
+class Fenced:
+    """The fenced row: the same :class:`NixlPath`, whose READs land in a bounce area first
+    (:mod:`kvxfer_nixl._bounce`); the backend's ``route()`` picks it for a READ that needs the fence."""
+
+    sends_notification = True
+
+    def __init__(self, path: NixlPath) -> None:
+        self._path = path
+        self.serves, self.poll, self.cancel, self.kind = path.serves, path.poll, path.cancel, path.kind
+
+    def start(self, op: Op, local: _Listed, li: np.ndarray, remote: _Listed, ri: np.ndarray, peer: str,
+              notification: bytes | None) -> NixlXfer:
+        return self._path.start(op, local, li, remote, ri, peer, notification, fence=True)
 
 
 def _what(x: NixlXfer, a: int, b: int) -> str:

@@ -1,9 +1,11 @@
 """The NIXL backend's control plane: one NIXL agent, its peers, notifications, and paths.
 
 This class owns the NIXL agent's lifetime, registrations, peers (loading and unloading their
-metadata), notifications and the choice of data path for each post. The bytes move in the
-data path, a row of :class:`kvxfer.plugin.DataPath`: :mod:`kvxfer_nixl._xfer` (NIXL prepared
-lists). VRAM between agents of one host is routed by the agent to the core's device path
+metadata) and notifications. The post loop is :class:`kvxfer.plugin.PathBackend`'s; this
+backend adds its rows, :mod:`kvxfer_nixl._xfer` (NIXL prepared lists, plain or fenced), and
+its hooks: which row a post takes once its lists are checked current (:meth:`NixlBackend.route`),
+and the stale-peer check once the bytes are in place (:meth:`NixlBackend.landed`). VRAM
+between agents of one host is routed by the agent to the core's device path
 (:mod:`kvxfer._routed`) before it reaches this backend. Why it is built this way is in
 ``plugins/kvxfer_nixl/README.md``.
 
@@ -20,12 +22,10 @@ import time
 import weakref
 from typing import Any, Sequence
 
-import numpy as np
 
-from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, KvxferError,
-                    MemoryKind, MetadataError, Op, OutOfRegistrationError, StalePeerError, TransferCancelledError,
-                    UnknownPeerError, UnsupportedError)
-from kvxfer.plugin import Pump, SpanIndex, identity as peers
+from kvxfer import (Allocation, BackendClosedError, BackendError, Capabilities, DescriptorList, KvxferError,
+                    MemoryKind, MetadataError, Op, OutOfRegistrationError, StalePeerError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, PathBackend, Post, Pump, SpanIndex, identity as peers
 
 from . import _blob, _identity, _probe
 from ._bounce import needs_fence
@@ -33,8 +33,8 @@ from ._files import Files
 from ._nixl import deregister_memory, map_error, nb, nx, register_memory
 from ._notify import BACKGROUND_SLEEP_S, Notifications
 from ._parking import Parking
-from ._records import Flush, Prepared, Registration, Remote, Xfer, extents, instances
-from ._xfer import NixlPath, as_int32
+from ._records import Flush, Prepared, Registration, Remote, extents, instances
+from ._xfer import Fenced, NixlPath
 
 __all__ = ["DEFAULT_BACKGROUND_PROGRESS", "DEFAULT_PROGRESS_THREAD", "DEFAULT_REQUEST_DESCRIPTORS", "NixlBackend"]
 
@@ -50,7 +50,7 @@ _LOCAL_AGENT = "NIXL_INIT_AGENT"
 _COLLECT_EVERY = 1e-3
 
 
-class NixlBackend(Notifications, Files, Backend):
+class NixlBackend(Notifications, Files, PathBackend):
     """kvxfer backend over NIXL (UCX by default): DRAM and VRAM, READ and WRITE, notifications.
 
     Options (``kvxfer.Agent(name, backend="nixl", **options)``): one table, in
@@ -119,8 +119,12 @@ class NixlBackend(Notifications, Files, Backend):
         self._collected = 0.0  # when notifications were last read
         self._request_descriptors = max(1, int(request_descriptors))
         self._nixl_path = NixlPath(self._agent, self._lock, self._request_descriptors)
+        self._fenced = Fenced(self._nixl_path)  # route() picks it for a READ that needs the fence
+        self.paths = (self._nixl_path,)
+        # NIXL sends a notification only while polled, and posts later pieces while polled: the pump drives both
+        self.pump_over = self._request_descriptors if self._notify_thread else None
         self._flush = Flush()
-        self._pump: Pump[Any] = Pump(self._pumped, name="kvxfer-nixl-notify")
+        self._pump = Pump(self._pumped, name="kvxfer-nixl-notify")  # PathBackend's, also driving the flush
         self._keeper: Pump[Any] | None = (Pump(self._kept, name="kvxfer-nixl-progress", max_sleep=BACKGROUND_SLEEP_S)
                                           if background_progress and not self._progress_thread else None)
         self._closed = False
@@ -309,10 +313,9 @@ class NixlBackend(Notifications, Files, Backend):
             except Exception:
                 pass  # a list NIXL already dropped (peer removed) is gone either way
 
-    # -- transfers ----------------------------------------------------------------------
-    def post(self, op: Op, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-             notification: bytes | None) -> Xfer:
-        """Check the lists are current, start the NIXL path (fenced for a READ that needs it)."""
+    # -- transfers: PathBackend's loop over NixlPath; these are its hooks ------------------
+    def route(self, op: Op, local: Any, remote: Any) -> tuple[DataPath, str, Remote]:
+        """Check the lists are current; a READ that needs the fence takes the fenced row."""
         if self._closed:  # checks inlined: a small READ's post is the hot path (issue 37)
             self._check_open()
         if not isinstance(local, Prepared) or not isinstance(remote, Prepared):
@@ -327,75 +330,23 @@ class NixlBackend(Notifications, Files, Backend):
                                  "since; prepare it again")
         if rem.stale:
             raise StalePeerError(rem.stale)
-        li = local_idx if local_idx.dtype == np.int32 and local_idx.flags.c_contiguous else as_int32(local_idx)
-        ri = remote_idx if remote_idx.dtype == np.int32 and remote_idx.flags.c_contiguous else as_int32(remote_idx)
-        if li.shape != ri.shape:
-            raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
-        path = self._nixl_path
-        if local.nixl is None or remote.nixl is None:
-            raise BackendError("NIXL prepared neither or only one of these lists (released, or empty?)")
-        fence = rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM
-        h = self._nixl_path.start(op, local, li, remote, ri, rem.name, notification, fence=True) if fence else \
-            path.start(op, local, li, remote, ri, rem.name, notification)
-        x = Xfer(path, h, rem, notification)
-        if self._notify_thread and (notification or li.shape[0] > self._request_descriptors):
-            x.pumped = True
-            self._pump.add(x)  # notifications (and later pieces) go out without the caller polling
-        return x
+        if rem.fence and op is Op.READ and local.descs.kind is MemoryKind.DRAM:
+            return self._fenced, rem.name, rem
+        return self._nixl_path, rem.name, rem
 
-    def poll(self, xfer: Any) -> bool:
-        """One non-blocking look. Without a progress thread it also progresses same-process peers."""
-        x: Xfer = xfer
-        if x.done:
-            return True
-        if x.error is not None:
-            raise x.error
-        if x.released:
-            raise TransferCancelledError("transfer was released")
-        try:
-            finished = x.path.poll(x.h)
-            if finished:
-                return self._finish(x)
-        except KvxferError as exc:
-            x.error = exc
-            raise
-        if not self._progress_thread:
-            self._progress_local_peers()
-        return False
-
-    def _finish(self, x: Xfer) -> bool:
-        """Refuse DONE for a peer known to have deregistered; notify for paths that do not."""
+    def landed(self, x: Post) -> None:
+        """Refuse DONE for a peer known to have deregistered; a sent notification still needs progress."""
         now = time.monotonic()
         if now - self._collected > _COLLECT_EVERY:
             try:
                 self._collect()  # a deregistration notice may have come in with the data
             except KvxferError:
                 pass  # reported by the next progress(); the transfer itself completed
-        if x.rem.stale:
-            raise StalePeerError(f"transfer with {x.rem.name!r} may have moved stale bytes: {x.rem.stale}")
-        if x.notification:
-            if not x.path.sends_notification:
-                with self._lock:  # the notify thread may finish the same transfer
-                    if not x.done:
-                        self._send_notif(x.rem, x.notification)
-                        x.done = True
-            self._flush_soon()  # a sent notification may still wait in the worker for progress
-        x.done = True
-        return True
-
-    def data_path(self, xfer: Any) -> str | None:
-        """``"nixl"`` (device-path copies never reach this backend: the agent routes them)."""
-        return xfer.path.kind(xfer.h)
-
-    def release(self, xfer: Any) -> None:
-        """Forget a transfer; a pending one is aborted."""
-        x: Xfer = xfer
-        if x.released:
-            return
-        x.released = True  # poll() refuses it from now on; the path guards its own handles
-        if x.pumped:
-            self._pump.discard(x)
-        x.path.cancel(x.h)
+        rem: Remote = x.tag
+        if rem.stale:
+            raise StalePeerError(f"transfer with {rem.name!r} may have moved stale bytes: {rem.stale}")
+        if x.h.notification:
+            self._flush_soon()  # NIXL sent it after the data; it may still wait in the worker for progress
 
     # -- progress (notifications: kvxfer_nixl._notify) ---------------------------------
     def progress(self) -> None:
@@ -403,8 +354,7 @@ class NixlBackend(Notifications, Files, Backend):
         if self._closed:
             return
         self._collect()
-        if not self._progress_thread:
-            self._progress_local_peers()
+        self.waiting()
         self._nixl_path.reap()
 
     # -- lifetime -----------------------------------------------------------------------
@@ -412,7 +362,7 @@ class NixlBackend(Notifications, Files, Backend):
         """Stop the notify thread, drop peers and registrations, destroy the NIXL agent."""
         if self._closed:
             return
-        self._pump.stop()
+        super().close()  # PathBackend's: stops the notify thread
         if self._keeper is not None:
             self._keeper.stop()
         for peer in list(self._remotes):

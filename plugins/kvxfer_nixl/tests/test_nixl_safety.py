@@ -266,6 +266,29 @@ def test_same_process_peer_that_deregistered_is_stale_until_added_again() -> Non
         np.testing.assert_array_equal(dst[4], src[5])
 
 
+
+@pytest.mark.parametrize("hook", [False, True], ids=["control-no-landed", "landed"])
+def test_a_read_whose_peer_deregistered_before_done_is_refused(monkeypatch: pytest.MonkeyPatch, hook: bool) -> None:
+    """The stale-peer check after the data (``NixlBackend.landed``, PathBackend's hook): a READ
+    posted before its peer deregistered is not DONE. Control: without the hook it reports DONE."""
+    if not hook:
+        from kvxfer.plugin import PathBackend
+        monkeypatch.setattr(nb.NixlBackend, "landed", PathBackend.landed)
+    src, dst = _pattern(), np.full((ROWS, ROW), SENTINEL, np.uint8)
+    with Agent("p", backend="nixl") as a, Agent("d", backend="nixl") as b:
+        a.register({"layer.0": src})
+        b.register({"layer.0": dst})
+        peer = b.add_peer(a.metadata())
+        t = b.read(peer, [4], [5])  # posted; not yet polled
+        a.deregister()  # marks d's peer stale at once (same process)
+        if hook:
+            with pytest.raises(StalePeerError, match="may have moved stale bytes"):
+                t.wait(20)
+        else:
+            t.wait(20)  # the bad outcome: DONE for bytes from memory its owner gave up
+            np.testing.assert_array_equal(dst[4], src[5])
+        assert (np.delete(dst, 4, axis=0) == SENTINEL).all()
+
 _DEREG_PEER = r"""
 import base64, sys
 import numpy as np
