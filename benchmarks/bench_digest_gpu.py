@@ -51,7 +51,7 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
     from kvxfer.cuda.capability import cuda_capability
     from kvxfer.cuda.digest import mm8
     from kvxfer.integrity import set_mm8_kernel
-    from kvxfer.integrity.cells import Spans
+    from kvxfer.integrity.cells import CellSpans
     from kvxfer.cuda.capability import mm8_cells
     from kvxfer.integrity.digests import hash_spans, mm8_rows
     from kvxfer.memory import Allocation, MemoryKind
@@ -92,7 +92,7 @@ def one(count: int, size: int, iters: int) -> dict[str, Any]:
     nbytes = count * size
     flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flat2 = torch.empty_like(flat)
-    spans = Spans(np.array([src.data_ptr()], np.int64), np.array([stride], np.int64), np.zeros(1, np.int64),
+    spans = CellSpans(np.array([src.data_ptr()], np.int64), np.array([stride], np.int64), np.zeros(1, np.int64),
                   np.array([size], np.int64), np.zeros(1, np.int64),
                   (Allocation(src.data_ptr(), src.numel(), MemoryKind.VRAM, dev),), np.arange(count, dtype=np.int64),
                   np.zeros(count, np.int64))

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from .errors import HandshakeError, KvxferError, MetadataError
-from .routes import Route
+from ._routes import PeerRoute
 from .transfer import Status
 
 __all__ = ["start", "fetched"]
@@ -29,7 +29,7 @@ def _without_frames(exc: BaseException) -> BaseException:
     return exc
 
 
-def start(owner: Any, route: Route) -> None:
+def start(owner: Any, route: PeerRoute) -> None:
     """Fetch on a thread of its own: a peer that does not answer holds nobody else."""
     if route.fetch is None:
         return
@@ -49,7 +49,7 @@ def start(owner: Any, route: Route) -> None:
     threading.Thread(target=run, name=f"kvxfer-fetch:{route.key}", daemon=True).start()
 
 
-def fetched(owner: Any, route: Route, gen: int, md: bytes | None, err: BaseException | None) -> None:
+def fetched(owner: Any, route: PeerRoute, gen: int, md: bytes | None, err: BaseException | None) -> None:
     """On the loop: add the fetched peer, or fail the route's queue with the typed error."""
     if gen != route.generation:
         return

@@ -27,11 +27,11 @@ from .errors import TransferTimeoutError
 from .memory import Op
 from .pairing import Pairing
 from .planner import FEW_BLOCKS, TransferPlan, plan
-from .stats import TransferStats
+from ._stats import TransferStats
 from .transfer import Transfer, _Post
 
 if TYPE_CHECKING:
-    from .posts import Chunk
+    from ._posts import Chunk
 
 #: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).
 Agent = Peer = Any

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from .deadlines import Deadline
 from . import _checks
 from .errors import InvalidArgumentError, SpecError, UnsupportedError
-from .group import TransferGroup
+from ._group import TransferGroup
 from .memory import Op
 from .pairing import Pairing
 from .planner import plan_gather

@@ -1,7 +1,7 @@
 """Posting one plan: prepare its lists, post each chunk, and hand back the transfer.
 
 Kept out of :mod:`kvxfer.agent` (the agent decides *what* to post; this is *how*): the lists a
-plan needs come from the caches (:mod:`kvxfer.posts`), every post is undone if a later one
+plan needs come from the caches (:mod:`kvxfer._posts`), every post is undone if a later one
 fails or the deadline passes meanwhile, and a notification goes out once all the data is in.
 A request the hot path can repeat is remembered here (:func:`kvxfer._hot.learn`).
 """
@@ -18,7 +18,7 @@ from .integrity.overlap import Overlapped, part_bounds
 from .memory import Op
 from .planner import TransferPlan
 from .plugin import copies
-from .posts import Chunk, plan_chunks
+from ._posts import Chunk, plan_chunks
 from .transfer import Transfer, TransferStats, _Post
 
 #: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).

@@ -29,7 +29,7 @@ from .plugin.backend import Backend, Capabilities
 from .plugin.pathbackend import PathBackend, Post
 
 if TYPE_CHECKING:  # kvxfer.cuda loads when an agent is made, not on import kvxfer
-    from .cuda import DevicePath, Spans
+    from .cuda import DevicePath, DeviceSpans
     from .integrity.fused import Expected
 
 __all__ = ["DEVICE_OPTIONS", "Listed", "Routed", "device_options"]
@@ -48,7 +48,7 @@ class Listed:
 
     __slots__ = ("inner", "device", "peer")
 
-    def __init__(self, inner: Any, device: "Spans", peer: str | None) -> None:
+    def __init__(self, inner: Any, device: "DeviceSpans", peer: str | None) -> None:
         self.inner, self.device, self.peer = inner, device, peer
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .deadlines import Deadline, check_timeout, deadline_scope
-from .fdlimit import limit_error, raise_soft_limit
+from ._fdlimit import limit_error, raise_soft_limit
 from .errors import (
     AgentClosedError,
     InvalidArgumentError,
@@ -28,7 +28,7 @@ from .errors import (
     UnsupportedError,
 )
 from .geometry import DISCOVERY_OPTIONS, spec_from_tensors
-from .group import TransferGroup
+from ._group import TransferGroup
 from .geometry import KVCacheSpec
 from .memory import Op, as_op
 from .metadata import AgentMetadata, seal, unseal
@@ -41,7 +41,7 @@ from .plugin.registry import get_backend_class, plugin_manager
 from .pairing import Gather, pair_source
 from .tokens import token_key
 from .transfer import Transfer
-from . import _args, _checks, _many, _posting, lifecycle
+from . import _args, _checks, _many, _posting, _lifecycle as lifecycle
 
 __all__ = ["Agent", "Peer"]
 

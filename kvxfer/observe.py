@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from .plugin import registry as _registry
 from .plugin.hookspecs import ObservedAgent, ObservedTransfer
-from .stats import Status, TransferStats
+from ._stats import Status, TransferStats
 
 __all__ = ["add_observer", "remove_observer", "stats_dict", "enable_logging", "JsonFormatter", "LOG_ENV"]
 

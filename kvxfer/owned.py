@@ -22,7 +22,7 @@ from .transfer import Status, TransferStats
 __all__ = ["OwnedFuture", "OwnedTransfer"]
 
 
-class Owner(Protocol):
+class HandleOwner(Protocol):
     """What a handle asks of the :class:`~kvxfer.owner.Owner` it came from (a Protocol here,
     so this module needs nothing from the one that imports it)."""
 
@@ -83,7 +83,7 @@ class OwnedFuture(Generic[T]):
 
     _lock = _CALLBACKS
 
-    def __init__(self, owner: "Owner") -> None:
+    def __init__(self, owner: "HandleOwner") -> None:
         self._owner = owner
         self._event = _Flag()
         self._callbacks: list[Callable[[Any], None]] = []
@@ -199,7 +199,7 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
     """A READ or WRITE submitted to an owner; ``status``, ``error`` and ``stats`` as on a
     :class:`~kvxfer.transfer.Transfer` (``stats`` is None until it was posted)."""
 
-    def __init__(self, owner: "Owner", op: Any, route: str, local_blocks: Any, remote_blocks: Any,
+    def __init__(self, owner: "HandleOwner", op: Any, route: str, local_blocks: Any, remote_blocks: Any,
                  notify: bytes | None, deadline: float, timeout: float) -> None:
         super().__init__(owner)
         self.op, self.route = op, route

@@ -44,7 +44,7 @@ from .errors import (
 )
 from .memory import Op
 from .owned import OwnedFuture, OwnedTransfer
-from .routes import REFRESH_ON, Route
+from ._routes import REFRESH_ON, PeerRoute
 from .transfer import Status
 
 __all__ = ["Owner"]
@@ -89,7 +89,7 @@ class Owner:
         self._engine = threading.Lock()
         self._engine.acquire()
         self._inbox: deque[tuple[Any, ...]] = deque()
-        self._routes: dict[str, Route] = {}
+        self._routes: dict[str, PeerRoute] = {}
         self._held = 0
         self._closing = False
         self._drain_until = 0.0
@@ -136,7 +136,7 @@ class Owner:
                 self._check_open()
             route = self._routes.get(key)
             if route is None:  # a peer added directly: its name is its route
-                route = self._routes[key] = Route(key, peer=key)
+                route = self._routes[key] = PeerRoute(key, peer=key)
             if self._held >= self.max_pending:
                 raise BackPressureError(f"the owner of {self.agent.name!r} holds {self._held} transfers, its limit; "
                                         "retry later or fail the request", pending=self._held,
@@ -172,7 +172,7 @@ class Owner:
             self._check_open()
             r = self._routes.get(key)
             if r is None:
-                self._routes[key] = Route(key, fetch=fetch, expect=expect)
+                self._routes[key] = PeerRoute(key, fetch=fetch, expect=expect)
             else:
                 r.fetch, r.expect = fetch, expect
 
@@ -363,7 +363,7 @@ class Owner:
         with self._lock:
             r = self._routes.get(name)
             if r is None:
-                self._routes[name] = Route(name, peer=name)
+                self._routes[name] = PeerRoute(name, peer=name)
             elif r.fetch is None:
                 r.peer = name
         return name
@@ -373,10 +373,10 @@ class Owner:
         return r.peer if r is not None and r.peer is not None else key
 
     # -- handshakes (kvxfer._handshake) --------------------------------------------------------
-    def _handshake(self, route: Route) -> None:
+    def _handshake(self, route: PeerRoute) -> None:
         _handshake.start(self, route)
 
-    def _fetched(self, route: Route, gen: int, md: bytes | None, err: BaseException | None) -> None:
+    def _fetched(self, route: PeerRoute, gen: int, md: bytes | None, err: BaseException | None) -> None:
         _handshake.fetched(self, route, gen, md, err)
 
     # -- posting and polling -------------------------------------------------------------------
@@ -423,7 +423,7 @@ class Owner:
                         f"{t.op.value} from {route.key!r} waited {t.timeout:g} s for the {what} the peer; "
                         "nothing was posted"))
 
-    def _maybe_refresh(self, route: Route | None, exc: BaseException | None) -> None:
+    def _maybe_refresh(self, route: PeerRoute | None, exc: BaseException | None) -> None:
         if route is not None and route.fetch is not None and isinstance(exc, REFRESH_ON) and not route.fetching:
             route.peer = None
             if route.queue:
@@ -469,7 +469,7 @@ class Owner:
         else:
             t._fail(error)
 
-    def _forget_idle(self, route: Route) -> None:
+    def _forget_idle(self, route: PeerRoute) -> None:
         """Under the lock: drop a route named only by submissions once it holds nothing.
 
         The next submission builds the same route again, so 20,000 unknown names leave

@@ -23,7 +23,7 @@ import numpy as np
 from .errors import (BlockCountMismatchError, BlockIdOutOfRangeError, BlockIdTypeError, DuplicateBlockIdError,
                      InvalidArgumentError, LayoutMismatchError)
 from .geometry import Granularity, KVCacheSpec
-from .legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
+from ._legs import ExplicitLeg, Leg, SlicedLeg, SpecLeg
 from .memory import DescriptorList, Op, as_op
 from .pairing import Group, Pairing, cached_pairing
 from .pairing import Gather

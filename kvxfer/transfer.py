@@ -18,7 +18,7 @@ from .deadlines import Backoff, Deadline, check_timeout
 from .errors import KvxferError, TransferCancelledError, TransferTimeoutError
 
 from .plugin.backend import Backend
-from .stats import Status, TransferStats
+from ._stats import Status, TransferStats
 
 _no_telemetry = Backend.telemetry
 _no_wait = Backend.wait

@@ -13,7 +13,7 @@ import pytest
 
 import kvxfer
 from common import GEOM, Errors
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 from kvxfer.testing.buffers import make_cache
 
 
@@ -26,7 +26,7 @@ def errors() -> Errors:
 
 @pytest.fixture
 def faulty() -> Iterator[None]:
-    """The ``faulty`` backend (:mod:`kvxfer.testing.faults`) registered for this test only."""
+    """The ``faulty`` backend (:mod:`kvxfer._harness.faults`) registered for this test only."""
     faults.install()
     try:
         yield

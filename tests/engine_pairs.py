@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvxfer.errors import (BlockTokensMismatchError, DtypeMismatchError, HeadSliceMismatchError,
                            LayoutMismatchError, PageFormatMismatchError)
-from kvxfer.testing.engines import MLA_STYLES, STYLES, EngineCache
+from kvxfer._harness.engines import MLA_STYLES, STYLES, EngineCache
 
 DTYPES = ("float16", "int16", "float32", "uint8")  # float16 and int16: same size, other values
 

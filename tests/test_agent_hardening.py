@@ -32,7 +32,7 @@ from kvxfer.errors import (
     TransferTimeoutError,
 )
 from kvxfer.metadata import MAGIC, MAX_PEER_MEMBERS, SIGNED_MAGIC
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 from kvxfer.testing.buffers import SENTINEL, make_cache
 
 HAS_PROC = Path("/proc/self/status").exists()

@@ -375,7 +375,7 @@ def test_doctor_names_a_prover_that_does_not_start() -> None:
 
     (c,) = check_prover("kvxfer.testing.no_such_module:factory", {})
     assert c.status == "fail" and "no_such_module" in c.detail and "KVXFER_PROVE_LOG" in (c.fix or "")
-    (ok,) = check_prover("kvxfer.testing.probes:make_probe", {"log": os.devnull})
+    (ok,) = check_prover("kvxfer._harness.probes:make_probe", {"log": os.devnull})
     assert ok.status == "ok", ok
 
 

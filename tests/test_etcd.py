@@ -1,7 +1,7 @@
 """The directory against a real etcd: dying workers, restarts, and etcd itself going away.
 
 Each test starts etcd on a free loopback port in a temporary directory (tests/etcd_fixtures.py).
-Workers are separate processes (kvxfer.testing.directory_worker) that publish themselves and
+Workers are separate processes (kvxfer._harness.directory_worker) that publish themselves and
 are SIGKILLed for real. Transfers move real bytes over NIXL and are checked against a
 reference built from the same seed with plain numpy indexing. Deadline checks bound the time
 to a typed error with a generous margin; they do not measure speed.
@@ -23,7 +23,7 @@ from etcd_fixtures import cluster_name, etcd_server, no_thread_left, own_etcd  #
 from kvxfer import Agent
 from kvxfer.directory import (DirectoryUnavailableError, EtcdDirectory, Event, NotPublishedError, PeerTracker)
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
-from kvxfer.testing.directory_worker import WorkerProcess
+from kvxfer._harness.directory_worker import WorkerProcess
 from kvxfer.testing.etcd_server import EtcdServer, free_port
 from kvxfer.testing.wait import wait_until
 

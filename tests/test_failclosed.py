@@ -1,7 +1,7 @@
 """The fail-closed cases: each pairing a byte copy would get wrong is refused, with its message.
 
 Transfers run on the loopback backend between two agents; expected destinations come from
-numpy indexing over logical arrays (:mod:`kvxfer.testing.engines`), never from the planner.
+numpy indexing over logical arrays (:mod:`kvxfer._harness.engines`), never from the planner.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from kvxfer import Agent, KVCacheSpec, Member, PageFormat, Shard, plan, spec_from_arrays, spec_from_pointers
 from kvxfer.errors import (BlockTokensMismatchError, DtypeMismatchError, DuplicateBlockIdError, HeadSliceMismatchError,
                            LayoutMismatchError, PageFormatMismatchError, SpecError)
-from kvxfer.testing.engines import EngineCache, build
+from kvxfer._harness.engines import EngineCache, build
 
 B, N, H, D = 6, 4, 8, 4
 

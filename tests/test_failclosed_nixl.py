@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from engine_pairs import block_ids, engine_pairs, verdict
 from kvxfer import Agent
 from kvxfer.errors import LayoutMismatchError
-from kvxfer.testing.engines import EngineCache, build
+from kvxfer._harness.engines import EngineCache, build
 from kvxfer.testing.peer import PeerError, PeerProcess
 
 pytest.importorskip("kvxfer_nixl")

@@ -1,4 +1,4 @@
-"""Running out of file descriptors is named as such, not blamed on the peer (:mod:`kvxfer.fdlimit`).
+"""Running out of file descriptors is named as such, not blamed on the peer (:mod:`kvxfer._fdlimit`).
 
 In a child process (limits are per process): two NIXL agents, then every descriptor under a
 lowered soft limit taken. ``add_peer`` then fails, and the error says descriptors ran out,

@@ -1,6 +1,6 @@
 """Row digests catch what layout checks cannot: flipped bits, zeroed pages, swapped and stale blocks.
 
-Each fault kind of :class:`kvxfer.testing.faults.CorruptingBackend` is injected in 1,000
+Each fault kind of :class:`kvxfer._harness.faults.CorruptingBackend` is injected in 1,000
 seeded trials per backend, rotating over plan shapes (whole rows, split rows, per-layer
 regions); with verification on, every trial must fail with ``IntegrityError``. The control
 runs the same seeds with verification off: every transfer then reports DONE with bytes that
@@ -17,7 +17,7 @@ import pytest
 import kvxfer
 from kvxfer.errors import IntegrityError, MetadataError
 from kvxfer.integrity import Cells, Digests
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 
 from common import has_nixl
 

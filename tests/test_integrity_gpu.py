@@ -14,7 +14,7 @@ import pytest
 
 import kvxfer
 from kvxfer.errors import IntegrityError
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 
 from common import has_nixl
 

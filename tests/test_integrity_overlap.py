@@ -20,7 +20,7 @@ from kvxfer.errors import IntegrityError
 from kvxfer.integrity import overlap
 from kvxfer.integrity.verified import PairingCheck
 from kvxfer.plugin import copies
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 
 from common import has_nixl
 

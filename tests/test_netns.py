@@ -1,6 +1,6 @@
 """Three hosts on one machine: etcd, prefill and decode in their own network namespaces.
 
-The namespaces are joined by veth pairs (kvxfer.testing.netns), each link with its own
+The namespaces are joined by veth pairs (kvxfer._harness.netns), each link with its own
 private subnet, so etcd traffic and KV bytes take different links and nothing can go over
 the machine's loopback. Prefill and decode are processes started inside their namespaces
 (``ip netns exec``); decode finds prefill through etcd, then pulls blocks over UCX TCP
@@ -27,9 +27,9 @@ from etcd_fixtures import require_etcd
 
 from kvxfer import available_backends
 from kvxfer.testing.buffers import SENTINEL, expected_after, make_cache
-from kvxfer.testing.directory_worker import WorkerProcess
+from kvxfer._harness.directory_worker import WorkerProcess
 from kvxfer.testing.etcd_server import EtcdServer
-from kvxfer.testing.netns import NetLab, unavailable_reason
+from kvxfer._harness.netns import NetLab, unavailable_reason
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -188,7 +188,7 @@ def test_link_cut_mid_transfer_then_recovery(hosts: Hosts) -> None:
 
 
 def test_without_root_the_reason_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvxfer.testing.netns as netns
+    import kvxfer._harness.netns as netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     reason = netns.unavailable_reason()

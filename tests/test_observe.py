@@ -18,7 +18,7 @@ import pytest
 import kvxfer
 from kvxfer.observe import add_observer, remove_observer
 from kvxfer.plugin import registry as plugins
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 
 ROWS, ROW = 8, 96
 
@@ -224,7 +224,7 @@ def test_metrics_without_prometheus_client_give_the_install_command() -> None:
 
 
 def test_stats_print_as_one_readable_line() -> None:
-    from kvxfer.stats import TransferStats
+    from kvxfer._stats import TransferStats
 
     s = TransferStats(descriptors=1563, nbytes=7_030_000_000, posts=2, plan_seconds=0.000352, seconds=0.5,
                       path="nixl", backend="nixl", op="READ", peer="prefill", mode="whole-row")

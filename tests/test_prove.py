@@ -1,6 +1,6 @@
 """The prover (:mod:`kvxfer.prove`): a helper process loads untrusted bytes first.
 
-The probe (:mod:`kvxfer.testing.probes`) crashes, hangs or refuses on request and logs what
+The probe (:mod:`kvxfer._harness.probes`) crashes, hangs or refuses on request and logs what
 reached it, so each test sees both the verdict here and what the helper was given.
 """
 
@@ -19,7 +19,7 @@ from kvxfer.errors import InvalidTimeoutError, MetadataCrashError, MetadataError
 from kvxfer.prove import Prover
 
 pytestmark = pytest.mark.multiprocess
-TARGET = "kvxfer.testing.probes:make_probe"
+TARGET = "kvxfer._harness.probes:make_probe"
 
 
 def seen(log: Path) -> list[bytes]:

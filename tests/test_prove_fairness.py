@@ -24,7 +24,7 @@ from kvxfer.errors import MetadataCrashError, ProverUnavailableError
 from kvxfer.prove import Prover
 
 pytestmark = pytest.mark.multiprocess
-TARGET = "kvxfer.testing.probes:make_probe"
+TARGET = "kvxfer._harness.probes:make_probe"
 
 
 def seen(log: Path) -> list[bytes]:

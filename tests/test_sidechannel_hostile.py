@@ -317,7 +317,7 @@ def test_no_unauthenticated_byte_reaches_add_peer() -> None:
     """MetadataServer(on_peer=agent.add_peer): a client without the token, or with garbage,
     never gets its bytes to the agent, let alone the backend; a token holder's do arrive."""
     import kvxfer
-    from kvxfer.testing import faults
+    from kvxfer._harness import faults
     from kvxfer.testing.buffers import make_cache
 
     faults.install()

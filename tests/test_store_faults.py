@@ -346,8 +346,8 @@ def test_the_journal_is_compacted_while_open(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 def test_random_sigkills_never_leave_a_torn_entry(tmp_path, via) -> None:
-    """The CI size of ``python -m kvxfer.testing.store_kill`` (RELIABILITY.md has the large run)."""
-    from kvxfer.testing.store_kill import campaign
+    """The CI size of ``python -m kvxfer._harness.store_kill`` (RELIABILITY.md has the large run)."""
+    from kvxfer._harness.store_kill import campaign
 
     path = {"own": "pwritev", "nixl": "nixl", "staged": "staged"}[via.name]
     out = campaign(str(tmp_path / "s"), 3, seed=5, path=path)

@@ -1,7 +1,7 @@
 """Two hosts on one machine: offload on one network namespace, restore on another, one master.
 
 Host ``a`` runs the ``mooncake_master`` and a client that lends its segment and offloads;
-host ``b`` restores over the veth between them (kvxfer.testing.netns), so the rows cross a
+host ``b`` restores over the veth between them (kvxfer._harness.netns), so the rows cross a
 network link and not the machine's loopback. The bytes are compared with numpy indexing over
 the logical array (tests/store_caches.py). Needs root and iproute2; elsewhere it skips and
 says why.
@@ -19,7 +19,7 @@ from test_tier_mooncake import expected
 
 from kvxfer.testing.lines import Channel
 from kvxfer.testing.mooncake_master import MooncakeMaster
-from kvxfer.testing.netns import NetLab, unavailable_reason
+from kvxfer._harness.netns import NetLab, unavailable_reason
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -2,7 +2,7 @@
 
 The remote worker holds a model geometry (a preset or a spec file) in one process with the
 caller (``--processes 1``) or in a child (``--processes 2``, through the peer harness of
-:mod:`kvxfer.testing.peer`). Each run resets the destination to the 0xAA sentinel, moves one
+:mod:`kvxfer._peer`). Each run resets the destination to the 0xAA sentinel, moves one
 request of random blocks, and checks that the requested blocks hold the source's seeded
 bytes and that nothing else changed: checks run outside the timed part, and a mismatch stops
 the bench with an error. Times are the transfers' own (first post until done).
@@ -114,8 +114,8 @@ class _Point:
 
 def run(args: argparse.Namespace) -> int:
     from ..agent import Agent
-    from ..testing.buffers import allocate
-    from ..testing.peer import InProcessPeer, PeerProcess
+    from .._buffers import allocate
+    from .._peer import InProcessPeer, PeerProcess
 
     geometry, layouts, options = _check_args(args)
     if args.store:

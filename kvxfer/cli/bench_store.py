@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, geometry: Any, layouts: list[tuple[str, bool]]
     from ..agent import Agent
     from ..store import Store
     from ..store.slab import geometry as slab_geometry
-    from ..testing.buffers import allocate
+    from .._buffers import allocate
 
     if args.memory != "DRAM":
         raise CliError("--store measures host (DRAM) caches; VRAM goes through benchmarks/gpu_store.sh")

@@ -1,6 +1,6 @@
 """``kvxfer demo`` (``make demo``): prefill and decode move a real KV request and verify it.
 
-Prefill, in its own process (:mod:`kvxfer.testing.peer`), registers a block-outermost cache of
+Prefill, in its own process (:mod:`kvxfer._peer`), registers a block-outermost cache of
 a model preset (default: 61-layer MLA, 64-token blocks, 4.5 MB rows) whose blocks hold
 seeded random bytes, and serves its metadata over the TCP side channel with a token. Decode
 fetches that metadata and pulls one request twice: into a packed cache (whole rows: one
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     from ..agent import Agent
     from ..plugin.registry import get_backend_class
     from ..geometry import resolve
-    from ..testing.buffers import allocate
-    from ..testing.peer import InProcessPeer, PeerProcess
+    from .._buffers import allocate
+    from .._peer import InProcessPeer, PeerProcess
 
     age = _process_age()
     wall0 = time.perf_counter() - age

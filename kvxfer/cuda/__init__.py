@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from . import capability as capability  # registers the mm8 kernel with kvxfer.integrity
 from . import digest as digest
-from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
+from .decide import CUDA_IPC, SAME_PROCESS, Capability, DeviceRoute, decide
 from .ipc import open_mappings
-from .path import COPY_ON, ENGINES, DevicePath, Listed, PathXfer, Spans
+from .path import COPY_ON, ENGINES, DevicePath, Listed, PathXfer, DeviceSpans
 
 __all__ = ["CUDA_IPC", "SAME_PROCESS", "COPY_ON", "ENGINES", "Capability", "DevicePath", "Listed", "PathXfer",
-           "Route", "Spans", "decide", "open_mappings"]
+           "DeviceRoute", "DeviceSpans", "decide", "open_mappings"]
 

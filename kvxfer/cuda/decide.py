@@ -17,14 +17,14 @@ import numpy as np
 from . import blob
 from ..peers import Identity
 
-__all__ = ["Capability", "Route", "SAME_PROCESS", "CUDA_IPC", "decide"]
+__all__ = ["Capability", "DeviceRoute", "SAME_PROCESS", "CUDA_IPC", "decide"]
 
 SAME_PROCESS = "same-process"
 CUDA_IPC = "cuda-ipc"
 
 
 @dataclass(frozen=True)
-class Route:
+class DeviceRoute:
     """``kind`` is :data:`SAME_PROCESS`, :data:`CUDA_IPC`, or ``None`` (the transport carries
     the bytes); ``reason`` says why, for stats and logs. ``devices`` maps each device index of
     the peer's export to the local GPU ordinal holding it."""
@@ -65,31 +65,31 @@ class Capability(Protocol):
 
 
 def decide(me: Identity, peer: blob.Export, local_devices: Sequence[int], cap: Capability, *, enabled: bool,
-           same_process_peer: bool) -> Route:
+           same_process_peer: bool) -> DeviceRoute:
     """The route for a peer, before any handle is opened. ``same_process_peer``: the export
     names this process's token and a device path still alive here."""
     if not enabled:
-        return Route(None, "device path disabled by option")
+        return DeviceRoute(None, "device path disabled by option")
     if peer.empty:
-        return Route(None, "the peer exported no VRAM")
+        return DeviceRoute(None, "the peer exported no VRAM")
     why = cap.why_not()
     if why:
-        return Route(None, f"no CUDA here: {why}")
+        return DeviceRoute(None, f"no CUDA here: {why}")
     if same_process_peer:
-        return Route(SAME_PROCESS, "both agents live in this process")
+        return DeviceRoute(SAME_PROCESS, "both agents live in this process")
     if peer.identity.token == me.token or peer.identity.pid == me.pid:
-        return Route(None, "the export names this process but no live agent here")
+        return DeviceRoute(None, "the export names this process but no live agent here")
     if not me.boot_id or peer.identity.boot_id != me.boot_id:
-        return Route(None, "the peer runs on another host (boot id differs)")
+        return DeviceRoute(None, "the peer runs on another host (boot id differs)")
     devices = []
     for k, uuid in enumerate(peer.devices):
         d = cap.device_of(uuid)
         if d is None:
-            return Route(None, f"the peer's GPU {uuid.hex()} is not visible in this process")
+            return DeviceRoute(None, f"the peer's GPU {uuid.hex()} is not visible in this process")
         devices.append(d)
     used = {devices[int(i)] for i in np.unique(peer.handles["device"])} if peer.handles.shape[0] else set()
     for mine in local_devices:
         for theirs in used:
             if mine != theirs and not cap.can_access(mine, theirs):
-                return Route(None, f"GPU {mine} cannot access GPU {theirs} directly (no peer access)")
-    return Route(CUDA_IPC, "same host, handles to be opened", tuple(devices))
+                return DeviceRoute(None, f"GPU {mine} cannot access GPU {theirs} directly (no peer access)")
+    return DeviceRoute(CUDA_IPC, "same host, handles to be opened", tuple(devices))

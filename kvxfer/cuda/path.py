@@ -37,9 +37,9 @@ from ..plugin.live import Live
 from ..spans import SpanIndex, merge_runs
 from . import blob
 from .completion import Completion, PathXfer
-from .decide import CUDA_IPC, SAME_PROCESS, Capability, Route, decide
+from .decide import CUDA_IPC, SAME_PROCESS, Capability, DeviceRoute, decide
 
-__all__ = ["DevicePath", "Listed", "Spans", "PathXfer", "ENGINES", "COPY_ON"]
+__all__ = ["DevicePath", "Listed", "DeviceSpans", "PathXfer", "ENGINES", "COPY_ON"]
 
 ENGINES = ("auto", "sm", "ce")
 COPY_ON = ("local", "peer")
@@ -49,11 +49,11 @@ _live: "Live[DevicePath]" = Live()  # same-process peers (kvxfer.plugin.live)
 class Listed(Protocol):
     """A backend's prepared list, as the device path's row looks at it."""
 
-    device: "Spans | None"  # what DevicePath.prepare returned for it (None: the transport carries it)
+    device: "DeviceSpans | None"  # what DevicePath.prepare returned for it (None: the transport carries it)
 
 
 @dataclass(eq=False)
-class Spans:
+class DeviceSpans:
     """A prepared list as the device path sees it: local addresses, lengths, local GPU."""
 
     addr: np.ndarray
@@ -71,7 +71,7 @@ class Spans:
 @dataclass(eq=False)
 class _Peer:
     key: str
-    route: Route
+    route: DeviceRoute
     epoch: int
     export: blob.Export | None = None
     proc: Any = None
@@ -186,7 +186,7 @@ class DevicePath(Completion):
                                        np.array(allocs, dtype=blob.ALLOC)))
 
     # -- peers ---------------------------------------------------------------------------
-    def add_peer(self, key: str, peer_blob: bytes) -> Route:
+    def add_peer(self, key: str, peer_blob: bytes) -> DeviceRoute:
         """Decide the route to a peer and open its handles; a known key is replaced (restart)."""
         exp = blob.decode(peer_blob)  # MetadataError on anything malformed
         self.remove_peer(key)
@@ -197,7 +197,7 @@ class DevicePath(Completion):
             route = decide(self.cap.identity(), exp, local_devices, self.cap, enabled=self.enabled,
                            same_process_peer=same)
         except (OSError, BackendError) as exc:  # a CUDA query failed: the transport stays in charge
-            route = Route(None, f"the device path could not check this peer: {exc}")
+            route = DeviceRoute(None, f"the device path could not check this peer: {exc}")
         with self._lock:
             self._epoch += 1
             p = _Peer(key, route, self._epoch, export=exp)
@@ -206,13 +206,13 @@ class DevicePath(Completion):
         elif route.kind == CUDA_IPC:
             why = self._vouched(key, exp, bytes(peer_blob))
             if why:
-                p.route = Route(None, why)
+                p.route = DeviceRoute(None, why)
         if p.route.kind == CUDA_IPC:
             try:
                 self._open(p, exp, local_devices)
             except (OSError, BackendError, MetadataError) as exc:
                 self._close_mappings(p)
-                p.route = Route(None, f"the peer's handles did not open here: {exc}")
+                p.route = DeviceRoute(None, f"the peer's handles did not open here: {exc}")
         with self._lock:
             self._peers[key] = p
         return p.route
@@ -252,9 +252,9 @@ class DevicePath(Completion):
                             for a, n in zip(exp.allocs["address"], exp.allocs["nbytes"]))
         p.local_base = mapped[hi] + off
         p.device = hdev[hi]
-        p.route = Route(CUDA_IPC, "same host: peer handles opened", p.route.devices)
+        p.route = DeviceRoute(CUDA_IPC, "same host: peer handles opened", p.route.devices)
 
-    def route(self, key: str) -> Route | None:
+    def route(self, key: str) -> DeviceRoute | None:
         p = self._peers.get(key)
         return None if p is None else p.route
 
@@ -276,7 +276,7 @@ class DevicePath(Completion):
             if p.proc is not None:
                 p.proc.close()
                 p.proc = None
-            p.route = Route(None, f"peer {why}")
+            p.route = DeviceRoute(None, f"peer {why}")
 
     def _close_mappings(self, p: _Peer) -> None:
         for m in p.mappings.values():
@@ -291,7 +291,7 @@ class DevicePath(Completion):
             raise PeerDisconnectedError(f"peer {p.key!r} exited; its CUDA IPC handles were closed")
 
     # -- lists ---------------------------------------------------------------------------
-    def prepare(self, key: str | None, descs: DescriptorList) -> Spans | None:
+    def prepare(self, key: str | None, descs: DescriptorList) -> DeviceSpans | None:
         """Check and translate a VRAM list once; ``None`` means the transport must carry it."""
         if not self.enabled or descs.kind is not MemoryKind.VRAM:
             return None
@@ -299,7 +299,7 @@ class DevicePath(Completion):
         addr, n, dev = flat[:, 0], flat[:, 1], flat[:, 2]
         if key is None:
             ok = SpanIndex(self.vram()).find(addr, n, dev, MemoryKind.VRAM) >= 0
-            return Spans(addr.copy(), n.copy(), dev.astype(np.int64), None, 0) if ok.all() else None
+            return DeviceSpans(addr.copy(), n.copy(), dev.astype(np.int64), None, 0) if ok.all() else None
         p = self._peers.get(key)
         if p is None or not p.route.direct or p.dead:
             return None
@@ -308,17 +308,17 @@ class DevicePath(Completion):
             if other is None or other._closed:
                 return None
             ok = SpanIndex(other.vram()).find(addr, n, dev, MemoryKind.VRAM) >= 0
-            return Spans(addr.copy(), n.copy(), dev.astype(np.int64), key, p.epoch) if ok.all() else None
+            return DeviceSpans(addr.copy(), n.copy(), dev.astype(np.int64), key, p.epoch) if ok.all() else None
         assert p.index is not None and p.local_base is not None and p.device is not None
         slot = p.index.find(addr, n, 0, MemoryKind.VRAM)
         if (slot < 0).any():
             return None
         start = np.asarray([a.address for a in p.index.allocations], dtype=np.uint64)
         local = p.local_base[slot] + (addr - start[slot])
-        return Spans(local, n.copy(), p.device[slot].astype(np.int64), key, p.epoch)
+        return DeviceSpans(local, n.copy(), p.device[slot].astype(np.int64), key, p.epoch)
 
     # -- transfers -----------------------------------------------------------------------
-    def post(self, op: Op, local: Spans, li: np.ndarray, remote: Spans, ri: np.ndarray,
+    def post(self, op: Op, local: DeviceSpans, li: np.ndarray, remote: DeviceSpans, ri: np.ndarray,
              expect: Any = None) -> PathXfer:
         """One batched copy per GPU pair (usually exactly one) on the copier's private stream.
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .cells import Cells, Spans, cells_for, gather_cells, local_spans, source_spans
+from .cells import Cells, CellSpans, cells_for, gather_cells, local_spans, source_spans
 from .digests import ALGORITHMS, Digests, compute, verify
 from .verified import check_received
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["ALGORITHMS", "Cells", "Digests", "Spans", "cells_for", "check_received", "compute", "gather_cells",
+__all__ = ["ALGORITHMS", "Cells", "Digests", "CellSpans", "cells_for", "check_received", "compute", "gather_cells",
            "gpu_product", "local_spans", "set_mm8_kernel", "source_spans", "verify"]
 
 

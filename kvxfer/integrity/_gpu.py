@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .cells import Spans
+from .cells import CellSpans
 from .mm8 import CHUNK, COLS, _xxh3, fold_weights, length_key, mix, sketch_matrix
 
 _consts: dict[Any, Any] = {}
@@ -38,7 +38,7 @@ def _const(torch: Any, name: str, dev: Any, make: Any) -> Any:
     return t
 
 
-def _groups(spans: Spans, cols: np.ndarray) -> list[list[int]]:
+def _groups(spans: CellSpans, cols: np.ndarray) -> list[list[int]]:
     """Runs of columns whose cells sit back to back (same allocation, strides, 1024-aligned)."""
     out: list[list[int]] = []
     for c in cols.tolist():
@@ -53,7 +53,7 @@ def _groups(spans: Spans, cols: np.ndarray) -> list[list[int]]:
     return out
 
 
-def _rows(torch: Any, spans: Spans, group: list[int]) -> Any:
+def _rows(torch: Any, spans: CellSpans, group: list[int]) -> Any:
     """``[B, n]`` uint8 view (in place when possible) or gathered copy of one group's cells."""
     a = spans.allocations[int(spans.alloc[group[0]])]
     mem = torch.as_tensor(_CudaSpan(a.address, a.nbytes), device=f"cuda:{a.device}")
@@ -118,7 +118,7 @@ def _mm8(torch: Any, x: Any, lengths: list[int]) -> Any:
     return mix(d ^ keys[None, :])  # still on the device: the caller copies all groups at once
 
 
-def vram_cells(spans: Spans, cols: np.ndarray) -> dict[int, np.ndarray]:
+def vram_cells(spans: CellSpans, cols: np.ndarray) -> dict[int, np.ndarray]:
     """Host copies ``[B, length]`` of VRAM columns ``cols`` (an ``xxh3`` row digest hashes bytes on the host)."""
     import torch
 
@@ -140,7 +140,7 @@ def vram_cells(spans: Spans, cols: np.ndarray) -> dict[int, np.ndarray]:
 KERNEL: list[Callable[[np.ndarray, np.ndarray, list[int]], np.ndarray | None] | None] = [None]
 
 
-def _by_kernel(spans: Spans, cols: np.ndarray) -> np.ndarray | None:
+def _by_kernel(spans: CellSpans, cols: np.ndarray) -> np.ndarray | None:
     fn = KERNEL[0]
     if fn is None:
         return None
@@ -149,7 +149,7 @@ def _by_kernel(spans: Spans, cols: np.ndarray) -> np.ndarray | None:
     return fn(addr, spans.length[cols], devices)
 
 
-def hash_vram(spans: Spans, cols: np.ndarray, algorithm: str) -> np.ndarray:
+def hash_vram(spans: CellSpans, cols: np.ndarray, algorithm: str) -> np.ndarray:
     if algorithm == "mm8":
         got = _by_kernel(spans, cols)
         if got is not None:

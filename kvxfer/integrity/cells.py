@@ -1,7 +1,7 @@
 """Cells (what a digest covers) and spans (where a side's copy of each cell lives).
 
 A :class:`Cells` list is logical: member names and byte ranges inside member pages, the same
-whatever the layout. :class:`Spans` is one side's placement of those cells for a set of
+whatever the layout. :class:`CellSpans` is one side's placement of those cells for a set of
 blocks: per cell, the address of block 0 and the block stride; per digest row, the block id
 (and, for a destination block that covers several source blocks, the sub-block). Address
 arithmetic is the layout model's (docs/geometry.md), vectorised over blocks.
@@ -18,7 +18,7 @@ from ..errors import IntegrityError, UnsupportedError
 from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
 
-__all__ = ["Cells", "Spans", "cells_for", "gather_cells", "gather_spans", "local_spans", "source_spans"]
+__all__ = ["Cells", "CellSpans", "cells_for", "gather_cells", "gather_spans", "local_spans", "source_spans"]
 
 #: The most cells one digest set may name (a peer-supplied list is bounded before use).
 MAX_CELLS = 1 << 16
@@ -95,7 +95,7 @@ class Cells:
 
 
 @dataclass(frozen=True)
-class Spans:
+class CellSpans:
     """One side's copy of ``cells`` for ``rows`` blocks: address = base + b*stride + sub*substride."""
 
     base: np.ndarray  # int64 [C] absolute address of block 0, sub-block 0
@@ -130,7 +130,7 @@ def _member_places(spec: KVCacheSpec) -> dict[str, tuple[int, int, int, int]]:
     return got
 
 
-def _spans(spec: KVCacheSpec, cells: Cells, block: np.ndarray, sub: np.ndarray | None = None) -> Spans:
+def _spans(spec: KVCacheSpec, cells: Cells, block: np.ndarray, sub: np.ndarray | None = None) -> CellSpans:
     key = ("integrity-spans", cells)
     arr = spec._cache.get(key)
     if arr is None:
@@ -141,7 +141,7 @@ def _spans(spec: KVCacheSpec, cells: Cells, block: np.ndarray, sub: np.ndarray |
     if b.size and (b.min() < 0 or b.max() >= spec.num_blocks):
         raise IntegrityError(f"block id out of range for a cache of {spec.num_blocks} blocks")
     s = np.zeros_like(b) if sub is None else np.asarray(sub, dtype=np.int64)
-    return Spans(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4], spec.allocations, b, s)
+    return CellSpans(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4], spec.allocations, b, s)
 
 
 def _template(spec: KVCacheSpec, cells: Cells) -> np.ndarray:
@@ -156,16 +156,16 @@ def _template(spec: KVCacheSpec, cells: Cells) -> np.ndarray:
             raise IntegrityError(f"cell {off}+{ln} lies outside member {name!r} ({p[3]} bytes)", member=name)
         rows.append((p[1] + off, p[2], 0, ln, p[0]))
     arr = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    arr.setflags(write=False)  # shared by every Spans made from it
+    arr.setflags(write=False)  # shared by every CellSpans made from it
     return arr
 
 
-def source_spans(spec: KVCacheSpec, blocks: Any, cells: Cells) -> Spans:
+def source_spans(spec: KVCacheSpec, blocks: Any, cells: Cells) -> CellSpans:
     """Where the source's cells lie for ``blocks``."""
     return _spans(spec, cells, np.asarray(blocks))
 
 
-def local_spans(spec: KVCacheSpec, blocks: Any, cells: Cells) -> Spans:
+def local_spans(spec: KVCacheSpec, blocks: Any, cells: Cells) -> CellSpans:
     """Where a same-geometry destination holds the same cells (members matched by name)."""
     return _spans(spec, cells, np.asarray(blocks))
 
@@ -206,8 +206,8 @@ def cells_for(gather: Any, peer: str, local: KVCacheSpec, remote: KVCacheSpec) -
     return gather_cells(gather, peer, local, remote)[0]
 
 
-def gather_spans(local: KVCacheSpec, templates: np.ndarray, cells: Cells, lblk: np.ndarray, sub: np.ndarray) -> Spans:
+def gather_spans(local: KVCacheSpec, templates: np.ndarray, cells: Cells, lblk: np.ndarray, sub: np.ndarray) -> CellSpans:
     """Our copy of a gather's cells: block ``lblk[j]``, sub-block ``sub[j]`` for remote block ``j``."""
-    return Spans(templates[:, 0].copy(), templates[:, 1].copy(), templates[:, 2].copy(),
+    return CellSpans(templates[:, 0].copy(), templates[:, 1].copy(), templates[:, 2].copy(),
                  cells.lengths.copy(), templates[:, 3].copy(), local.allocations,
                  np.asarray(lblk, np.int64), np.asarray(sub, np.int64))

@@ -29,7 +29,7 @@ from .. import _wire
 from ..errors import IntegrityError, MetadataError
 from ..geometry import KVCacheSpec
 from ..memory import MemoryKind
-from .cells import MAX_CELLS, Cells, Spans, source_spans
+from .cells import MAX_CELLS, Cells, CellSpans, source_spans
 from .mm8 import CHUNK, COLS, _xxh3, _xxh3_stream, finalize, fold_weights, sketch_matrix
 
 __all__ = ["ALGORITHMS", "Digests", "compare", "compute", "hash_rows", "hash_spans", "mm8_rows", "verify"]
@@ -49,7 +49,7 @@ def _host_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
 
 
-def _host_cells(spans: Spans, c: int) -> np.ndarray:
+def _host_cells(spans: CellSpans, c: int) -> np.ndarray:
     """``[B, length]`` copy of column ``c``'s host cells (numpy fancy indexing, one pass)."""
     a = spans.allocations[int(spans.alloc[c])]
     arr = np.frombuffer(_host_view(a.address, a.nbytes), dtype=np.uint8)
@@ -72,7 +72,7 @@ def mm8_rows(rows: np.ndarray) -> np.ndarray:
 
 _mm8_rows = mm8_rows
 
-def hash_spans(spans: Spans, algorithm: str) -> np.ndarray:
+def hash_spans(spans: CellSpans, algorithm: str) -> np.ndarray:
     """``[B, C]`` uint64 digests of every cell copy described by ``spans``."""
     if algorithm not in ALGORITHMS:
         raise IntegrityError(f"unknown digest algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
@@ -134,7 +134,7 @@ def _combine(values: np.ndarray) -> np.ndarray:
     return finalize((values.view(np.int64) * w[None, :]).sum(axis=1), values.shape[1]).view(np.uint64)[:, None]
 
 
-def _in_place(spans: Spans) -> tuple[memoryview, np.ndarray, int] | None:
+def _in_place(spans: CellSpans) -> tuple[memoryview, np.ndarray, int] | None:
     """Each block's cells as one run of one host allocation (cell ``c + 1`` starts where ``c``
     ends): the allocation's view, the runs' offsets and their length; else None."""
     if not (spans.alloc == spans.alloc[0]).all():
@@ -148,7 +148,7 @@ def _in_place(spans: Spans) -> tuple[memoryview, np.ndarray, int] | None:
     return _host_view(a.address, a.nbytes), addr[:, 0] - a.address, int(spans.length.sum())
 
 
-def hash_rows(spans: Spans) -> np.ndarray:
+def hash_rows(spans: CellSpans) -> np.ndarray:
     """``[B]`` uint64 ``xxh3`` row digests: xxh3-64 of each block's cells back to back, in cell order.
 
     Hashed in place when the cells of each block are one run of host memory; otherwise
@@ -307,7 +307,7 @@ def compute(spec: KVCacheSpec, blocks: Any, *, cells: Cells | None = None, algor
     return d.rows() if rows else d
 
 
-def verify(expected: Digests, spans: Spans, local_blocks: np.ndarray) -> None:
+def verify(expected: Digests, spans: CellSpans, local_blocks: np.ndarray) -> None:
     """Recompute ``expected``'s cells where ``spans`` says our copy lives; raise on any difference."""
     if expected.row and expected.algorithm == "xxh3":
         got = hash_rows(spans)[:, None]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from ._rules import Refusal, check_pairing, head_slice, refusals, spec_diff
 from ._templates import Group, Pairing, cached_pairing, pair
 from ._sliced import SlicedLists, may_merge
-from ._reshard import Gather, Route, cached_gather, gather, heads_of, may_free, pair_source, readers, sources
+from ._reshard import Gather, HeadSource, cached_gather, gather, heads_of, may_free, pair_source, readers, sources
 
 __all__ = [
     "Refusal", "check_pairing", "head_slice", "refusals", "spec_diff", "Pairing", "pair", "SlicedLists",
-    "Gather", "Route", "gather", "heads_of", "may_free", "pair_source", "readers", "sources", "cached_gather", "may_merge", "Group", "cached_pairing",
+    "Gather", "HeadSource", "gather", "heads_of", "may_free", "pair_source", "readers", "sources", "cached_gather", "may_merge", "Group", "cached_pairing",
 ]

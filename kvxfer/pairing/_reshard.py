@@ -29,7 +29,7 @@ from ..geometry import KVCacheSpec, Member, PageFormat
 from ..memory import MemoryKind
 from ._sliced import SlicedLists
 
-__all__ = ["Gather", "Route", "SlicedLists", "gather", "cached_gather", "pair_source", "sources", "readers", "may_free",
+__all__ = ["Gather", "HeadSource", "SlicedLists", "gather", "cached_gather", "pair_source", "sources", "readers", "may_free",
            "heads_of"]
 
 # Pieces per page a slice may take when an outer axis other than tokens or heads (K, S, X)
@@ -239,7 +239,7 @@ def _align(lp: PageFormat, rp: PageFormat) -> tuple[PageFormat, PageFormat]:
 
 # -- the plan for a set of specs ------------------------------------------------------------
 @dataclass(frozen=True)
-class Route:
+class HeadSource:
     """Which peer supplies which heads of one local member, and at what cost per local block."""
 
     member: str
@@ -262,7 +262,7 @@ class Gather:
     """
 
     def __init__(self, local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec], k: int,
-                 tables: dict[str, dict[tuple[MemoryKind, MemoryKind], np.ndarray]], routes: list[Route],
+                 tables: dict[str, dict[tuple[MemoryKind, MemoryKind], np.ndarray]], routes: list[HeadSource],
                  missing: list[str], lists: dict[str, dict[tuple[MemoryKind, MemoryKind], "SlicedLists"]] | None = None):
         self.k = k
         self.tables = tables
@@ -322,7 +322,7 @@ def gather(local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec]) -> Gather:
             for m in r.members:
                 owners.setdefault(m.name, []).append((n, s, ri, m))
     rows: dict[str, dict[tuple[MemoryKind, MemoryKind], list[tuple[int, ...]]]] = {}
-    routes: list[Route] = []
+    routes: list[HeadSource] = []
     missing: list[str] = []
     for li, lr in enumerate(local.regions):
         la = local.allocations[lr.allocation]
@@ -352,7 +352,7 @@ def gather(local: KVCacheSpec, remotes: Mapping[str, KVCacheSpec]) -> Gather:
                     tab.append((lbase + lo, lr.block_stride, lsub, la.device, rbase + ro, rr.block_stride,
                                 ra.device, ln))
                 how = "tokens" if k > 1 else ("sliced" if lh is not None or rh is not None else "whole")
-                routes.append(Route(lm.name, n, heads, len(pieces), how))
+                routes.append(HeadSource(lm.name, n, heads, len(pieces), how))
     tables = {n: {kk: np.array(v, dtype=np.int64).reshape(-1, _COLS) for kk, v in t.items()}
               for n, t in rows.items()}
     lists = {n: {kk: SlicedLists(t, k, local.num_blocks, remotes[n].num_blocks, *kk) for kk, t in tabs.items()}

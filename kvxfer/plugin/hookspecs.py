@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 import pluggy
 
-from ..stats import Status, TransferStats
+from .._stats import Status, TransferStats
 
 if TYPE_CHECKING:
     from .backend import Backend, Option

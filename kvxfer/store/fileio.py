@@ -26,7 +26,7 @@ import numpy as np
 from ..deadlines import check_timeout
 from ..errors import StoreError, StoreFullError, TransferCancelledError
 from ..plugin.backend import Backend, Capabilities
-from ..stats import Status
+from .._stats import Status
 from ..transfer import Transfer
 
 __all__ = ["Calls", "build_calls", "groups", "run_calls", "wipe", "Job", "FileEngine", "JobTransfer", "IOV_MAX"]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import lifecycle
+from .. import _lifecycle as lifecycle
 from ..deadlines import Deadline, check_timeout
 from ..errors import (BlockCountMismatchError, DuplicateBlockIdError, InvalidArgumentError, SpecError,
                       StoreCorruptError, StoreError, StoreFullError, StoreMissError, UnsupportedError)

@@ -24,10 +24,10 @@ from ._peers import COPY, RMA, Peer
 from ._rma import RmaJob
 from ._worker import Worker
 
-__all__ = ["CopyPath", "Owner", "PathJob", "RmaPath", "guarded"]
+__all__ = ["CopyPath", "PathHost", "PathJob", "RmaPath", "guarded"]
 
 
-class Owner(Protocol):
+class PathHost(Protocol):
     """What the paths use of the backend holding them (its options, worker and peer handling)."""
 
     _libc: SH.Libc | None
@@ -77,7 +77,7 @@ class _Row:
 
     sends_notification = False
 
-    def __init__(self, backend: Owner) -> None:
+    def __init__(self, backend: PathHost) -> None:
         self._b = backend
 
 

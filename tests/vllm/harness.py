@@ -171,7 +171,7 @@ def start_engine(name: str, model: Path, logdir: Path, *, kv_transfer_config: di
                  cpus: str | None = None, llm_args: dict[str, Any] | None = None, netns: str | None = None) -> Engine:
     """Start one instance in the background; :meth:`Engine.wait_ready` waits for it.
 
-    ``netns``: run it inside that network namespace (another "host", kvxfer.testing.netns).
+    ``netns``: run it inside that network namespace (another "host", kvxfer._harness.netns).
 
     ``cpus``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this instance (a pair's prefill and
     decode get a core each, see :func:`pair_cpus`); None leaves vLLM's automatic binding.

@@ -5,7 +5,7 @@ The connector's prefix store on :class:`kvxfer.tiers.MooncakeTier` instead of a 
 vLLM-shaped cache): the worker offloads, the scheduler's lookup-only client sees the prefix,
 a second client restores byte-exact, a flipped object byte is a typed failure that copies
 nothing. Then two real vLLM instances on CPU, each in its own network namespace (another
-"host", kvxfer.testing.netns), one master on host a: A computes four prompts and offloads
+"host", kvxfer._harness.netns), one master on host a: A computes four prompts and offloads
 their full blocks into its segment; the test damages objects as another writer could
 (cluster_site.py); B, on host b, then:
 
@@ -39,7 +39,7 @@ from kvxfer.integrations.vllm.config import ConnectorConfig, ConnectorConfigErro
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.integrations.vllm.store import ClusterHandle, SchedulerStore, StoreSave, WorkerStore, prefix_keys
 from kvxfer.testing.mooncake_master import MooncakeMaster, require
-from kvxfer.testing.netns import NetLab, unavailable_reason as netns_reason
+from kvxfer._harness.netns import NetLab, unavailable_reason as netns_reason
 from kvxfer.tiers import MooncakeTier
 from kvxfer.tiers.objects import HEADER
 

@@ -5,6 +5,6 @@ only; every process vLLM spawns runs this file, so the backend exists wherever t
 connector's agent is created. It corrupts nothing until the test's trigger file exists.
 """
 
-from kvxfer.testing import faults
+from kvxfer._harness import faults
 
 faults.install()

@@ -3,7 +3,7 @@
 Kept out of :mod:`kvxfer.agent` because it carries a bound of its own: a whole prepared list
 is built once per (peer, granularity, kind) and kept, but only for backends that take
 strided lists or when its expansion stays under
-:data:`~kvxfer.bounds.MAX_PREPARED_DESCRIPTORS`. Past that, a backend that expands lists
+:data:`~kvxfer._bounds.MAX_PREPARED_DESCRIPTORS`. Past that, a backend that expands lists
 gets only the spans of the transfer at hand (:meth:`~kvxfer.memory.DescriptorList.take`), so
 a peer advertising 2^26 blocks costs what the request costs, not gigabytes.
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .bounds import MAX_PREPARED_DESCRIPTORS
+from ._bounds import MAX_PREPARED_DESCRIPTORS
 from .geometry import Granularity, KVCacheSpec
 from .memory import DescriptorList, MemoryKind
 from .planner import TransferPlan
@@ -62,7 +62,7 @@ def plan_chunks(backend: Backend, p: TransferPlan, peer_key: str, local_cache: C
 
 
 class Preparer:
-    """The lists of one leg of one transfer (:class:`kvxfer.legs.Lists`): kept, or prepared for it alone."""
+    """The lists of one leg of one transfer (:class:`kvxfer._legs.Lists`): kept, or prepared for it alone."""
 
     __slots__ = ("backend", "plan", "peer_key", "local_cache", "remote_cache", "cleanup")
 

@@ -1,6 +1,6 @@
 """SIGKILL a process that offloads to a :class:`kvxfer.Store` at random moments, then check.
 
-    python -m kvxfer.testing.store_kill --count 50 --seed 1 [--dir /tmp] [--path pwritev|nixl|staged]
+    python -m kvxfer._harness.store_kill --count 50 --seed 1 [--dir /tmp] [--path pwritev|nixl|staged]
 
 Each round starts a child that opens the store (the slab survives from round to round) and
 offloads batches of random blocks of a per-layer cache under keys naming the block, printing
@@ -109,7 +109,7 @@ def campaign(directory: str, count: int, seed: int, path: str = "pwritev") -> di
     out: dict[str, Any] = {"kills": 0, "present": 0, "wrong": 0, "torn_published": 0, "missing_last_done": 0,
                            "batches_done": 0, "paths": []}
     for i in range(count):
-        proc = subprocess.Popen([sys.executable, "-m", "kvxfer.testing.store_kill", "--child", directory,
+        proc = subprocess.Popen([sys.executable, "-m", "kvxfer._harness.store_kill", "--child", directory,
                                  "--seed", str(seed * 1000 + i), "--path", path], stdout=subprocess.PIPE, text=True)
         ch = Channel(proc)
         try:

@@ -1,7 +1,7 @@
 """A worker process that publishes itself in a directory and finds its peers there.
 
 Tests (and the network-namespace harness) start it as
-``python -m kvxfer.testing.directory_worker --directory URL --role prefill --name p0 ...``.
+``python -m kvxfer._harness.directory_worker --directory URL --role prefill --name p0 ...``.
 It builds a cache (random bytes from ``--seed``, else the 0xAA sentinel), registers it,
 publishes the agent, prints ``{"ready": true, "name": ..., "generation": ...}``, then answers
 one JSON command per line on stdin (:mod:`kvxfer.testing.lines`; driving the backend's progress in between):
@@ -30,8 +30,8 @@ from ..deadlines import Deadline
 from .. import Agent
 from ..directory import PeerTracker, open_directory
 from ..errors import KvxferError
-from . import lines
-from .buffers import SENTINEL, make_cache
+from .._childproc import lines
+from .._buffers import SENTINEL, make_cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +126,7 @@ class WorkerProcess:
     def __init__(self, argv: list[str], *, popen: Any = None, env: dict[str, str] | None = None,
                  ready_timeout: float = 60.0) -> None:
         start = popen or subprocess.Popen
-        self.proc = start([sys.executable, "-m", "kvxfer.testing.directory_worker", *argv], stdin=subprocess.PIPE,
+        self.proc = start([sys.executable, "-m", "kvxfer._harness.directory_worker", *argv], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, env=env)
         self._ch = lines.Channel(self.proc)
         first = self.read(ready_timeout)

@@ -44,7 +44,7 @@ class Faults:
     removed: list[str] = field(default_factory=list)
 
 
-log = logging.getLogger("kvxfer.testing.faults")
+log = logging.getLogger("kvxfer._harness.faults")
 
 #: What :class:`CorruptingBackend` can do to a delivered READ.
 CORRUPTIONS = ("flip", "zero", "swap", "stale")
@@ -252,7 +252,7 @@ class CorruptingBackend(FaultyBackend):
         if done and len(xfer) > 2 and xfer[2] is not None:
             self._apply(xfer[2])
             self.corruption.done += 1
-            log.warning("kvxfer.testing.faults: damaged a delivered READ (%s, %d so far)", xfer[2][0],
+            log.warning("kvxfer._harness.faults: damaged a delivered READ (%s, %d so far)", xfer[2][0],
                         self.corruption.done)
             if self.corruption.trigger is not None:  # what a test in another process counts
                 with open(self.corruption.trigger + ".done", "a") as f:

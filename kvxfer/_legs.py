@@ -10,7 +10,7 @@ that nothing asks a leg what it is before using it:
 * :class:`ExplicitLeg`: explicit descriptor lists (a coalesced plan), prepared per transfer.
 
 How a list is prepared, kept or released is the caller's (:class:`Lists`, implemented by
-:mod:`kvxfer.posts`, which carries the bound on prepared lists); which list a leg needs is
+:mod:`kvxfer._posts`, which carries the bound on prepared lists); which list a leg needs is
 the leg's.
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import SENTINEL
+from .._buffers import SENTINEL
 
 STYLES = ("flash", "flashinfer", "cross", "kv_tuple")
 MLA_STYLES = ("mla", "mla_cross")

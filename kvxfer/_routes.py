@@ -15,7 +15,7 @@ from .errors import (BackendError, HandshakeError, PeerDisconnectedError, StaleP
                      UnknownPeerError)
 from .owned import OwnedFuture, OwnedTransfer
 
-__all__ = ["Route", "REFRESH_ON"]
+__all__ = ["PeerRoute", "REFRESH_ON"]
 
 #: Failures a peer's restart or death explains: the next transfer fetches its metadata again.
 REFRESH_ON = (PeerDisconnectedError, StalePeerError, UnknownPeerError, TransferTimeoutError, BackendError,
@@ -23,7 +23,7 @@ REFRESH_ON = (PeerDisconnectedError, StalePeerError, UnknownPeerError, TransferT
 
 
 @dataclass(eq=False)
-class Route:
+class PeerRoute:
     """One peer as callers name it: how to fetch its metadata, its queue, what it holds."""
 
     key: str
