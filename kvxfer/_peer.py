@@ -1,10 +1,11 @@
-"""A peer agent in its own process, driven over stdin/stdout with JSON lines (:mod:`.lines`), and its driver.
+"""A peer agent in its own process, driven over stdin/stdout with JSON lines (:mod:`._childproc.lines`), and its driver.
 
-The conformance suite's two-process tests, the demo and ``kvxfer bench`` start it through
-:class:`PeerProcess` (or by hand: ``python -m kvxfer._peer --backend nixl ...``). The
-cache is either the suite's uniform one (``--cache packed|layers --layers --page``) or a
-model geometry (``--preset NAME|FILE --layout packed|layers``) whose blocks ``--seed`` fills
-with :func:`~kvxfer._buffers.block_rows`. With ``--serve HOST:PORT`` it also serves its
+The conformance suite's two-process tests (through the kit's face, :mod:`kvxfer.testing.peer`),
+the demo and ``kvxfer bench`` start it through :class:`PeerProcess` (or by hand: ``python -m
+kvxfer._peer --backend nixl ...``). The cache is either the suite's uniform one (``--cache
+packed|layers --layers --page``) or a model geometry (``--preset NAME|FILE --layout
+packed|layers``) whose blocks ``--seed`` fills with :func:`~kvxfer._buffers.block_rows`. With
+``--serve HOST:PORT`` it also serves its
 metadata over the side channel (token from ``KVXFER_PEER_TOKEN``). It prints one line once
 registered::
 
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", help="a model geometry (preset name or spec file) instead of --layers/--page")
     ap.add_argument("--layout", choices=("packed", "layers"), default=None, help="with --preset (default: its own)")
     ap.add_argument("--serve", metavar="HOST:PORT", help="also serve metadata over the side channel")
-    ap.add_argument("--engine", help="an engine-shaped cache: testing.engines.EngineCache as JSON")
+    ap.add_argument("--engine", help="an engine-shaped cache: kvxfer._harness.engines.EngineCache as JSON")
     return ap
 
 

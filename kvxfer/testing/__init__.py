@@ -1,11 +1,13 @@
-"""Test support for kvxfer and for backend plugins.
+"""The kit for backend plugins' tests (kvxfer's own tests use it too).
 
 :class:`BackendConformance` and :class:`TwoProcessConformance` are pytest classes that any
 backend's test module subclasses; :mod:`kvxfer.testing.buffers` builds patterned caches;
 :mod:`kvxfer.testing.peer` runs a peer agent in its own process (``python -m
 kvxfer.testing.peer``) and drives it from the parent (:class:`~kvxfer.testing.peer.PeerProcess`).
-The conformance classes need pytest and are imported on first use, so the demo and ``kvxfer
-bench`` use the buffers and the peer without it.
+Those two are faces of ``kvxfer._buffers`` and ``kvxfer._peer``, which the demo and ``kvxfer
+bench`` import without this package. What only kvxfer's own tests use (fault injection, network
+namespaces, the store-kill child, the directory worker) is ``kvxfer._harness``, not this kit.
+The conformance classes need pytest and are imported on first use.
 """
 
 import sys
