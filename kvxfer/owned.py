@@ -15,7 +15,7 @@ import traceback
 from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
 from . import _direct
-from .deadlines import check_timeout
+from .deadlines import Deadline, check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
 
@@ -115,9 +115,9 @@ class OwnedFuture(Generic[T]):
         self._owner._check_not_loop("wait")
         limit = None if timeout is None else check_timeout(timeout, "wait timeout")
         if not self._event._set:
-            until = None if limit is None else time.monotonic() + limit
+            until = None if limit is None else Deadline.within(limit)
             self._help(until)
-            if not self._event.wait(None if until is None else max(0.0, until - time.monotonic())):
+            if not self._event.wait(None if until is None else until.left()):
                 self._timed_out(limit)  # type: ignore[arg-type]
         self.done()  # raises a failure
         return self

@@ -15,7 +15,6 @@ import ctypes
 import errno
 import os
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..deadlines import check_timeout
+from ..deadlines import Deadline
 from ..errors import StoreError, StoreFullError, TransferCancelledError
 from ..plugin.backend import Backend, Capabilities
 from .._stats import Status
@@ -286,8 +285,8 @@ class JobTransfer(Transfer):
 
     def wait(self, timeout: float | None = None) -> "Transfer":
         if self.status is Status.PENDING and len(self._posts) == 1:
-            end = self._due() if timeout is None else time.monotonic() + check_timeout(timeout, "wait timeout")
-            wait([self._posts[0].handle.future], timeout=max(0.0, end - time.monotonic()))
+            end = Deadline(self._due()) if timeout is None else Deadline.after(timeout, "wait timeout")
+            wait([self._posts[0].handle.future], timeout=end.left())
             if timeout is not None:  # what is left of the caller's timeout, for the core's wait
-                timeout = max(end - time.monotonic(), 1e-6)
+                timeout = max(end.left(), 1e-6)
         return super().wait(timeout)
