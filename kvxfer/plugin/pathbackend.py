@@ -11,15 +11,15 @@ before each step and once the bytes are in, a notification that is itself a requ
 fills the hooks: :attr:`~PathBackend.poll_at_post`, :attr:`~PathBackend.guard`,
 :meth:`~PathBackend.admit`, :meth:`~PathBackend.started`, :meth:`~PathBackend.step`,
 :meth:`~PathBackend.landed`, :meth:`~PathBackend.delivered` and :meth:`~PathBackend.withdraw`;
-each one's default does nothing. The core's router (:mod:`kvxfer.plugin.routed`) is built on it too: its rows
+each one's default does nothing, and the loop calls a hook only where a subclass overrides it
+(looked up on the class), so a backend made of rows alone pays for none. The core's router (:mod:`kvxfer.plugin.routed`) is built on it too: its rows
 are the device path and the backend itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, ContextManager, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -30,6 +30,14 @@ from .backend import Backend
 from .datapath import DataPath, choose
 
 __all__ = ["PathBackend", "Post"]
+
+
+class Lock(Protocol):
+    """What :attr:`PathBackend.guard` holds: a lock (``threading.RLock`` where a step may take it again)."""
+
+    def acquire(self) -> Any: ...
+
+    def release(self) -> None: ...
 
 
 class Post:
@@ -65,8 +73,9 @@ class PathBackend(Backend):
     #: (a row that finishes inside ``start`` then needs no pump thread).
     poll_at_post = True
     #: Held around each step of the loop (post, poll, release): a transport that is not
-    #: thread-safe puts its lock here, since the pump polls from its own thread.
-    guard: ContextManager[Any] = contextlib.nullcontext()
+    #: thread-safe puts its lock here, since the pump polls from its own thread. None: no lock,
+    #: and the loop takes none (a small transfer's post, poll and release cost no call for it).
+    guard: Lock | None = None
     #: Which posts the pump drives until done. ``None``: those whose notification the loop still
     #: owes and that a first poll did not finish. A number ``n``: every post with a notification
     #: (a row that sends it itself may send it only while polled) and every post of more than
@@ -125,16 +134,24 @@ class PathBackend(Backend):
              notification: bytes | None, expect: Any = None) -> Post:
         """``expect``: the source's digest of each descriptor, for a row that verifies as it copies
         (the device path's fused kernel); passed on only when given, so other rows never see it."""
-        with self.guard:
+        cls, g = self.__class__, self.guard
+        if g is not None:
+            g.acquire()
+        try:
             path, peer, tag = self.route(op, local, remote)
-            self.admit(local, remote, peer)
+            if cls.admit is not _admit:
+                self.admit(local, remote, peer)
             if expect is None:
                 h = path.start(op, local, local_idx, remote, remote_idx, peer, notification)
             else:  # an optional keyword of some rows, not of the protocol
                 start: Any = path.start
                 h = start(op, local, local_idx, remote, remote_idx, peer, notification, expect=expect)
             x = self.post_type(path, h, peer, None if path.sends_notification else notification, tag)
-            self.started(x)
+            if cls.started is not _started:
+                self.started(x)
+        finally:
+            if g is not None:
+                g.release()
         over = self.pump_over
         if over is None:
             if x.notification is not None and not (self.poll_at_post and self.poll(x)):
@@ -149,16 +166,22 @@ class PathBackend(Backend):
         x: Post = xfer
         if x.error is not None or x.done or x.released:
             return _ended(x)
-        with self.guard:
+        cls, g = self.__class__, self.guard
+        if g is not None:
+            g.acquire()
+        try:
             if x.error is not None or x.done or x.released:  # the other poller (pump or caller) ended it meanwhile
                 return _ended(x)
             try:
-                self.step(x)
+                if cls.step is not _step:
+                    self.step(x)
                 if x.sending is None:  # else the bytes are in and the notification is on its way
                     if not x.path.poll(x.h):
-                        self.waiting(x)
+                        if cls.waiting is not _waiting:
+                            self.waiting(x)
                         return False
-                    self.landed(x)
+                    if cls.landed is not _landed:
+                        self.landed(x)
                     if x.notification is not None:
                         with self._post_lock:
                             note, x.notification = x.notification, None
@@ -173,6 +196,9 @@ class PathBackend(Backend):
                 x.error = exc
                 raise
             x.done = True
+        finally:
+            if g is not None:
+                g.release()
         return True
 
     def wait(self, xfer: Any, deadline: float) -> bool | None:
@@ -198,17 +224,28 @@ class PathBackend(Backend):
         x.released = True
         if x.pumped:
             self._pump.discard(x)
-        with self.guard:
+        g = self.guard
+        if g is not None:
+            g.acquire()
+        try:
             x.path.cancel(x.h)
             sending, x.sending = x.sending, None
             if sending is not None:
                 self.withdraw(sending)
+        finally:
+            if g is not None:
+                g.release()
 
     def data_path(self, xfer: Any) -> str | None:
         return xfer.path.kind(xfer.h)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._pump.stop()
+
+
+#: The hooks' defaults: the loop skips a hook the class leaves at its default (it does nothing).
+_admit, _started, _step = PathBackend.admit, PathBackend.started, PathBackend.step
+_waiting, _landed = PathBackend.waiting, PathBackend.landed
 
 
 def _ended(x: Post) -> bool:

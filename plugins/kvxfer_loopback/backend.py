@@ -9,28 +9,33 @@ Design points:
 * Every prepared list is checked against the memory the owner has registered *now*: the
   check is repeated at post time if either side registered or deregistered since, so a
   write into deregistered memory fails instead of corrupting the heap.
-* Host copies are ``ctypes.memmove`` per descriptor (the planner coalesces runs first, since
-  this backend declares ``merges_runs=False``). CUDA copies go through torch, imported only
-  when VRAM is registered, and complete asynchronously on a private stream.
+* The post loop is :class:`kvxfer.plugin.PathBackend`'s; this module fills its ``route`` hook
+  with the checks above. Bytes move through two rows (:mod:`kvxfer_loopback._rows`):
+  host copies are ``ctypes.memmove`` per descriptor (the planner coalesces runs first, since
+  this backend declares ``merges_runs=False``); CUDA copies go through torch, imported only
+  when VRAM is posted, and complete asynchronously on a private stream. Each row queues the
+  notification in the receiver itself, behind its copy, so it never overtakes the data.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import os
 import secrets
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvxfer import (Allocation, Backend, BackendClosedError, BackendError, Capabilities, DescriptorList, MemoryKind,
-                    MetadataError, Op, PeerDisconnectedError, UnknownPeerError, UnsupportedError)
-from kvxfer.plugin import Live, SpanIndex, copies, identity as peers, install_hint, wire
+from kvxfer import (Allocation, BackendClosedError, Capabilities, DescriptorList, MemoryKind, MetadataError, Op,
+                    PeerDisconnectedError, UnknownPeerError, UnsupportedError)
+from kvxfer.plugin import DataPath, Live, PathBackend, SpanIndex, identity as peers, wire
+
+from ._rows import DeviceCopy, HostCopy, _Note
+from ._rows import _host_copy, _Xfer  # noqa: F401  (the conformance kit's mutants, tests/conformance_mutants.py)
 
 _LIVE: "Live[LoopbackBackend]" = Live()
 
@@ -52,25 +57,7 @@ class _Prepared:
     epoch: int
 
 
-@dataclass
-class _Note:
-    """A notification waiting for its device copy; the *receiver* releases it when the copy is done."""
-
-    sender: str
-    message: bytes
-    event: Any = None
-    cancelled: bool = False
-
-
-@dataclass
-class _Xfer:
-    event: Any = None  # torch.cuda.Event for device copies
-    note: _Note | None = None
-    done: bool = False
-    keepalive: list[Any] = field(default_factory=list)
-
-
-class LoopbackBackend(Backend):
+class LoopbackBackend(PathBackend):
     """Moves bytes between agents of one process."""
 
     name = "loopback"
@@ -93,7 +80,8 @@ class LoopbackBackend(Backend):
         self._pending: list[_Note] = []  # behind device copies still running, in post order
         self._inbox_lock = threading.Lock()
         self._closed = False
-        self._stream: Any = None
+        self._host, self._device = HostCopy(self), DeviceCopy(self)
+        self.paths: tuple[DataPath, ...] = (self._host, self._device)
         _LIVE[self._token] = self
 
     # -- memory ---------------------------------------------------------------------------
@@ -157,9 +145,13 @@ class LoopbackBackend(Backend):
         owner._check_inside(arr, descs.kind)
         return _Prepared(owner, arr, descs.kind, owner._epoch)
 
-    def post(self, op: Op, local: _Prepared, local_idx: np.ndarray, remote: _Prepared, remote_idx: np.ndarray,
-             notification: bytes | None) -> _Xfer:
-        self._check_open()
+    # -- transfers: PathBackend's loop over the two rows; route() is its one hook ---------
+    def route(self, op: Op, local: _Prepared, remote: _Prepared) -> tuple[DataPath, "LoopbackBackend", None]:
+        """Refuse a post on a closed backend, to a closed peer, or over a list whose owner's
+        registrations changed since it no longer fits (the row checks the pairs' lengths, given
+        the indices); a pair with VRAM takes the device row."""
+        if self._closed:  # checks inlined: a small READ's post is the hot path (issue 37)
+            self._check_open()
         peer = remote.owner
         if peer._closed:
             raise PeerDisconnectedError(f"loopback peer {peer.agent_name!r} was closed")
@@ -167,59 +159,12 @@ class LoopbackBackend(Backend):
             if prep.epoch != prep.owner._epoch:  # registrations changed since prepare
                 prep.owner._check_inside(prep.descs, prep.kind)
                 prep.epoch = prep.owner._epoch
-        la, ra = local.descs[local_idx], remote.descs[remote_idx]
-        if not np.array_equal(la[:, 1], ra[:, 1]):
-            raise BackendError("paired descriptors differ in length")
-        dst, src = (la, ra) if op is Op.READ else (ra, la)
-        dkind, skind = (local.kind, remote.kind) if op is Op.READ else (remote.kind, local.kind)
-        x = _Xfer()
-        if dkind is MemoryKind.DRAM and skind is MemoryKind.DRAM:
-            _host_copy(dst, src, copies.watcher(self))
-            x.done = True
-        else:
-            x.event, x.keepalive = self._device_copy(dst, dkind, src, skind)
-        if notification is not None:
-            # Delivered by the receiver once the data is visible, so the receiver never
-            # depends on the initiator polling (as with a real one-sided transport).
-            x.note = _Note(self.agent_name, bytes(notification), x.event)
-            with peer._inbox_lock:
-                peer._pending.append(x.note)
-        return x
+        if local.kind is MemoryKind.DRAM and remote.kind is MemoryKind.DRAM:
+            return self._host, peer, None
+        return self._device, peer, None
 
-    def _device_copy(self, dst: np.ndarray, dkind: MemoryKind, src: np.ndarray, skind: MemoryKind) -> tuple[Any, list[Any]]:
-        try:
-            import torch
-        except ImportError:
-            raise UnsupportedError(f"VRAM copies in the loopback backend need torch: {install_hint('torch')}") from None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        keep: list[Any] = []
-        with torch.cuda.stream(self._stream):
-            for (da, n, dd), (sa, _, sd) in zip(dst.tolist(), src.tolist()):
-                d = _span_tensor(torch, da, n, dd, dkind)
-                s = _span_tensor(torch, sa, n, sd, skind)
-                d.copy_(s, non_blocking=True)
-                keep += (d, s)
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        return ev, keep
-
-    def poll(self, xfer: _Xfer) -> bool:
-        if not xfer.done:
-            if not xfer.event.query():
-                return False
-            xfer.done = True
-            xfer.keepalive.clear()
-        return True
-
-    def release(self, xfer: _Xfer) -> None:
-        if not xfer.done and xfer.event is not None:
-            # A device copy cannot be recalled once queued: wait for it so no copy outlives
-            # the memory it targets, and drop the notification.
-            xfer.event.synchronize()
-            if xfer.note is not None:
-                xfer.note.cancelled = True
-        xfer.keepalive.clear()
+    def data_path(self, xfer: Any) -> str | None:
+        return None  # loopback names no path in TransferStats (as before it ran on PathBackend)
 
     # -- notifications --------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
@@ -242,31 +187,10 @@ class LoopbackBackend(Backend):
             raise BackendClosedError("loopback backend is closed")
 
     def close(self) -> None:
+        super().close()  # the loop's pump (never started: the rows send their notifications)
         self._closed = True
         self._regs.clear()
         self._rebuild_bounds()
         self._peers.clear()
         _LIVE.pop(self._token, None)
 
-
-def _host_copy(dst: np.ndarray, src: np.ndarray, seen: copies.Watch | None = None) -> None:
-    """``seen``: told after each copy (a verified READ hashes the row while it is in the cache)."""
-    memmove = ctypes.memmove
-    for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), dst[:, 1].tolist()):
-        memmove(d, s, n)
-        if seen is not None:
-            seen(d, n)
-
-
-class _CudaSpan:
-    """Just enough of ``__cuda_array_interface__`` for torch to wrap a raw device pointer."""
-
-    def __init__(self, ptr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-
-
-def _span_tensor(torch: Any, ptr: int, n: int, device: int, kind: MemoryKind) -> Any:
-    if kind is MemoryKind.VRAM:
-        return torch.as_tensor(_CudaSpan(ptr, n), device=f"cuda:{device}")
-    buf = (ctypes.c_uint8 * n).from_address(ptr)
-    return torch.frombuffer(buf, dtype=torch.uint8)
