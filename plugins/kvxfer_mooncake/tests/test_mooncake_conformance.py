@@ -59,8 +59,17 @@ def test_control_unfenced_reads_land_after_the_end(monkeypatch: pytest.MonkeyPat
     from kvxfer_mooncake.backend import MooncakeBackend
 
     monkeypatch.setattr(MooncakeBackend, "fence_reads", False)
-    with pytest.raises(AssertionError, match="written after it reported"):
-        _Unfenced().test_stopped_peer_writes_nothing_after_the_end("timeout")
+    for _ in range(CONTROL_TRIES):  # a loaded host may finish the READ before the stop: try again
+        try:
+            _Unfenced().test_stopped_peer_writes_nothing_after_the_end("timeout")
+        except AssertionError as exc:
+            assert "written after it reported" in str(exc)
+            return
+    pytest.fail(f"control: no late span landed in {CONTROL_TRIES} tries without the fence")
+
+
+#: A control shows a race lost without the fence; a loaded host can win the race by chance.
+CONTROL_TRIES = 3
 
 
 class _Stoppable(TwoProcessConformance):
@@ -76,11 +85,28 @@ def test_stopped_peer_times_out_within_the_deadline(op: str, fenced: bool, monke
     holds the arena instead of waiting for the call. A liveness bound, not a speed claim.
     Controls: without the arenas, ``release`` waits for the call and the wait runs past the
     progress timeout (the deadline broken by the transport's own bound)."""
-    from kvxfer.errors import TransferTimeoutError
     from kvxfer_mooncake.backend import MooncakeBackend
 
     monkeypatch.setattr(MooncakeBackend, "fence_reads", fenced)
     monkeypatch.setattr(MooncakeBackend, "snapshot_writes", fenced)
+    if fenced:
+        timed_out, took = _stopped_wait(op)
+        assert timed_out, "wait(1) on a stopped peer did not time out"
+        assert took < 3.5, f"wait(1) on a stopped peer returned after {took:.1f} s"
+        return
+    seen: list[tuple[bool, float]] = []
+    for _ in range(CONTROL_TRIES):  # a loaded host may finish the move before the stop: try again
+        timed_out, took = _stopped_wait(op)
+        if timed_out and took >= 4.0:
+            return
+        seen.append((timed_out, round(took, 1)))
+    pytest.fail(f"control: the unfenced release never waited for the call (timed out, took): {seen}")
+
+
+def _stopped_wait(op: str) -> tuple[bool, float]:
+    """Stop a connected peer (SIGSTOP), move four blocks, ``wait(1)``: (timed out?, seconds)."""
+    from kvxfer.errors import TransferTimeoutError
+
     kit = _Stoppable()
     peer = kit._spawn("packed", seed=41, name="stopped")
     stopped = False
@@ -94,15 +120,15 @@ def test_stopped_peer_times_out_within_the_deadline(op: str, fenced: bool, monke
             move = agent.read if op == "read" else agent.write
             t = move(name, [0, 1, 2, 3], [0, 1, 2, 3])
             start = time.monotonic()
-            with pytest.raises(TransferTimeoutError):
+            try:
                 t.wait(1.0)
+                timed_out = False
+            except TransferTimeoutError:
+                timed_out = True
             took = time.monotonic() - start
-            if fenced:
-                assert took < 3.5, f"wait(1) on a stopped peer returned after {took:.1f} s"
-            else:
-                assert took >= 4.0, f"control: the unfenced release should wait for the call ({took:.1f} s)"
             os.kill(peer.pid, signal.SIGCONT)
             stopped = False
+            return timed_out, took
     finally:
         if stopped:
             os.kill(peer.pid, signal.SIGCONT)
