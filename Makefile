@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # A CPU-only torch pinned *before* nixl: nixl depends on torch and would otherwise pull a
 # multi-GB CUDA build. On GPU machines set TORCH_SPEC to the build you want.
@@ -33,25 +32,35 @@ SGLANG_DEPS ?= numpy==2.4.6 triton==3.9.0 apache-tvm-ffi==0.1.11 transformers==5
 	multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 \
 	frozenlist==1.8.0 loguru==0.7.3 gguf==0.19.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 dill==0.4.1
 
-# `make test` makes the three virtualenvs and the system packages at once (they do not depend on
-# one another; one after the other they took a fresh CI machine about 4.5 minutes). The
-# editable installs of this tree still take turns: each writes kvxfer.egg-info in the checkout.
+# `make test` makes the three virtualenvs and the system packages at once (one after the other
+# they took a fresh CI machine about 4.5 minutes). The editable installs of this tree still take
+# turns: each writes kvxfer.egg-info in the checkout.
 EDITABLE = mkdir -p build && flock build/.editable-install.lock
+# Disk: the three venvs held 8.5 GB, and a CI machine with less free failed mid-install. pip
+# writes no .pyc files up front (Python writes those it imports, ~0.9 GB saved); the engine
+# venvs hard-link the main venv's torch instead of unpacking it again, and identical files
+# across the three become one after they are built (tools/venvlink.py): 4.5 GB at rest.
+INSTALL = -m pip install -q --no-compile
+TORCH_STAMP := $(VENV)/.torch
 
 .PHONY: venv deps test demo bench bench-baseline plan clean venv-vllm test-vllm venv-sglang test-sglang
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The main venv's torch comes first: the engine venvs link it rather than unpack their own.
+$(TORCH_STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(EDITABLE) $(PIP) install -q -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
+	$(PY) $(INSTALL) --upgrade pip
+	$(PY) $(INSTALL) "$(TORCH_SPEC)"
+	touch $@
+
+$(STAMP): pyproject.toml Makefile $(TORCH_STAMP)
+	$(EDITABLE) $(PY) $(INSTALL) -e ".[test,bench,nixl,ucx,etcd,metrics,plot]"
 	# The Mooncake backend is its own distribution (plugins/kvxfer_mooncake); wheel users get
 	# it as the `mooncake` extra, this tree installs it from its folder. Its dependency, the
 	# mooncake-transfer-engine-non-cuda wheel, also carries Mooncake Store's client and the
 	# mooncake_master binary: kvxfer.tiers' tests start that master themselves (loopback).
-	$(EDITABLE) $(PIP) install -q -e plugins/kvxfer_mooncake
+	$(EDITABLE) $(PY) $(INSTALL) -e plugins/kvxfer_mooncake
 	touch $(STAMP)
 
 # System packages some tests need: etcd (the metadata directory), iproute2 (network
@@ -68,20 +77,23 @@ deps:
 	else echo "deps: etcd, iproute2 or libibverbs1 missing: apt-get install -y etcd-server iproute2 libibverbs1 (their tests skip)"; fi
 
 test:
+	@$(PYTHON) -c "import shutil; print(f'disk: {shutil.disk_usage(\".\").free / 1e9:.1f} GB free here; the three venvs need about 6.5 GB while they install, 4.5 GB after')"
 	$(MAKE) -j4 venv deps venv-vllm venv-sglang
+	$(PYTHON) tools/venvlink.py dedupe $(VENV) $(VENV_VLLM) $(VENV_SGLANG)
 	$(PY) -m pytest -q --durations=25
 	$(MAKE) test-vllm
 	$(MAKE) test-sglang
 
 venv-vllm: $(VENV_VLLM)/.installed
 
-$(VENV_VLLM)/.installed: pyproject.toml Makefile
+$(VENV_VLLM)/.installed: pyproject.toml Makefile $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV_VLLM)
-	$(PY_VLLM) -m pip install -q --upgrade pip
-	$(PY_VLLM) -m pip install -q "$(TORCH_SPEC)"
-	$(PY_VLLM) -m pip install -q "$(VLLM_SPEC)" nixl==1.5.1
+	$(PY_VLLM) $(INSTALL) --upgrade pip
+	$(PYTHON) tools/venvlink.py link $(VENV) $(VENV_VLLM) torch
+	$(PY_VLLM) $(INSTALL) "$(TORCH_SPEC)"
+	$(PY_VLLM) $(INSTALL) "$(VLLM_SPEC)" nixl==1.5.1
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(EDITABLE) $(PY_VLLM) -m pip install -q -e ".[test,cluster]"  # cluster: the tier tests start a mooncake_master
+	$(EDITABLE) $(PY_VLLM) $(INSTALL) -e ".[test,cluster]"  # cluster: the tier tests start a mooncake_master
 	touch $@
 
 # Prefill and decode as real vLLM instances on CPU, kvxfer against vLLM's NixlConnector;
@@ -91,12 +103,13 @@ test-vllm: venv-vllm
 
 venv-sglang: $(VENV_SGLANG)/.installed
 
-$(VENV_SGLANG)/.installed: pyproject.toml Makefile
+$(VENV_SGLANG)/.installed: pyproject.toml Makefile $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV_SGLANG)
-	$(PY_SGLANG) -m pip install -q --upgrade pip
-	$(PY_SGLANG) -m pip install -q "$(TORCH_SPEC)"
-	$(PY_SGLANG) -m pip install -q --no-deps "$(SGLANG_SPEC)" $(SGLANG_DEPS)
-	$(EDITABLE) $(PY_SGLANG) -m pip install -q -e ".[test]"
+	$(PY_SGLANG) $(INSTALL) --upgrade pip
+	$(PYTHON) tools/venvlink.py link $(VENV) $(VENV_SGLANG) torch
+	$(PY_SGLANG) $(INSTALL) "$(TORCH_SPEC)"
+	$(PY_SGLANG) $(INSTALL) --no-deps "$(SGLANG_SPEC)" $(SGLANG_DEPS)
+	$(EDITABLE) $(PY_SGLANG) $(INSTALL) -e ".[test]"
 	touch $@
 
 # SGLang's HiCache seam on CPU: the backend through SGLang's factory and host pool (seconds).
