@@ -14,16 +14,11 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import sysconfig
-import tempfile
-from pathlib import Path
 
+from ._server import ServerChild
 from .ports import free_port
-from .wait import wait_for_server
 
 __all__ = ["MooncakeMaster", "master_binary", "require", "INSTALL_HINT"]
 
@@ -68,23 +63,24 @@ def require() -> None:
         pytest.fail(f"Mooncake Store cannot run on this CI machine: {reason}", pytrace=False)
     pytest.skip(reason)
 
-class MooncakeMaster:
+class MooncakeMaster(ServerChild):
     """One master. ``lease_ms``: how long a read leases an object (Mooncake's default is
     10 s; tests shorten it). ``client_ttl``: seconds before a silent client's segment is
     dropped. With ``netns``, it runs inside that namespace (``ip netns exec``) on ``host``."""
+
+    what = "mooncake_master"
+    log_name = "master.log"
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, lease_ms: int = 10000,
                  client_ttl: int = 10, netns: str | None = None, binary: str | None = None) -> None:
         self.binary = binary or master_binary()
         if self.binary is None:
             raise FileNotFoundError(f"no mooncake_master binary found; {INSTALL_HINT}")
-        self.host, self.netns = host, netns
+        super().__init__(None, "kvxfer-mooncake-", netns)
+        self.host = host
         self.port = port or free_port(host="127.0.0.1")
         self.metrics_port = free_port(host="127.0.0.1")
         self.lease_ms, self.client_ttl = lease_ms, client_ttl
-        self.base = Path(tempfile.mkdtemp(prefix="kvxfer-mooncake-"))
-        self.log_path = self.base / "master.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         atexit.register(self.kill)  # a test process that ends without closing leaves no master behind
 
     @property
@@ -92,60 +88,18 @@ class MooncakeMaster:
         return f"{self.host}:{self.port}"
 
     def _argv(self) -> list[str]:
-        argv = [self.binary or "mooncake_master", f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
-                f"--default_kv_lease_ttl={self.lease_ms}", f"--client_ttl={self.client_ttl}",
-                "--rpc_thread_num=2", "--enable_http_metadata_server=false", f"--log_dir={self.base}"]
-        return (["ip", "netns", "exec", self.netns] + argv) if self.netns else argv
+        return self._wrap([self.binary or "mooncake_master", f"--rpc_address={self.host}", f"--rpc_port={self.port}",
+                           f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
+                           f"--default_kv_lease_ttl={self.lease_ms}", f"--client_ttl={self.client_ttl}",
+                           "--rpc_thread_num=2", "--enable_http_metadata_server=false", f"--log_dir={self.base}"])
 
-    def start(self, timeout: float = 30.0) -> "MooncakeMaster":
-        """Start (or start again, on the same ports) and wait until the RPC port accepts."""
-        if self.running:
-            return self
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.base)
-        try:
-            wait_for_server(self.proc, self.listening, "mooncake_master", timeout, self.log_tail, 0.05)
-        except (RuntimeError, TimeoutError):
-            self.kill()
-            raise
-        return self
-
-    def listening(self) -> bool:
+    def ready(self) -> bool:
+        """Its RPC port accepts: a client's ``setup()`` against a master not listening blocks ~90 s."""
         if self.netns:
-            probe = f"import socket;socket.create_connection(('{self.host}',{self.port}),timeout=1).close()"
-            return subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", probe],
-                                  capture_output=True, timeout=10).returncode == 0
+            return self.probe_in_netns(
+                f"import socket;socket.create_connection(('{self.host}',{self.port}),timeout=1).close()")
         try:
             socket.create_connection((self.host, self.port), timeout=1).close()
             return True
         except OSError:
             return False
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL by PID: every object is lost with it."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        self.kill()
-        shutil.rmtree(self.base, ignore_errors=True)
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
