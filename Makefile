@@ -36,11 +36,12 @@ SGLANG_DEPS ?= numpy==2.4.6 triton==3.9.0 apache-tvm-ffi==0.1.11 transformers==5
 # they took a fresh CI machine about 4.5 minutes). The editable installs of this tree still take
 # turns: each writes kvxfer.egg-info in the checkout.
 EDITABLE = mkdir -p build && flock build/.editable-install.lock
-# Disk: the three venvs held 8.5 GB, and a CI machine with less free failed mid-install. pip
-# writes no .pyc files up front (Python writes those it imports, ~0.9 GB saved); the engine
-# venvs hard-link the main venv's torch instead of unpacking it again, and identical files
-# across the three become one after they are built (tools/venvlink.py): 4.5 GB at rest.
-INSTALL = -m pip install -q --no-compile
+# Disk: the three venvs held 8.5 GB, and a CI machine with less free failed mid-install. The
+# engine venvs hard-link the main venv's torch instead of unpacking it again, and identical
+# files across the three become one after they are built (tools/venvlink.py). pip still writes
+# the .pyc files up front: these machines set PYTHONDONTWRITEBYTECODE, so a module pip did not
+# compile is compiled again by every process that imports it.
+INSTALL = -m pip install -q
 TORCH_STAMP := $(VENV)/.torch
 
 .PHONY: venv deps test demo bench bench-baseline plan clean venv-vllm test-vllm venv-sglang test-sglang
