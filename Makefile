@@ -78,7 +78,7 @@ deps:
 	else echo "deps: etcd, iproute2 or libibverbs1 missing: apt-get install -y etcd-server iproute2 libibverbs1 (their tests skip)"; fi
 
 test:
-	@$(PYTHON) -c "import shutil; print(f'disk: {shutil.disk_usage(\".\").free / 1e9:.1f} GB free here; the three venvs need about 6.5 GB while they install, 4.5 GB after')"
+	@$(PYTHON) -c "import shutil; print(f'disk: {shutil.disk_usage(\".\").free / 1e9:.1f} GB free here; the three venvs need about 7 GB while they install, 5.2 GB after')"
 	$(MAKE) -j4 venv deps venv-vllm venv-sglang
 	$(PYTHON) tools/venvlink.py dedupe $(VENV) $(VENV_VLLM) $(VENV_SGLANG)
 	$(PY) -m pytest -q --durations=25
