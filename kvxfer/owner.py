@@ -278,7 +278,7 @@ class Owner:
         naps, busy_since = Backoff(_MIN_NAP, self._max_sleep), time.monotonic()
         while True:
             spinning = bool(self._inflight) and time.monotonic() - busy_since < _SPIN_S
-            if not self._inbox and not self._closing and not spinning:
+            if not self._inbox and not self._closing and not spinning and not self._backlogged():
                 self._sleeping = True  # then look again: a submitter that missed the flag appended first
                 if not self._inbox and not self._closing:
                     wait = self._idle_wait(naps.delay)
@@ -305,6 +305,13 @@ class Owner:
                 time.sleep(0)  # yields the GIL: a model thread never waits a switch interval for us
             else:
                 naps.next()  # the next wait (for the queue, or between polls) is twice as long
+
+    def _backlogged(self) -> bool:
+        """A ready peer still has transfers queued (``burst`` ended the last round): no nap.
+
+        Without this check the loop slept up to a second per ``burst`` once what it had posted
+        completed at once, with the rest of a request's transfers queued behind them."""
+        return any(r.queue and r.ready for r in self._routes.values())
 
     def _idle_wait(self, delay: float) -> float:
         if self._inflight:

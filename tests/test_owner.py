@@ -301,3 +301,41 @@ def test_call_errors_come_back_and_a_wait_on_the_owner_thread_is_refused(pair: t
     assert inner[0].wait().status is Status.DONE  # submitted from the callback, done all the same
     want = expected_after(before, src_pages, [10, 11], [13, 12])
     np.testing.assert_array_equal(dst.layer_pages(), want)
+
+
+def _burst_run(control: bool) -> tuple[int, Any, Any, Any]:
+    """Six one-block READs submitted at once to a ready peer, ``burst=2``: returns how often the
+    loop went to sleep with a ready peer's transfers still queued, and the caches."""
+    a, b, src, dst = _pair("prefill", seed=5)
+    owner = Owner(b, burst=2)
+    backlog_sleeps = 0
+    idle_wait = owner._idle_wait
+
+    def watched(delay: float) -> float:  # the loop calls this only on its way to sleep
+        nonlocal backlog_sleeps
+        backlog_sleeps += any(r.queue and r.ready for r in owner._routes.values())
+        return idle_wait(delay)
+
+    owner._idle_wait = watched  # type: ignore[method-assign]
+    if control:
+        owner._backlogged = lambda: False  # type: ignore[method-assign]
+    before, src_pages = dst.layer_pages(), src.layer_pages()
+    try:
+        owner.add_peer(a.metadata()).result()
+        handles = [owner.read("prefill", [10 + i], [i]) for i in range(6)]
+        assert all(h.wait().status is Status.DONE for h in handles)
+    finally:
+        owner.close()
+        a.close()
+    return backlog_sleeps, before, src_pages, dst
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fixed", "control-naps-with-a-backlog"])
+def test_the_loop_does_not_nap_while_a_ready_peer_has_transfers_queued(control: bool) -> None:
+    """``burst`` bounds one round per peer (fairness), not the request: once a round's posts
+    complete at once, the next round starts at once. The loop used to nap up to 1 s per round
+    (20 one-block READs took 9 s at burst 2). The control restores the old sleep rule."""
+    sleeps, before, src_pages, dst = _burst_run(control)
+    want = expected_after(before, src_pages, [10 + i for i in range(6)], list(range(6)))
+    np.testing.assert_array_equal(dst.layer_pages(), want)
+    assert (sleeps > 0) if control else (sleeps == 0)
