@@ -6,7 +6,12 @@ progress thread, NIXL's own progress thread, UCX's) is printed as a share of one
 
 * ``off``: ``background_progress=False`` (the owner would drive progress itself);
 * ``background``: the default, kvxfer's background progress thread (naps up to 1 ms);
-* ``nixl-thread``: ``progress_thread=True``, NIXL's own progress thread.
+* ``nixl-thread``: ``progress_thread=True``, NIXL's own progress thread;
+* ``unadvertised``: the default options, but the agent's metadata never taken (an agent made
+  only for the store's file path): no peer can connect, and no thread runs.
+
+``--agents N`` opens N such agents at once. Context switches per second (voluntary, the
+process's ``getrusage``) count the wake-ups.
 
 Commands and figures: BENCHMARKS.md ("A passive peer").
 """
@@ -18,32 +23,45 @@ import time
 
 import numpy as np
 
-MODES = {"off": {"background_progress": False}, "background": {}, "nixl-thread": {"progress_thread": True}}
+MODES = {"off": {"background_progress": False}, "background": {}, "nixl-thread": {"progress_thread": True},
+         "unadvertised": {}}
 
 
-def idle_share(options: dict[str, object], seconds: float) -> float:
+def idle_share(mode: str, seconds: float, agents: int = 1) -> tuple[float, float]:
+    """Share of one core and voluntary context switches per second over the idle window."""
+    import resource
+
     import kvxfer
 
-    agent = kvxfer.Agent("idle", backend="nixl", **options)
+    opened = []
     try:
-        agent.register({"kv": np.zeros((256, 4096), np.uint8)})
-        agent.metadata()
+        for i in range(agents):
+            agent = kvxfer.Agent(f"idle-{i}", backend="nixl", **MODES[mode])
+            opened.append(agent)
+            agent.register({"kv": np.zeros((256, 4096), np.uint8)})
+            if mode != "unadvertised":
+                agent.metadata()
         time.sleep(1.0)  # the threads settle
         c0, w0 = time.process_time(), time.perf_counter()
+        s0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
         time.sleep(seconds)
-        return (time.process_time() - c0) / (time.perf_counter() - w0)
+        wall = time.perf_counter() - w0
+        return (time.process_time() - c0) / wall, (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - s0) / wall
     finally:
-        agent.close()
+        for agent in opened:
+            agent.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--agents", type=int, default=1)
     args = ap.parse_args()
-    print(f"{'mode':<12} {'idle CPU, % of one core':>24}")
+    print(f"{'mode':<13} {'agents':>6} {'idle CPU, % of one core':>24} {'wake-ups/s':>11}")
     for mode in args.modes.split(","):
-        print(f"{mode:<12} {100 * idle_share(MODES[mode], args.seconds):>24.2f}", flush=True)
+        share, wakes = idle_share(mode, args.seconds, args.agents)
+        print(f"{mode:<13} {args.agents:>6} {100 * share:>24.2f} {wakes:>11.0f}", flush=True)
 
 
 if __name__ == "__main__":

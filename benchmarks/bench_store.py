@@ -69,23 +69,34 @@ def fio(path: str, rw: str, bs: int, size: int, direct: int, jobs: int) -> float
     return job["bw_bytes"] / 1e9
 
 
-def nixl_posix(path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: list[np.ndarray],
-               local: np.ndarray, repeat: int) -> list[dict[str, object]]:
+class RawPosix:
     """Raw NIXL ``POSIX`` doing the same I/O by hand: one descriptor per row (row cache) or per
-    page (per-layer cache), DRAM <-> FILE, the file registered once; [] without nixl."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        return []
-    ag = nixl_agent("bench-store", nixl_agent_config(backends=["POSIX"]))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.posix_fallocate(fd, 0, n * row_bytes)
-    regs = [ag.register_memory([(0, n * row_bytes, fd, "")], "FILE")]
-    regs += [ag.register_memory([(a.ctypes.data, a.nbytes, 0, "")], "DRAM") for a in src + dst]
-    slots = np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
-    out = []
+    page (per-layer cache), DRAM <-> FILE, the file registered once. :meth:`open` gives None
+    without nixl."""
 
-    def lists(arrs: list[np.ndarray], per_layer: bool) -> tuple[np.ndarray, np.ndarray]:
+    @classmethod
+    def open(cls, path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: list[np.ndarray],
+             local: np.ndarray) -> "RawPosix | None":
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError:
+            return None
+        return cls(nixl_agent("bench-store", nixl_agent_config(backends=["POSIX"])), path, n, row_bytes, src, dst,
+                   local)
+
+    def __init__(self, ag: Any, path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: list[np.ndarray],
+                 local: np.ndarray) -> None:
+        self.ag, self.n, self.row_bytes, self.src, self.dst, self.local = ag, n, row_bytes, src, dst, local
+        self.fd = fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.posix_fallocate(fd, 0, n * row_bytes)
+        self.regs = [ag.register_memory([(0, n * row_bytes, fd, "")], "FILE")]
+        self.regs += [ag.register_memory([(a.ctypes.data, a.nbytes, 0, "")], "DRAM") for a in src + dst]
+        self.lists = {(op, per_layer): self._lists(src if op == "WRITE" else dst, per_layer)
+                      for op in ("WRITE", "READ") for per_layer in (False, True)}
+
+    def _lists(self, arrs: list[np.ndarray], per_layer: bool) -> tuple[np.ndarray, np.ndarray]:
+        n, row_bytes, fd, local = self.n, self.row_bytes, self.fd, self.local
+        slots = np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
         if not per_layer:  # row b of the cache <-> slot i, local ids shuffled as for the store
             mem = np.stack([arrs[0].ctypes.data + local.astype(np.uint64) * np.uint64(row_bytes),
                             np.full(n, row_bytes, np.uint64), np.zeros(n, np.uint64)], axis=1)
@@ -99,10 +110,11 @@ def nixl_posix(path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: li
         return (np.stack([mem_addr, ln, np.zeros_like(ln)], axis=1),
                 np.stack([fil_off, ln, np.full_like(ln, fd)], axis=1))
 
-    def xfer(op: str, mem: np.ndarray, fil: np.ndarray) -> None:
+    def xfer(self, op: str, per_layer: bool) -> None:
         # POSIX's aio queue refuses one request of 163,840 descriptors ("No more free blocks
         # available"), and so it does several in flight together: post CHUNK descriptors per
         # request, one request after the other.
+        ag, (mem, fil) = self.ag, self.lists[(op, per_layer)]
         states = []
         for i in range(0, mem.shape[0], CHUNK):
             h = ag.initialize_xfer(op, ag.get_xfer_descs(mem[i:i + CHUNK], "DRAM"),
@@ -115,24 +127,57 @@ def nixl_posix(path: str, n: int, row_bytes: int, src: list[np.ndarray], dst: li
         if any(st != "DONE" for st in states):
             raise RuntimeError("NIXL POSIX transfer failed")
 
+    def checked(self, per_layer: bool) -> None:
+        """Write, read back into the sentinel-filled destination, compare once."""
+        for a in self.dst:
+            a.view(np.uint8)[...] = 0xAA
+        self.xfer("WRITE", per_layer)
+        self.xfer("READ", per_layer)
+        pairs = [(self.src[0], self.dst[0])] if not per_layer else list(zip(self.src[1:], self.dst[1:]))
+        assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in pairs), \
+            "NIXL POSIX read back other bytes"
+
+    def row(self, op: str, per_layer: bool, secs: list[float], what: str = "raw NIXL POSIX") -> dict[str, object]:
+        mem = self.lists[(op, per_layer)][0]
+        return {"run": f"{what} {'offload' if op == 'WRITE' else 'restore'}", "cache": "layers" if per_layer else "rows",
+                "descriptors": mem.shape[0], "ios": mem.shape[0], "requests": -(-mem.shape[0] // CHUNK),
+                **_rates(self.n * self.row_bytes, secs)}
+
+    def close(self) -> None:
+        for r in self.regs:
+            self.ag.deregister_memory(r)
+        os.close(self.fd)
+
+
+def _paired(args: argparse.Namespace, given: dict[tuple[str, str], Any], offload: Any, restore: Any, raw: RawPosix,
+            out: list[dict[str, object]]) -> list[str]:
+    """Whole rows, the store's own path against raw NIXL POSIX, alternating in one process with
+    the same agents alive (like with like): rows for the table, and each ratio's lines."""
+    lines = []
     try:
-        for cache_kind, per_layer in (("rows", False), ("layers", True)):
-            for op, arrs in (("WRITE", src), ("READ", dst)):
-                mem, fil = lists(arrs, per_layer)
-                xfer(op, mem, fil)
-                if op == "READ":
-                    pairs = [(src[0], dst[0])] if not per_layer else list(zip(src[1:], dst[1:]))
-                    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in pairs), \
-                        "NIXL POSIX read back other bytes"
-                secs = samples(lambda: xfer(op, mem, fil), repeat)
-                out.append({"run": f"raw NIXL POSIX {'offload' if op == 'WRITE' else 'restore'}", "cache": cache_kind,
-                            "descriptors": mem.shape[0], "ios": mem.shape[0], "requests": -(-mem.shape[0] // CHUNK),
-                            **_rates(n * row_bytes, secs)})
-    finally:
-        for r in regs:
-            ag.deregister_memory(r)
-        os.close(fd)
-    return out
+        raw.checked(False)
+    except Exception as exc:
+        out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
+        return []
+    for what, fn, op, spec in (("offload", offload, "WRITE", "src rows"), ("restore", restore, "READ", "dst rows")):
+        store_s: list[float] = []
+        raw_s: list[float] = []
+        fn(given[("pwritev", spec)])  # warm both
+        raw.xfer(op, False)
+        for k in range(args.repeat):  # raw, store, store, raw, ...: the neighbours' load falls on both
+            for who in ((raw_s, store_s) if k % 2 == 0 else (store_s, raw_s)):
+                who += samples((lambda: raw.xfer(op, False)) if who is raw_s else
+                               (lambda: fn(given[("pwritev", spec)])), 1)
+        t = fn(given[("pwritev", spec)])
+        out.append(raw.row(op, False, raw_s, "paired: raw NIXL POSIX"))
+        out.append({"run": f"paired: store {what} ({t.stats.path})", "cache": "rows", "requests": t.stats.posts,
+                    "descriptors": t.stats.descriptors, "ios": t.stats.telemetry[0]["ios"],
+                    **_rates(raw.n * raw.row_bytes, store_s)})
+        each = sorted(r / s_ for r, s_ in zip(raw_s, store_s))
+        lines.append(f"whole rows {what}, store / raw NIXL POSIX (paired, same live agents): "
+                     f"{statistics.median(raw_s) / statistics.median(store_s):.2f}x of medians; "
+                     f"per pair {', '.join(f'{x:.2f}' for x in each)}")
+    return lines
 
 
 def main() -> None:
@@ -184,6 +229,11 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
             given[("nixl-posix", k)] = a
     except Exception as exc:
         out.append({"run": f"store over NIXL POSIX unavailable: {exc!r:.60}", "cache": "-"})
+    raw = None
+    try:  # like with like: raw NIXL POSIX runs beside the store, with the same agents alive
+        raw = RawPosix.open(os.path.join(work, "nixl.dat"), n, row_bytes, keep_src, keep_dst, local)
+    except Exception as exc:
+        out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
     for (path, spec), what, fn, dst in [((p, s), w, f, d) for p in ("pwritev", "nixl-posix")
                                         for s, w, f, d in (("src rows", "offload", offload, None),
                                                            ("dst rows", "restore", restore, "rows"),
@@ -202,6 +252,7 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
         out.append({"run": f"store {what} ({t.stats.path})", "cache": spec.split()[1], "requests": t.stats.posts,
                     "descriptors": t.stats.descriptors, "ios": ios, "per_layer_ios": n * 2 * LAYERS,
                     **_rates(nbytes, secs)})
+    paired = _paired(args, given, offload, restore, raw, out) if raw is not None else []
     if args.stub_digests:  # what the data path costs without the row digests (never a product setting)
         import kvxfer.store.store as store_module
 
@@ -223,12 +274,14 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
     out.append({"run": "row digests alone (kvxfer.integrity xxh3 rows, one thread)", "cache": "-",
                 **_rates(nbytes, secs)})
     store.close()
-    for a in keep_dst:
-        a.view(np.uint8)[...] = 0xAA
-    try:  # like with like: the store's agents (their background threads) stay alive for raw NIXL too
-        out += nixl_posix(os.path.join(work, "nixl.dat"), n, row_bytes, keep_src, keep_dst, local, args.repeat)
-    except Exception as exc:  # record the refusal next to the other numbers
-        out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
+    if raw is not None:  # per page, the per-layer store's reference (the agents still alive)
+        try:
+            raw.checked(True)
+            for op in ("WRITE", "READ"):
+                out.append(raw.row(op, True, samples(lambda: raw.xfer(op, True), args.repeat)))
+        except Exception as exc:  # record the refusal next to the other numbers
+            out.append({"run": f"raw NIXL POSIX failed: {exc!r:.60}", "cache": "-"})
+        raw.close()
     for a in agents:
         a.close()
     target = os.path.join(work, "fio.dat")
@@ -243,6 +296,8 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
                       Column("descriptors", fmt=count), Column("ios", "I/O calls", count),
                       Column("per_layer_ios", "I/Os, per-layer store", count), Column("gbps", "GB/s median", "{:.2f}"),
                       Column("best", "GB/s best", "{:.2f}")])
+    for line in paired:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,15 @@ its I/O, which is where a corrupted row is stopped (docs/storage.md, "Digests").
 
 from __future__ import annotations
 
-from typing import Any
+from concurrent.futures import Future, wait
+from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import StoreCorruptError
 from ..geometry._spec import KVCacheSpec
 from .fileio import Calls, Job, wipe
-from .paths import Mover
+from .paths import Hook, Mover
 
 __all__ = ["run"]
 
@@ -85,9 +86,19 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
         if write:
             dig[i:j] = st._digest_slots(uniq[i:j])
 
+    def digest(lo: int, hi: int) -> None:
+        """Digest a written group's rows, in the cache (``local``) or in the slab's map."""
+        if local is not None:
+            k, m = np.searchsorted(by_slot, [lo, hi + 1]).tolist()
+            ix = order[k:m]
+            out[ix] = st._digest_local(local[0], local[1][ix])
+        else:
+            i, j = np.searchsorted(uniq, [lo, hi + 1]).tolist()
+            dig[i:j] = st._digest_slots(uniq[i:j])
+
     todo = st._groups(calls, mover)
-    if len(todo) == 1:
-        one(*todo[0])
+    if write and mover.bridges and len(todo) > 1:
+        _pipeline(st, job, calls, todo, mover, cancelled, hook, digest)
     else:
         futs = [st._pool.submit(one, *g) for g in todo]
         for f in futs:  # wait for all (no call may outlive the job), then raise the first error
@@ -99,3 +110,27 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
     if bad:
         raise _Damaged(np.concatenate(bad))
     return out if local is not None else dig[inverse]
+
+
+def _pipeline(st: Any, job: Job, calls: Calls, todo: list[tuple[int, int, int, int]], mover: Mover,
+              cancelled: Callable[[], bool], hook: Hook, digest: Callable[[int, int], None]) -> None:
+    """An offload on the store's own path: one writer (this thread) writes the groups in file
+    order while the pool digests each written group (its rows still in the CPU caches).
+
+    Buffered writes to one file serialise on its inode lock in the kernel: several writer
+    threads only spin there, taking the core the digests need (BENCHMARKS.md, "Issue 37:
+    store offload"), and one thread already writes at the file's speed. The writer hands a
+    group over without waiting, so writes never wait for a hand-off. Every digest task is
+    waited for before this returns or raises: a failed or cancelled write publishes nothing,
+    and no task reads the cache after the job has ended."""
+    hashes: list[Future[None]] = []
+    try:
+        for a, b, lo, hi in todo:
+            part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
+            with job.io():  # the fence, as for any call (refused once cancelled)
+                mover(True, part, cancelled, hook)
+            hashes.append(st._pool.submit(digest, lo, hi))
+    finally:
+        wait(hashes)
+    for f in hashes:
+        f.result()

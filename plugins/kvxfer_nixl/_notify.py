@@ -8,7 +8,8 @@ here besides moving messages:
   the notify thread (:class:`kvxfer.progress.Pump`) keeps progressing for a while;
 * agents of one process progress each other while they wait, because nobody else would;
 * an agent with registered memory progresses its own worker from a sleeping thread
-  (``background_progress``), so a peer that only serves reads needs no calls from its owner;
+  (``background_progress``) once its metadata left, so a peer that only serves reads needs
+  no calls from its owner;
 * a backend that deregisters memory tells its peers (a control notice, never delivered to
   the user), and a backend that receives one marks the sender stale.
 """
@@ -57,6 +58,8 @@ class Notifications:
     _flush: Flush
     _pump: Pump[Any]
     _keeper: Pump[Any] | None
+    _exported: bool
+    _registrations: list[Any]
     _id: bytes
     _reg_epoch: int
 
@@ -158,8 +161,13 @@ class Notifications:
         return True
 
     def _keep_progressing(self) -> None:
-        """Start the background progress thread (idempotent): registered memory may be read."""
-        if self._keeper is not None:
+        """Start the background progress thread (idempotent) once registered memory may be
+        read: memory is registered *and* our metadata left (:meth:`local_metadata`). No peer
+        can connect before it has our metadata, so an agent that only does file I/O (the
+        store's ``nixl-posix`` path) or that was never advertised has nothing to progress,
+        and a thread waking every millisecond would take the CPU and GIL from its process's
+        work (BENCHMARKS.md, "Issue 37: store offload, this session")."""
+        if self._keeper is not None and self._exported and self._registrations:
             self._keeper.add(self._keeper)
 
     def _kept(self, _: Any) -> bool:

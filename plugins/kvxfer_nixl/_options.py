@@ -13,8 +13,8 @@ __all__ = ["OPTIONS"]
 
 OPTIONS = (
     Option("background_progress", "True",
-           "once memory is registered, a thread progresses the NIXL worker (naps up to 1 ms; ~2 % of a core "
-           "idle), so peers can read from this agent while its owner calls nothing",
+           "once memory is registered and the metadata taken, a thread progresses the NIXL worker (naps up "
+           "to 1 ms; ~2 % of a core idle), so peers can read from this agent while its owner calls nothing",
            "False only when your engine calls Agent.progress() or notifications() every few ms itself"),
     Option("progress_thread", "False",
            "NIXL's own progress thread instead; it spins a whole core",

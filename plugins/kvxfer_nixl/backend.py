@@ -127,6 +127,7 @@ class NixlBackend(Notifications, Files, PathBackend):
         self._pump = Pump(self._pumped, name="kvxfer-nixl-notify")  # PathBackend's, also driving the flush
         self._keeper: Pump[Any] | None = (Pump(self._kept, name="kvxfer-nixl-progress", max_sleep=BACKGROUND_SLEEP_S)
                                           if background_progress and not self._progress_thread else None)
+        self._exported = False  # local_metadata() was called: a peer may now connect (the keeper may run)
         self._closed = False
         instances[self._id] = self
 
@@ -185,6 +186,8 @@ class NixlBackend(Notifications, Files, PathBackend):
                 md = self._agent.get_agent_metadata()
             except Exception as exc:
                 raise map_error(exc, "reading local NIXL metadata") from exc
+        self._exported = True
+        self._keep_progressing()  # peers can reach us from now on
         return _blob.encode(peers.here(), self._id, self._reg_epoch, bytes(md))
 
     def add_remote(self, peer_name: str, blob: bytes) -> None:
