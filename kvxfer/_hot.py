@@ -39,6 +39,8 @@ Agent = Peer = Any
 
 __all__ = ["Shape", "learn"]
 
+_NO_CLEANUP: Any = ()  # a hot post's cleanup: empty, and read only (Transfer._cleanup runs a non-empty one)
+
 
 class Shape:
     """What a request of this shape posts: per leg ``(local list, key of the remote list in the
@@ -119,7 +121,7 @@ class Shape:
             if (end - t0 > agent.timeout) if deadline is None else time.monotonic() > deadline:
                 backend.release(h)
                 raise self._late(n, agent)
-            posts = [_Post(h, False, [])]
+            posts = [_Post(h, False, _NO_CLEANUP)]  # nothing to clean up: no list made for it
         else:
             backend = agent._route
             posts, end = self._post_legs(backend, prepared, local, remote, n, lv if n == 1 else 0,

@@ -49,6 +49,12 @@ class _Post:
 class Transfer:
     """One request in flight. Not thread-safe: poll it from the thread that created it."""
 
+    # Slots: one object per small READ instead of two (its dict); ``__dict__`` stays for what
+    # callers and subclasses attach, made only when they do.
+    __slots__ = ("_backend", "_posts", "_plan", "_stats", "_path_of", "_default_timeout", "_deadline", "_on_done",
+                 "_on_finish", "_verify", "_parts", "_started", "_telemetry", "_error", "status", "__dict__",
+                 "__weakref__")
+
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
                  started: float | None = None, on_finish: Callable[["Transfer"], None] | None = None,
