@@ -12,7 +12,9 @@ checks refuse, returns None and takes the general path, whose typed errors stay 
 What keeps it safe: an entry is only valid for the very spec, peer and pairing objects it was
 built from (registering again, a peer's restart or removal replaces one of them); the remote
 list is looked up in the peer's own cache on every call, so a list released with the peer is
-never posted; the backend's ``post`` checks its lists as on every path.
+never posted; the backend's ``post`` checks its lists as on every path. Where the agent's
+router (:mod:`kvxfer._routed`) would pass a post on untouched, the transfer talks to the backend
+itself; a list that is the device path's, checked on every call, still goes through the router.
 """
 
 from __future__ import annotations
