@@ -12,13 +12,14 @@ checks refuse, returns None and takes the general path, whose typed errors stay 
 What keeps it safe: an entry is only valid for the very spec, peer and pairing objects it was
 built from (registering again, a peer's restart or removal replaces one of them); the remote
 list is looked up in the peer's own cache on every call, so a list released with the peer is
-never posted; the backend's ``post`` checks its lists as on every path.
+never posted; the backend's ``post`` checks its lists as on every path. Where the agent's
+router (:mod:`kvxfer._routed`) would pass a post on untouched, the transfer talks to the backend
+itself; a list that is the device path's, checked on every call, still goes through the router.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,8 @@ from .errors import TransferTimeoutError
 from .memory import Op
 from .pairing import Pairing
 from .planner import FEW_BLOCKS, TransferPlan, plan
+from .plugin.backend import Backend
+from ._routed import Listed, Routed
 from ._stats import TransferStats
 from .transfer import Transfer, _Post
 
@@ -38,6 +41,8 @@ Agent = Peer = Any
 
 __all__ = ["Shape", "learn"]
 
+_NO_CLEANUP: Any = ()  # a hot post's cleanup: empty, and read only (Transfer._cleanup runs a non-empty one)
+
 
 class Shape:
     """What a request of this shape posts: per leg ``(local list, key of the remote list in the
@@ -45,7 +50,7 @@ class Shape:
     block), and the counts its stats report per block."""
 
     __slots__ = ("spec", "peer", "pairing", "op", "legs", "local_n", "remote_n", "per_block", "bytes_per_block",
-                 "mode", "limit", "notifies", "opname")
+                 "mode", "limit", "notifies", "opname", "direct", "finished", "telemetry", "replan")
 
     def __init__(self, agent: Agent, peer: Peer, op: Op, p: TransferPlan, chunks: "list[Chunk]") -> None:
         pairing = peer.pairing
@@ -63,6 +68,15 @@ class Shape:
         # several pieces per block (one per layer tensor) adds the block to the pieces' bases.
         self.legs = [(c.local, rkeys[id(c.remote)], _ids(g.lbase, self.local_n, g.dtype),
                       _ids(g.rbase, self.remote_n, g.dtype), g) for c, g in zip(chunks, pairing.groups)]
+        # Where the agent's router would hand the post to the backend untouched (neither list is
+        # the device path's, kvxfer._routed), the transfer talks to the backend itself: the
+        # router's post, poll and release are three calls of every small READ. The remote list
+        # is looked up per call, so post() checks it is still not the device path's.
+        route = agent._route
+        direct = type(route) is Routed and len(chunks) == 1 and chunks[0].local.__class__ is not Listed
+        self.direct = route.inner if direct else None
+        self.telemetry = type(agent.backend).telemetry is not Backend.telemetry
+        self.finished, self.replan = agent._finished, self._replan  # bound once, not per transfer
 
     def post(self, agent: Agent, local: Any, remote: Any, notify: bytes | None, deadline: float | None) -> Any:
         """The transfer, or None when this request is not of this shape (the general path decides)."""
@@ -91,15 +105,58 @@ class Shape:
                 return None
             if len(set(local if self.op is Op.READ else remote)) != n:
                 return None
-        prepared, backend = peer.prepared, agent._route
-        # The peer's cache, looked up first: a list gone with the peer means the general path,
-        # before anything was posted.
-        rps = [prepared.get(leg[1]) for leg in self.legs] if len(self.legs) > 1 else [prepared.get(self.legs[0][1])]
+        prepared = peer.prepared
+        if self.direct is not None:  # one leg over the backend's own lists: the common small READ
+            lp, key, lids, rids, g = self.legs[0]
+            rp = prepared.get(key)  # the peer's cache first: a list gone with the peer means the general path
+            if rp is None:
+                return None
+            backend = self.direct if rp.__class__ is not Listed else agent._route
+            if lids is not None:
+                li, ri = (lids[lv:lv + 1], rids[rv:rv + 1]) if n == 1 else (lids[local], rids[remote])
+            elif n == 1:
+                li, ri = g.lbase + lv, g.rbase + rv
+            else:
+                li, ri = _pieces(g, local, remote)
+            h = backend.post(self.op, lp, li, rp, ri, notify)
+            end = time.perf_counter()
+            if (end - t0 > agent.timeout) if deadline is None else time.monotonic() > deadline:
+                backend.release(h)
+                raise self._late(n, agent)
+            posts = [_Post(h, False, _NO_CLEANUP)]  # nothing to clean up: no list made for it
+        else:
+            backend = agent._route
+            posts, end = self._post_legs(backend, prepared, local, remote, n, lv if n == 1 else 0,
+                                         rv if n == 1 else 0, notify)
+            if posts is None:
+                return None
+            if (end - t0 > agent.timeout) if deadline is None else time.monotonic() > deadline:
+                for post in posts:
+                    backend.release(post.handle)
+                raise self._late(n, agent)
+        # Positional: a dataclass called with keywords costs three times as much. The data path
+        # is asked of the backend only when someone reads the stats (Transfer.stats). Posting
+        # starts at the call (t0): the hot path plans nothing.
+        stats = TransferStats(n * self.per_block, n * self.bytes_per_block, len(posts), 0.0, None, None,
+                              end - t0, agent.backend_name, self.opname, peer.name, self.mode)
+        on_done = None
+        if notify is not None and len(posts) > 1:  # several posts end in any order: notify once all are done
+            msg, key, route = bytes(notify), peer.name, agent._route
+            on_done = lambda: route.notify(key, msg)  # noqa: E731
+        t = Transfer.posted(backend, posts, stats, agent.timeout, deadline, t0, self.finished, on_done,
+                            (self.replan, local[:], remote[:]), self.telemetry)
+        agent._inflight.add(t)
+        return t
+
+    def _post_legs(self, backend: Any, prepared: Any, local: list[int], remote: list[int], n: int, lv: int, rv: int,
+                   notify: bytes | None) -> tuple[Any, float]:
+        """Each leg's post through the agent's router (several legs, or the device path's lists);
+        (None, 0.0) when a list is gone with the peer, before anything was posted."""
+        rps = [prepared.get(leg[1]) for leg in self.legs]
         if None in rps:
-            return None
+            return None, 0.0
         posts: list[_Post] = []
         last = len(self.legs) - 1
-        started = time.perf_counter()
         try:
             for (lp, _, lids, rids, g), rp in zip(self.legs, rps):
                 if lids is not None:
@@ -109,31 +166,24 @@ class Shape:
                 else:
                     li, ri = _pieces(g, local, remote)
                 posts.append(_Post(backend.post(self.op, lp, li, rp, ri, notify if not last else None), False, []))
-            end = time.perf_counter()
-            # The deadline counts from the call. Without one given (an Owner gives its own), it is
-            # the agent's timeout from t0: the clock read for the stats says whether posting ran
-            # past it, and the Transfer computes the deadline itself only if it is waited on.
-            if (end - t0 > agent.timeout) if deadline is None else time.monotonic() > deadline:
-                raise TransferTimeoutError(
-                    f"posting {n * self.per_block} descriptors ran past the {agent.timeout:g} s deadline; nothing "
-                    "was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
         except BaseException:
             for post in posts:
                 backend.release(post.handle)
             raise
-        # Positional: a dataclass called with keywords costs three times as much. The data path
-        # is asked of the backend only when someone reads the stats (Transfer.stats).
-        stats = TransferStats(n * self.per_block, n * self.bytes_per_block, len(posts), started - t0, None, None,
-                              end - started, agent.backend_name, self.opname, peer.name, self.mode)
-        on_done = None
-        if notify is not None and last:  # several posts end in any order: notify once all are done
-            msg, key = bytes(notify), peer.name
-            on_done = lambda: backend.notify(key, msg)  # noqa: E731
-        t = Transfer(backend, posts, stats, default_timeout=agent.timeout, deadline=deadline, started=started,
-                     on_finish=agent._finished, on_done=on_done, path_of=posts[0].handle,
-                     plan=partial(plan, self.spec, peer.spec, local[:], remote[:], self.op, pairing=self.pairing))
-        agent._inflight.add(t)
-        return t
+        return posts, time.perf_counter()
+
+    def _late(self, n: int, agent: Agent) -> TransferTimeoutError:
+        """The deadline counts from the call. Without one given (an Owner gives its own), it is the
+        agent's timeout from the call: the clock read for the stats says whether posting ran past
+        it, and the Transfer computes the deadline itself only if it is waited on."""
+        return TransferTimeoutError(
+            f"posting {n * self.per_block} descriptors ran past the {agent.timeout:g} s deadline; nothing "
+            "was left in flight. Raise Agent(timeout=...) or move fewer blocks per request.")
+
+    def _replan(self, local: list[int], remote: list[int]) -> TransferPlan:
+        """The plan object of a hot transfer, built only when someone reads ``Transfer.plan``."""
+        assert self.peer.spec is not None
+        return plan(self.spec, self.peer.spec, local, remote, self.op, pairing=self.pairing)
 
 
 def _ids(bases: np.ndarray, n: int, dtype: type) -> np.ndarray | None:

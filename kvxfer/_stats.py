@@ -20,7 +20,7 @@ class Status(str, enum.Enum):
     CANCELLED = "CANCELLED"
 
 
-@dataclass
+@dataclass(slots=True)  # slots: built once per transfer, on the hot path (kvxfer._hot)
 class TransferStats:
     """What a transfer cost: descriptors posted, bytes, backend posts and wall seconds.
 

@@ -365,6 +365,12 @@ class Agent:
         ``expect``: the source's :class:`kvxfer.integrity.Digests` of ``remote_blocks``; the
         transfer is then verified after DONE and fails with ``IntegrityError`` instead.
         """
+        if expect is None and notify is None and type(peer) is str and not self._closed:
+            hot = self._hot.get((peer, Op.READ))  # _transfer's first step, inlined: the small READ's call
+            if hot is not None:
+                t = hot.post(self, local_blocks, remote_blocks, None, None)
+                if t is not None:
+                    return t
         return self._transfer(Op.READ, peer, local_blocks, remote_blocks, notify, expect=expect)
 
     def write(self, peer: str, local_blocks: Any, remote_blocks: Any, notify: bytes | None = None) -> Transfer:

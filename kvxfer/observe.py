@@ -50,6 +50,7 @@ def stats_dict(stats: TransferStats, transfer: ObservedTransfer | None = None) -
 #: (manager, its registration count, whether it has observers) as last seen: asked again only
 #: when a plugin or observer was registered or removed since (kvxfer.plugin.registry._Manager).
 _seen: list[Any] = [None, -1, False]
+_DONE = Status.DONE  # a module constant: reading an enum member through its class costs a call's worth
 
 
 def _observers() -> tuple[Any, bool]:
@@ -64,7 +65,7 @@ def _observers() -> tuple[Any, bool]:
 def transfer_finished(agent: ObservedAgent, transfer: ObservedTransfer) -> None:
     """Called by the agent once per transfer leaving flight: log it and tell observers.
     With no observer and the logger quiet, a DONE transfer costs this call and two lookups."""
-    failed = transfer.status is not Status.DONE
+    failed = transfer.status is not _DONE
     pm = _registry._pm
     if not failed and pm is _seen[0] and pm.generation == _seen[1] and not _seen[2] \
             and not _xfer_log.isEnabledFor(logging.DEBUG):

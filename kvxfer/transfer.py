@@ -23,6 +23,8 @@ from ._stats import Status, TransferStats
 _no_telemetry = Backend.telemetry
 _no_wait = Backend.wait
 _INF = float("inf")
+#: The states as module constants: an enum member read through its class costs a call's worth.
+_PENDING, _DONE = Status.PENDING, Status.DONE
 
 __all__ = ["Transfer", "TransferStats", "Status", "stall_advice"]
 
@@ -36,7 +38,7 @@ def stall_advice(backend: Backend, peer: str | None) -> str:
     return hint or "Check that the peer is alive and progressing."
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one per post, built on the hot path
 class _Post:
     handle: Any
     done: bool = False
@@ -46,6 +48,12 @@ class _Post:
 
 class Transfer:
     """One request in flight. Not thread-safe: poll it from the thread that created it."""
+
+    # Slots: one object per small READ instead of two (its dict); ``__dict__`` stays for what
+    # callers and subclasses attach, made only when they do.
+    __slots__ = ("_backend", "_posts", "_plan", "_stats", "_path_of", "_default_timeout", "_deadline", "_on_done",
+                 "_on_finish", "_verify", "_parts", "_started", "_telemetry", "_error", "status", "__dict__",
+                 "__weakref__")
 
     def __init__(self, backend: Backend, posts: list[_Post], stats: TransferStats, *, default_timeout: float,
                  deadline: float | None = None, on_done: Callable[[], None] | None = None,
@@ -72,6 +80,22 @@ class Transfer:
         self._telemetry = type(getattr(backend, "inner", backend)).telemetry is not _no_telemetry
         self._error: BaseException | None = None
         self.status = Status.PENDING
+
+    @classmethod
+    def posted(cls, backend: Backend, posts: list[_Post], stats: TransferStats, default_timeout: float,
+               deadline: float | None, started: float, on_finish: Callable[["Transfer"], None] | None,
+               on_done: Callable[[], None] | None, plan: Any, telemetry: bool) -> "Transfer":
+        """The hot path's constructor (kvxfer._hot): what ``__init__`` sets, given positionally and
+        already checked (the agent's timeout was validated when the agent was made; whether the
+        backend reports telemetry, when the shape was learnt). ``plan``: ``(function, *args)``,
+        called only if someone reads :attr:`plan`; the data path is asked only if someone reads
+        :attr:`stats`."""
+        t = cls.__new__(cls)
+        t._backend, t._posts, t._plan, t._stats, t._path_of = backend, posts, plan, stats, posts[0].handle
+        t._default_timeout, t._deadline, t._on_done, t._on_finish = default_timeout, deadline, on_done, on_finish
+        t._verify = t._parts = t._error = None
+        t._started, t._telemetry, t.status = started, telemetry, _PENDING
+        return t
 
     def __repr__(self) -> str:
         return f"<Transfer {self.status.value} {self._stats.descriptors} descriptors {self._stats.nbytes} bytes>"
@@ -106,16 +130,19 @@ class Transfer:
         """What was posted (its run count is computed on request), or None. The hot path
         posts without a plan object; it is built here only when someone asks."""
         p = self._plan
-        if callable(p):
+        if type(p) is tuple:  # (function, *args): the hot path's (Transfer.posted)
+            p = self._plan = p[0](*p[1:])
+        elif callable(p):
             p = self._plan = p()
         return p
 
     # -- state machine --------------------------------------------------------------------
     def done(self) -> bool:
         """Poll once. True when complete; raises the transfer's error if it failed."""
-        if self.status is Status.DONE:
-            return True
-        if self.status is not Status.PENDING:
+        status = self.status
+        if status is not _PENDING:
+            if status is _DONE:
+                return True
             self._raise()
         backend = self._backend
         try:
@@ -156,7 +183,7 @@ class Transfer:
                 self._error = exc
                 self._finish()
                 raise
-        self.status = Status.DONE
+        self.status = _DONE
         if self._on_done is not None:
             try:
                 self._on_done()

@@ -42,7 +42,7 @@ def test_repeated_small_reads_move_exactly_their_rows(pair: Any) -> None:
     for i, (local, remote) in enumerate(requests):
         t = b.read("p", local, remote)
         if i:
-            assert t._plan is not None and callable(t._plan), "a repeated shape takes the hot path"
+            assert type(t._plan) is tuple, "a repeated shape takes the hot path (its plan is built on request)"
         t.wait(5)
         moves.update(zip(local, remote))
         assert t.stats.descriptors == len(local) * t.plan.descriptors // len(local)
@@ -161,3 +161,51 @@ def test_hot_read_enters_few_core_functions(monkeypatch: Any) -> None:
     assert hot <= 16, hot
     assert cold > 2 * hot, (cold, hot)
     np.testing.assert_array_equal(dst.layer_pages(), _expect(src, {0: 1, 2: 3, 4: 5}))
+
+
+def _hot_post_via_router(monkeypatch: Any, bypass: bool) -> bool:
+    """A repeated READ whose remote list became the device path's (``kvxfer._routed.Listed``):
+    whether the agent's router saw the post (the hot path posts to the backend itself only
+    where the router would pass the post on untouched). The bytes are checked either way."""
+    from kvxfer._routed import Listed
+
+    src, dst = make_cache("packed", seed=5, **G), make_cache("packed", **G)
+    with kvxfer.Agent("p", coalesce=False) as a, kvxfer.Agent("d", coalesce=False) as b:
+        a.register(src.views)
+        b.register(dst.views)
+        b.add_peer(a.metadata())
+        b.read("p", [0], [1]).wait(5)
+        shape = b._hot[("p", kvxfer.Op.READ)]
+        assert shape.direct is b.backend, "a plain DRAM pair posts to the backend itself"
+        prepared = b._peers["p"].prepared
+        key = shape.legs[0][1]
+        plain = prepared[key]
+        routed: list[Any] = []
+        real = b._route.post
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            routed.append(args[3])
+            return real(*args, **kw)
+
+        monkeypatch.setattr(b._route, "post", spy)
+        if bypass:  # the control: the hot path no longer recognises the device path's lists
+            monkeypatch.setattr(_hot, "Listed", type("NotListed", (), {}))
+        prepared[key] = Listed(plain, None, "p")  # type: ignore[arg-type]
+        try:
+            try:
+                b.read("p", [2], [3]).wait(5)
+            except Exception:  # the backend given a list not its own: its failure, whatever it is
+                assert bypass, "the router hands the backend its own list"
+            else:
+                np.testing.assert_array_equal(dst.layer_pages(), _expect(src, {0: 1, 2: 3}))
+        finally:
+            prepared[key] = plain
+        return bool(routed)
+
+
+def test_hot_read_of_a_device_path_list_goes_through_the_router(monkeypatch: Any) -> None:
+    assert _hot_post_via_router(monkeypatch, bypass=False)
+
+
+def test_control_without_the_list_check_the_router_is_skipped(monkeypatch: Any) -> None:
+    assert not _hot_post_via_router(monkeypatch, bypass=True)

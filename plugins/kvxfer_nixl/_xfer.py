@@ -27,6 +27,7 @@ from ._nixl import map_error
 __all__ = ["Fenced", "NixlPath", "NixlXfer", "as_int32"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+_I32 = np.dtype(np.int32)  # numpy's dtypes of its own types are singletons: an identity check
 
 
 def as_int32(idx: np.ndarray) -> np.ndarray:
@@ -80,8 +81,8 @@ class NixlPath:
               notification: bytes | None, fence: bool = False) -> NixlXfer:
         """Post the first piece (the whole transfer when it fits in one). ``fence``: a READ over
         a transport that cannot recall it lands in a :class:`~kvxfer_nixl._bounce.Bounce`."""
-        li = li if li.dtype == np.int32 and li.flags.c_contiguous else as_int32(li)  # inlined: the hot path
-        ri = ri if ri.dtype == np.int32 and ri.flags.c_contiguous else as_int32(ri)
+        li = li if li.dtype is _I32 and li.flags.c_contiguous else as_int32(li)  # inlined: the hot path
+        ri = ri if ri.dtype is _I32 and ri.flags.c_contiguous else as_int32(ri)
         if li.shape != ri.shape:
             raise BackendError(f"index arrays differ in length ({li.shape[0]} vs {ri.shape[0]})")
         if local.nixl is None or remote.nixl is None:
@@ -132,6 +133,12 @@ class NixlPath:
 
     def cancel(self, x: NixlXfer) -> None:
         """Release every handle (NIXL aborts what is pending); never raises."""
+        if not x.live and x.next >= x.n and x.lp.__class__ is not Bounce:
+            # Every piece posted and done (a small READ, finished inside transfer()): no handle is
+            # left and no poll can post another, so there is nothing to take the lock for. Not for
+            # a fenced READ (its landing area is Bounce): another thread may be copying it out.
+            x.released = True
+            return
         with self._lock:
             if x.released:
                 return

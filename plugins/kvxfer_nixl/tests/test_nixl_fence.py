@@ -103,3 +103,52 @@ def test_strided_rows_expand_as_nixl_indexes_them() -> None:
     want = np.array([[1000, 8, 0], [1100, 8, 0], [1200, 8, 0], [5000, 4, 0]], dtype=np.uint64)
     np.testing.assert_array_equal(expand(rows), want)
     np.testing.assert_array_equal(expand(want), want)
+
+
+def _cancel_while_copying_out(monkeypatch: pytest.MonkeyPatch, fenced: bool) -> bool:
+    """A fenced READ whose every piece is DONE, cancelled while another thread holds the path's
+    lock (as a poll does while it copies the landing area out): whether the cancel returned
+    before that thread let go of the lock."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvxfer import Op
+    from kvxfer_nixl import _xfer
+    from kvxfer_nixl._bounce import Bounce
+
+    if not fenced:  # the control: the fast path's Bounce check bypassed
+        monkeypatch.setattr(_xfer, "Bounce", type("NotBounce", (), {}))
+    lock = threading.RLock()
+    path = _xfer.NixlPath(SimpleNamespace(), lock, 16)
+    one = np.zeros(1, np.int32)
+    x = _xfer.NixlXfer(Op.READ, Bounce.__new__(Bounce), one, SimpleNamespace(nixl=1), one, b"", "p")
+    x.next = 1  # posted and DONE, its landing area taken by the copy-out (bounce None, nothing live)
+    holding, copied = threading.Event(), threading.Event()
+
+    def copy_out() -> None:
+        with lock:
+            holding.set()
+            copied.wait(30)
+
+    holder = threading.Thread(target=copy_out)
+    holder.start()
+    holding.wait(30)
+    canceller = threading.Thread(target=path.cancel, args=(x,))
+    canceller.start()
+    canceller.join(0.3 if fenced else 30)  # not a timing: the cancel either waits for the lock or it does not
+    returned_early = not canceller.is_alive()
+    copied.set()
+    holder.join(30)
+    canceller.join(30)
+    assert x.released
+    return returned_early
+
+
+def test_cancel_of_a_fenced_read_waits_for_its_copy_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NixlPath.cancel skips the lock for a finished post (the hot path), never for a fenced READ:
+    its release must not return while the landing area is still being copied to the destination."""
+    assert not _cancel_while_copying_out(monkeypatch, fenced=True)
+
+
+def test_control_cancel_without_the_fence_check_returns_mid_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _cancel_while_copying_out(monkeypatch, fenced=False)
