@@ -33,22 +33,14 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "TAIL_BYTES", "GROW", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
+__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
 
-#: Bytes of the largest part, 0 for no parts: large enough that a part's post and hand-off to
-#: the worker (~30 us) stay small beside its copy. BENCHMARKS.md (issue 37, verified DRAM over
-#: NIXL) has the choice.
-PART_BYTES = 16 << 20
-#: Bytes of the last part: its hash is the one nothing hides, so it is short (one row at least).
-TAIL_BYTES = 1 << 20
-#: Each part is at most this many times the one after it, back from the last: a part's hash
-#: (about 20 GB/s, cold) still ends within the next part's copy (about 11 GB/s over ``cma``).
-GROW = 1.5
-#: At most this many parts per request (each costs a post and a hand-off); a request with more
-#: has its first parts joined.
-MAX_PARTS = 32
-#: Requests of fewer bytes go out whole, their check after DONE.
-MIN_SPLIT = 16 << 20
+#: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
+#: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
+#: nothing hides) is short. BENCHMARKS.md (issue 37, verified DRAM over NIXL) has the choice.
+PART_BYTES = 8 << 20
+#: At most this many parts per request (each costs a plan, a post and a hand-off).
+MAX_PARTS = 16
 #: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
 #: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
 #: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
@@ -70,35 +62,12 @@ def _worker() -> ThreadPoolExecutor:
 
 def part_bounds(blocks: int, nbytes: int) -> list[tuple[int, int]]:
     """Positions ``[a, b)`` of each part of a request of ``blocks`` blocks and ``nbytes`` bytes;
-    one part (nothing to overlap) under :data:`MIN_SPLIT` bytes (or two parts, if smaller).
-
-    Parts shrink toward the end (:data:`TAIL_BYTES`, growing by :data:`GROW` per part back
-    to :data:`PART_BYTES`): the last part's hash is the one nothing hides, while each part's
-    hash still fits beside the next part's copy, and large early parts keep the count low."""
-    if PART_BYTES <= 0 or blocks < 2 or nbytes < min(MIN_SPLIT, 2 * PART_BYTES):
+    one part (nothing to overlap) when it is smaller than two parts."""
+    k = min(MAX_PARTS, blocks, nbytes // PART_BYTES) if PART_BYTES > 0 else 1
+    if k < 2:
         return [(0, blocks)]
-    per = max(1, nbytes // blocks)
-    most = max(1, PART_BYTES // per)
-    while True:
-        size = float(max(1, min(most, TAIL_BYTES // per)))
-        sizes: list[int] = []
-        left = blocks
-        while left > 0:
-            n = min(left, int(size))
-            sizes.append(n)
-            left -= n
-            size = min(float(most), size * GROW)
-        if len(sizes) <= max(2, MAX_PARTS):
-            break
-        most = -(-most * len(sizes) // MAX_PARTS)  # too many parts: larger ones
-    sizes.reverse()  # largest first
-    if len(sizes) > 1 and sizes[0] < sizes[1] // 2:
-        short = sizes.pop(0)
-        sizes[0] += short  # a short remainder joins the next part
-    edges = [0]
-    for n in sizes:
-        edges.append(edges[-1] + n)
-    return [(edges[i], edges[i + 1]) for i in range(len(sizes))]
+    edges = [blocks * i // k for i in range(k + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(k)]
 
 
 #: Posts part ``j`` (positions ``[a, b)``) for the transfer and returns how many of its posts
