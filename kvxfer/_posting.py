@@ -95,8 +95,9 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
                deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]]) -> Transfer:
     """A verified READ in parts posted one after another, each checked on a worker once it
     landed while the next one moves (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole
-    request, planned and validated before anything moved) stays the transfer's plan; each part
-    is planned again for its own blocks when its turn comes. The transfer polls ``posts``, the
+    request, planned and validated before anything moved) stays the transfer's plan; each part's
+    posts are cut from it when its turn comes (:func:`_slicer`), or, where they cannot be, the
+    part is planned again for its own blocks. The transfer polls ``posts``, the
     list each part's posts join (part ``j + 1`` is posted from the poll that saw ``j`` land)."""
     lb, rb = check.lb, check.expect.blocks
     route, backend = agent._route, agent.backend
@@ -183,7 +184,12 @@ def _slicer(agent: Agent, peer: Peer, p: TransferPlan, blocks: int) -> Any:
         if type(leg) is not SpecLeg or leg.blocks != blocks:
             return None
         lists = Preparer(route, p, peer.name, agent._local_prepared, peer.prepared)
-        lp, li, rp, ri = leg.prepare(lists)
+        try:
+            lp, li, rp, ri = leg.prepare(lists)
+        except BaseException:
+            for fn in lists.cleanup:
+                fn()
+            raise
         k = int(leg.sizes.shape[0])
         if lists.cleanup or li is not leg.local_idx or ri is not leg.remote_idx or li.shape[0] != blocks * k:
             for fn in lists.cleanup:
