@@ -18,7 +18,8 @@ from .integrity.overlap import Overlapped, part_bounds
 from .memory import Op
 from .planner import TransferPlan
 from .plugin import copies
-from ._posts import Chunk, plan_chunks
+from ._legs import SpecLeg
+from ._posts import Chunk, Preparer, plan_chunks
 from .transfer import Transfer, TransferStats, _Post
 
 #: The agent and its peer record, as this module sees them (kvxfer.agent imports this module).
@@ -94,8 +95,9 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
                deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]]) -> Transfer:
     """A verified READ in parts posted one after another, each checked on a worker once it
     landed while the next one moves (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole
-    request, planned and validated before anything moved) stays the transfer's plan; each part
-    is planned again for its own blocks when its turn comes. The transfer polls ``posts``, the
+    request, planned and validated before anything moved) stays the transfer's plan; each part's
+    posts are cut from it when its turn comes (:func:`_slicer`), or, where they cannot be, the
+    part is planned again for its own blocks. The transfer polls ``posts``, the
     list each part's posts join (part ``j + 1`` is posted from the poll that saw ``j`` land)."""
     lb, rb = check.lb, check.expect.blocks
     route, backend = agent._route, agent.backend
@@ -104,12 +106,17 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
     stats = TransferStats(p.descriptors, p.nbytes, 0, 0.0, backend=agent.backend_name, op=op.value, peer=peer.name,
                           mode=p.mode)
 
+    sliced = _slicer(agent, peer, p, int(lb.shape[0]))
+
     def post_part(j: int, a: int, b: int) -> int:
-        q = agent._plan(peer, lb[a:b], rb[a:b], op)
         mine: list[Chunk] = []
         left, n = 0, 0
         try:
-            plan_chunks(route, q, peer.name, agent._local_prepared, peer.prepared, mine)
+            if sliced is not None:
+                sliced(a, b, mine)
+            else:
+                q = agent._plan(peer, lb[a:b], rb[a:b], op)
+                plan_chunks(route, q, peer.name, agent._local_prepared, peer.prepared, mine)
             for lp, li, rp, ri, cleanup in mine:
                 if fold is not None:
                     with copies.watching(backend, fold.copied):
@@ -160,6 +167,51 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
                  path_of=posts[0].handle if posts else None)
     agent._inflight.add(t)
     return t
+
+
+def _slicer(agent: Agent, peer: Peer, p: TransferPlan, blocks: int) -> Any:
+    """The posts of positions ``[a, b)`` cut from the whole request's plan ``p`` (planned and
+    validated once), or None where a part must be planned on its own.
+
+    Only legs of kept lists (:class:`~kvxfer._legs.SpecLeg` over the specs' cached prepared
+    lists) are cut: their indices are in request order, block by block (``[blocks, pieces]``)
+    or piece by piece (``[pieces, blocks]``, :func:`kvxfer.planner._legs`), so a part's rows
+    of them are what planning the part alone gives. A list prepared for this transfer alone, a
+    coalesced (explicit) leg or a leg of other blocks is planned per part as before."""
+    route = agent._route
+    legs = []
+    for leg in p.legs:
+        if type(leg) is not SpecLeg or leg.blocks != blocks:
+            return None
+        lists = Preparer(route, p, peer.name, agent._local_prepared, peer.prepared)
+        try:
+            lp, li, rp, ri = leg.prepare(lists)
+        except BaseException:
+            for fn in lists.cleanup:
+                fn()
+            raise
+        k = int(leg.sizes.shape[0])
+        if lists.cleanup or li is not leg.local_idx or ri is not leg.remote_idx or li.shape[0] != blocks * k:
+            for fn in lists.cleanup:
+                fn()
+            return None
+        shape = (k, blocks) if leg.member_major else (blocks, k)
+        legs.append((lp, li.reshape(shape), rp, ri.reshape(shape), leg.member_major))
+    limit = route.capabilities.max_descriptors
+
+    def cut(a: int, b: int, out: list[Chunk]) -> None:
+        for lp, li, rp, ri, member_major in legs:
+            if member_major:
+                lj, rj = li[:, a:b].reshape(-1), ri[:, a:b].reshape(-1)
+            else:
+                lj, rj = li[a:b].reshape(-1), ri[a:b].reshape(-1)
+            n = lj.shape[0]
+            if n == 0:
+                continue
+            step = limit if limit and n > limit else n
+            for s in range(0, n, step):
+                out.append(Chunk(lp, lj[s:s + step], rp, rj[s:s + step], []))
+    return cut
 
 
 def _check_deadline(agent: Agent, deadline: float, p: TransferPlan, what: str) -> None:

@@ -256,3 +256,49 @@ def test_parts_go_out_one_after_another_and_none_after_the_end(pair: Any, backen
     got = p.dst.reshape(NB, L, PAGE).transpose(1, 0, 2)
     a, b = t._parts._bounds[overlap.WINDOW]
     assert (got[:, LB[a:b]] == p.X[:, RB[a:b]]).all() and (p.dst[LB[:a]] == 0xAA).all()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not has_nixl(), reason="nixl not installed")
+@pytest.mark.parametrize("shape", ["rows", "layers"])
+def test_parts_cut_from_the_request_plan_move_exactly_their_blocks(pair: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                   shape: str) -> None:
+    """Each part's posts are cut from the whole request's plan (planned once), whole rows or
+    one region per layer; a cut of the wrong positions is caught by the parts' check."""
+    from kvxfer import _posting
+
+    p = pair("nixl")
+    if shape == "layers":  # re-register both sides as one array per layer
+        p.d.close()
+        p.p.close()
+        src = [np.ascontiguousarray(p.X[i]) for i in range(L)]
+        dst = [np.full((NB, PAGE), 0xAA, np.uint8) for _ in range(L)]
+        p.p, p.d = kvxfer.Agent("prefill", backend="nixl"), kvxfer.Agent("decode", backend="nixl")
+        p.p.register({f"layer.{i}": s for i, s in enumerate(src)})
+        p.d.register({f"layer.{i}": s for i, s in enumerate(dst)})
+        p.d.add_peer(p.p.metadata())
+        got = lambda: np.stack(dst)  # noqa: E731
+    else:
+        got = lambda: p.dst.reshape(NB, L, PAGE).transpose(1, 0, 2)  # noqa: E731
+    planned: list[int] = []
+    real_plan = type(p.d)._plan
+    monkeypatch.setattr(type(p.d), "_plan", lambda self, *a: planned.append(1) or real_plan(self, *a))
+    untouched = np.setdiff1d(np.arange(NB), LB)
+    t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+    assert t._parts.parts == 4 and len(planned) == 1  # the request planned once, not once per part
+    t.wait(30)
+    g = got()
+    assert t.status is kvxfer.Status.DONE and (g[:, LB] == p.X[:, RB]).all() and (g[:, untouched] == 0xAA).all()
+    # Control: a cut one position late leaves each part's first block unmoved; the check fails it.
+    real = _posting._slicer
+
+    def late(*a: Any) -> Any:
+        cut = real(*a)
+        return lambda a, b, out: cut(a + 1, min(b + 1, len(LB)), out)
+
+    monkeypatch.setattr(_posting, "_slicer", late)
+    for arr in ([p.dst] if shape == "rows" else dst):
+        arr[...] = 0xAA
+    with pytest.raises(IntegrityError):
+        p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
+    assert (got()[:, LB[0]] == 0xAA).all()  # position 0 was never posted
