@@ -30,7 +30,7 @@ import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
-from . import _args, _direct, _handshake
+from . import _args, _direct, _drain, _handshake
 from .agent import Agent
 from .deadlines import Backoff, Deadline, check_timeout
 from .errors import (
@@ -39,7 +39,6 @@ from .errors import (
     InvalidArgumentError,
     KvxferError,
     TransferCancelledError,
-    TransferTimeoutError,
     UnknownPeerError,
 )
 from .memory import Op
@@ -419,16 +418,7 @@ class Owner:
         return moved
 
     def _expire_queued(self, now: float) -> None:
-        if self._held == len(self._inflight):  # nothing queued (the common case): nothing to expire
-            return
-        for route in list(self._routes.values()):
-            if route.queue and now >= min(t.deadline for t in route.queue):
-                for t in [t for t in route.queue if now >= t.deadline]:
-                    route.queue.remove(t)
-                    what = "metadata of" if not route.ready else "its turn to post to"
-                    self._end(t, TransferTimeoutError(
-                        f"{t.op.value} from {route.key!r} waited {t.timeout:g} s for the {what} the peer; "
-                        "nothing was posted"))
+        _drain.expire_queued(self, now)
 
     def _maybe_refresh(self, route: PeerRoute | None, exc: BaseException | None) -> None:
         if route is not None and route.fetch is not None and isinstance(exc, REFRESH_ON) and not route.fetching:
@@ -489,30 +479,4 @@ class Owner:
 
     def _shutdown(self) -> None:
         """Everything held ends DONE or typed; then the agent closes (see :meth:`close`)."""
-        with self._lock:
-            ops = list(self._inbox)
-            self._inbox.clear()
-        for op in ops:
-            if op[0] == "transfer":
-                self._routes[op[1].route].queue.append(op[1])
-            elif op[0] == "call" or op[0] in ("connect", "refresh"):
-                op[2]._finish(Status.FAILED, None, AgentClosedError("the owner closed before running this"))
-            elif op[0] == "cancel":
-                self._cancel_now(op[1])
-        closed = AgentClosedError(f"the owner of agent {self.agent.name!r} closed before this was posted")
-        for route in list(self._routes.values()):
-            while route.queue:
-                self._end(route.queue.popleft(), closed)
-            for w in route.waiters:
-                w._finish(Status.FAILED, None, closed)
-            route.waiters.clear()
-        while self._inflight and time.monotonic() < self._drain_until:
-            if not self._poll(time.monotonic()):
-                time.sleep(50e-6)
-        for t in list(self._inflight):
-            self._cancel_now(t)
-        if self._close_agent:
-            try:
-                self.agent.close()
-            except Exception:
-                log.exception("kvxfer: closing agent %r failed", self.agent.name)
+        _drain.shutdown(self)
