@@ -37,7 +37,8 @@ class ServerChild:
 
     def __init__(self, base: Path | None, prefix: str, netns: str | None) -> None:
         self._own_dir = base is None
-        self.base = Path(tempfile.mkdtemp(prefix=prefix)) if base is None else Path(base)
+        # Absolute: the server runs with its directory as cwd, where a relative path would resolve twice.
+        self.base = Path(tempfile.mkdtemp(prefix=prefix)) if base is None else Path(base).resolve()
         self.netns = netns
         self.log_path = self.base / self.log_name
         self.proc: subprocess.Popen[bytes] | None = None
