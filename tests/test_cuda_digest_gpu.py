@@ -133,8 +133,10 @@ def test_prepared_post_moves_exactly_its_spans(sizes: list[int]) -> None:
 @pytest.mark.parametrize("closed", [True, False])
 @pytest.mark.parametrize("what", ["few", "table", "mm8"])
 def test_a_closed_gate_moves_nothing(what: str, closed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fence on hardware: the kernels read the post's gate before each piece. Closed before
-    the launch, nothing lands; open (the control), every span does."""
+    """The fence on hardware: the kernels read the post's gate (its watcher's mirror) before
+    each piece. Closed before the launch, nothing lands; open (the control), every span does.
+    Then the same gate, reopened and recycled, serves the next post whole: the watcher put its
+    mirror back (a mirror left closed would silently move nothing)."""
     import ctypes
 
     from kvxfer.cuda import digest
@@ -165,7 +167,13 @@ def test_a_closed_gate_moves_nothing(what: str, closed: bool, monkeypatch: pytes
     monkeypatch.setattr(cp, "_event", real)
     ctypes.c_uint64.from_address(cp._devices[dev].gates[h.event][0]).value = 0
     host, ref = src.cpu().numpy(), np.full(dst.shape[0], SENTINEL, np.uint8)
-    if not closed:
-        for a, b, k in zip(do.tolist(), so.tolist(), sizes):
-            ref[a:a + k] = host[b:b + k]
-    np.testing.assert_array_equal(dst.cpu().numpy(), ref)
+    whole = ref.copy()
+    for a, b, k in zip(do.tolist(), so.tolist(), sizes):
+        whole[a:a + k] = host[b:b + k]
+    np.testing.assert_array_equal(dst.cpu().numpy(), ref if closed else whole)
+    dst.fill_(SENTINEL)
+    h2 = digest.post(cp, dev, s_addr, n.astype(np.uint64), d_addr) if what == "mm8" else \
+        cp.copy(d_addr, s_addr, n.astype(np.uint64), dev)
+    assert h2 is not None and h2.event == h.event  # the recycled event, with its gate
+    cp.synchronize(h2)
+    np.testing.assert_array_equal(dst.cpu().numpy(), whole)

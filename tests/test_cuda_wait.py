@@ -128,6 +128,18 @@ class _Lib:
         out._obj.value = host.value  # one address space (UVA), as on every 64-bit CUDA host
         return 0
 
+    def cudaMalloc(self, out: Any, n: int) -> int:
+        self.calls.append("cudaMalloc")
+        buf = ctypes.create_string_buffer(n)
+        self.keep.append(buf)
+        out._obj.value = ctypes.addressof(buf)
+        return 0
+
+    def cudaMemcpyAsync(self, dst: Any, src: Any, n: int, kind: int, stream: Any) -> int:
+        self.calls.append("cudaMemcpyAsync")
+        ctypes.memmove(int(getattr(dst, "value", dst) or 0), int(getattr(src, "value", src) or 0), n)
+        return 0
+
     def cuLaunchKernel(self, *args: Any) -> int:
         self.calls.append("cuLaunchKernel")
         params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))[0]
@@ -148,9 +160,10 @@ class _Lib:
             n, piece = int(w[0]), int(w[1])
             first = w[2:3 + FEW].astype(np.int64)
             dst, src, ln = (w[3 + FEW + k * FEW:3 + FEW + (k + 1) * FEW].astype(np.int64) for k in range(3))
-            gate = int(w[_FEW_WORDS - 1])
+            gate = int(w[_FEW_WORDS - 1])  # the device Gate: [host word's address, state, finished]
+            host = ctypes.c_uint64.from_address(gate).value if gate else 0
             for p in range(int(first[n])):
-                if gate and ctypes.c_uint64.from_address(gate).value:
+                if host and ctypes.c_uint64.from_address(host).value:
                     break  # the kernel's closed(gate): no piece begins once it is closed
                 i = max(k for k in range(n) if int(first[k]) <= p)
                 off = (p - int(first[i])) * piece

@@ -14,9 +14,11 @@ Two engines move a post's ``(dst, src, len)`` spans:
 Completion is one CUDA event recorded after the copy: :meth:`Copier.query` looks once,
 :meth:`Copier.wait` waits on it until a deadline (no naps: a one-block copy ends in ~20 us,
 and a nap of even 1 us sleeps the kernel's timer slack, ~50 us). Every event carries a
-*gate*, a word of pinned host memory the kernels read before each piece: :meth:`Copier.fence`
-closes it, so a copy that missed its deadline writes no piece it had not begun (the fence:
-nothing lands after a transfer has ended). The copy engines (``"ce"``) have no gate; their
+*gate*, a word of pinned host memory: :meth:`Copier.fence` closes it, so a copy that missed its
+deadline writes no piece it had not begun (the fence: nothing lands after a transfer has ended).
+One block of each gated launch watches that word and mirrors it into device memory, where the
+other blocks read it before each piece (``Gate`` in batch_copy.cu: the GPU reads host memory
+about one read at a time, too slowly for every block to read it). The copy engines (``"ce"``) have no gate; their
 posts are waited for. Nothing here knows about peers or bounds: callers pass spans they
 have already checked.
 """
@@ -52,7 +54,10 @@ _LOC_DEVICE, _LOC_HOST = 1, 2
 _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 2
 _H2D = 1
-_HOST_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped: the GPU reads the gate where it lies
+_HOST_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped: the watcher reads the gate where it lies
+_GATE_WORDS = 3  # struct Gate in batch_copy.cu: host, state, finished
+#: A gated launch's extra block (block 0): the watcher that mirrors the host's gate word.
+WATCHER = 1
 
 
 def piece_size(total: int) -> int:
@@ -127,7 +132,9 @@ class _Device:
     kernel_error: str | None = None
     free_slots: list[_Slot] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
-    gates: dict[int, tuple[int, int]] = field(default_factory=dict)  # event -> (host, device) address of its gate
+    # event -> (host word, device Gate) addresses of its gate; the Gate is [host word's device
+    # address, state, finished] (batch_copy.cu), zeroed by each launch that used it
+    gates: dict[int, tuple[int, int]] = field(default_factory=dict)
     # the prepared post: launch shapes by span lengths, and one parameter block passed by value
     # (cuLaunchKernel copies it at the call, so it is refilled under a lock and reused)
     shapes: dict[bytes, tuple[int, np.ndarray, int]] = field(default_factory=dict)
@@ -199,14 +206,27 @@ class Copier:
             self.c.check(self.c.rt.cudaEventCreateWithFlags(ctypes.byref(e), _EVENT_DISABLE_TIMING),
                          "cudaEventCreateWithFlags")
             ev = int(e.value or 0)
-            h, g = ctypes.c_void_p(), ctypes.c_void_p()
-            self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), 8, _HOST_MAPPED), "cudaHostAlloc(gate)")
-            self.c.check(self.c.rt.cudaHostGetDevicePointer(ctypes.byref(g), h, 0), "cudaHostGetDevicePointer")
-            d.gates[ev] = (int(h.value or 0), int(g.value or 0))
+            d.gates[ev] = self._gate(d)
         host = d.gates[ev][0]
         if host:
             ctypes.c_uint64.from_address(host).value = 0
         return ev
+
+    def _gate(self, d: _Device) -> tuple[int, int]:
+        """A new gate: its host word (open) and its device ``Gate`` (state 0, nothing finished).
+
+        The host allocation holds the word and, after it, the ``Gate``'s first contents, so
+        that they go up on the copier's stream, ahead of any launch that uses the gate, without
+        waiting for the stream (pinned memory: the upload needs no staging)."""
+        h, g, dev = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self.c.check(self.c.rt.cudaHostAlloc(ctypes.byref(h), 8 * (1 + _GATE_WORDS), _HOST_MAPPED), "cudaHostAlloc(gate)")
+        self.c.check(self.c.rt.cudaHostGetDevicePointer(ctypes.byref(g), h, 0), "cudaHostGetDevicePointer")
+        self.c.check(self.c.rt.cudaMalloc(ctypes.byref(dev), 8 * _GATE_WORDS), "cudaMalloc(gate)")
+        host = int(h.value or 0)
+        words = (ctypes.c_uint64 * (1 + _GATE_WORDS)).from_address(host)
+        words[:] = [0, int(g.value or 0), 0, 0]
+        self.c.check(self.c.rt.cudaMemcpyAsync(dev, host + 8, 8 * _GATE_WORDS, _H2D, d.stream), "uploading a gate")
+        return host, int(dev.value or 0)
 
     def _slot(self, d: _Device, nbytes: int) -> _Slot:
         with self._pool:
@@ -268,7 +288,7 @@ class Copier:
                          "uploading the copy table")
             arg_t, arg_n, arg_g = ctypes.c_ulonglong(slot.dev), ctypes.c_ulonglong(n), ctypes.c_ulonglong(gate[1])
             args = (ctypes.c_void_p * 3)(ctypes.addressof(arg_t), ctypes.addressof(arg_n), ctypes.addressof(arg_g))
-            grid = max(1, min(n, (1 << 31) - 1))
+            grid = max(1, min(n, (1 << 31) - 2)) + (WATCHER if gate[1] else 0)
             self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, args, None),
                              "launching the copy kernel")
         except BaseException:
@@ -289,7 +309,7 @@ class Copier:
             piece, first = few_shape(sizes)
             if len(d.shapes) >= _MAX_SHAPES:
                 d.shapes.clear()
-            shape = d.shapes[key] = (piece, first, max(1, min(int(first[-1]), (1 << 31) - 1)))
+            shape = d.shapes[key] = (piece, first, max(1, min(int(first[-1]), (1 << 31) - 2)))
         piece, first, grid = shape
         n = sizes.shape[0]
         with d.few_lock:
@@ -302,7 +322,8 @@ class Copier:
             f[_FEW_WORDS - 1] = gate[1]
             if d.few_args is None:
                 d.few_args = (ctypes.c_void_p * 1)(f.ctypes.data)
-            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, d.few_args, None),
+            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid + (WATCHER if gate[1] else 0), 1, 1, THREADS, 1, 1, 0,
+                                                       d.stream, d.few_args, None),
                              "launching the copy kernel")
         return CopyHandle(device, 0, engine="sm", gate=gate[0])
 
