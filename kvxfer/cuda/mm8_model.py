@@ -63,7 +63,7 @@ def _mma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _take(read: Callable[[int, int], np.ndarray], base: int, off: np.ndarray, length: int) -> np.ndarray:
-    """take16 for 32 lanes: the 16 bytes at each offset, zeros past the piece's end."""
+    """load16 for 32 lanes: the 16 bytes at each offset, zeros past the piece's end."""
     out = np.zeros((32, 16), np.uint8)
     for i, o in enumerate(off.tolist()):
         if o < length:
