@@ -15,7 +15,7 @@ from . import _hot
 from .errors import TransferTimeoutError
 from .integrity.fused import Expected
 from .integrity.overlap import Overlapped, part_bounds
-from .memory import Op
+from .memory import MemoryKind, Op
 from .planner import TransferPlan
 from .plugin import copies
 from ._legs import SpecLeg
@@ -35,7 +35,8 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
     fused = Expected.of(verify) if verify is not None and op is Op.READ else None
     if fused is not None:  # VRAM mm8 cells: the device path copies and checks them in one pass
         return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn, fused)
-    if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend):
+    if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend) \
+            and not _on_device(verify):
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
             return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)
@@ -45,6 +46,14 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
         with copies.watching(agent.backend, fold.copied):
             return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn)
     return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn)
+
+
+def _on_device(check: Any) -> bool:
+    """Whether the check's cells lie in VRAM: there one kernel hashes the whole request after DONE
+    (~0.7 ms for 537 MB on an H100), and parts only add a post, a wait and a launch each (a
+    verified VRAM READ of rows took 7-9 ms in 16 parts, BENCHMARKS.md, "The gate's watcher")."""
+    spans = getattr(check, "spans", None)
+    return spans is not None and MemoryKind.VRAM in spans.kinds()
 
 
 def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,

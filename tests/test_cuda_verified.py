@@ -179,6 +179,7 @@ def test_runs_are_cut_only_into_whole_adjacent_cells() -> None:
     t = Expected(np.array([16, 0, 48], np.uint64), np.array([16, 16, 16], np.uint64), np.array([2, 1, 3], np.uint64))
     for addr, n in (([8], [8]), ([0], [24]), ([0], [64]), ([0], [40]), ([64], [16])):
         assert t.cut(np.array(addr, np.uint64), np.array(n, np.uint64)) is None, (addr, n)
+    assert t.cut(np.array([0, 0], np.uint64), np.array([16, 16], np.uint64)) is None  # one cell twice in a request
     cut = t.cut(np.array([48, 0], np.uint64), np.array([16, 32], np.uint64))
     assert cut is not None
     run, off, ln, dig, cells = cut
@@ -201,9 +202,10 @@ class _Backend:
 
 @pytest.mark.parametrize("seam", [True, False])
 def test_a_verified_read_in_parts_goes_through_the_agents_seam(monkeypatch: pytest.MonkeyPatch, seam: bool) -> None:
-    """Parts on (``PART_BYTES``) and the fused kernel out of the way: a verified VRAM READ posted
-    part by part goes through the agent's seam, so the device path carries each part and each is
-    checked as it lands. Control: posted to the backend itself, the device path is passed by."""
+    """Parts forced on (``PART_BYTES``, and VRAM let into them) and the fused kernel out of the
+    way: a verified VRAM READ posted part by part goes through the agent's seam, so the device
+    path carries each part and each is checked as it lands. Control: posted to the backend
+    itself, the device path is passed by."""
     from kvxfer import _posting
     from kvxfer.cuda import SAME_PROCESS
     from kvxfer.errors import UnsupportedError
@@ -214,6 +216,7 @@ def test_a_verified_read_in_parts_goes_through_the_agents_seam(monkeypatch: pyte
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * HALF)  # three blocks of 2 KiB: a part each
     from kvxfer.plugin import copies
     monkeypatch.setattr(copies, "_REPORTERS", set())  # earlier tests' folding backends would skip parts
+    monkeypatch.setattr(_posting, "_on_device", lambda check: False)
     if not seam:
         real = _posting.post_parts
         monkeypatch.setattr(_posting, "post_parts", lambda agent, *a: real(_Backend(agent), *a))
@@ -236,4 +239,31 @@ def test_a_verified_read_in_parts_goes_through_the_agents_seam(monkeypatch: pyte
         t.wait(30)
         assert t.stats.path == SAME_PROCESS
     assert cap.calls.count("copy") == 3 and hashed[1:] == [2, 2, 2]  # one post and one check a part
+    assert_rows_moved(Op.READ, dst, src, before_d, before_s, np.array(AL), np.array(AR))
+
+
+@pytest.mark.parametrize("how", ["fixed", "control-parts"])
+def test_a_verified_vram_read_is_not_cut_into_parts(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Where the cells lie in VRAM, one kernel hashes the whole request after DONE: parts would
+    only add a post, a wait and a launch each (on an H100, 7-9 ms for a READ whose copy takes
+    0.7 ms). Control: with VRAM let into parts, the same READ is cut into three."""
+    from kvxfer import _posting
+    from kvxfer.integrity import fused, overlap
+    from kvxfer.plugin import copies
+
+    cap = FakeCuda()
+    monkeypatch.setattr(fused.Expected, "of", classmethod(lambda cls, check: None))
+    monkeypatch.setattr(overlap, "PART_BYTES", 2 * HALF)
+    monkeypatch.setattr(copies, "_REPORTERS", set())
+    if how.startswith("control"):
+        monkeypatch.setattr(_posting, "_on_device", lambda check: False)
+    p, d, src, dst, hashed = _agents(monkeypatch, cap)
+    before_d, before_s = dst.copy(), src.copy()
+    with p, d:
+        expect = p.digest(AR, algorithm="mm8")  # type: ignore[attr-defined]
+        d.read("p", AL, AR, expect=expect).wait(30)  # type: ignore[attr-defined]
+    if how == "fixed":
+        assert cap.calls.count("copy") == 1 and hashed[1:] == [6]  # one post, one check of every cell
+    else:
+        assert cap.calls.count("copy") == 3 and hashed[1:] == [2, 2, 2]
     assert_rows_moved(Op.READ, dst, src, before_d, before_s, np.array(AL), np.array(AR))

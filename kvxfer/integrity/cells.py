@@ -113,7 +113,7 @@ class CellSpans:
                 + self.sub[:, None] * self.substride[None, :])
 
     def kinds(self) -> set[MemoryKind]:
-        return {self.allocations[int(a)].kind for a in np.unique(self.alloc)}
+        return {self.allocations[a].kind for a in set(self.alloc.tolist())}  # a few members: no np.unique
 
 
 def _member_places(spec: KVCacheSpec) -> dict[str, tuple[int, int, int, int]]:
