@@ -7,6 +7,7 @@ subclasses only, each chosen by what the caller should do next.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -62,8 +63,57 @@ def _quiet_native_logs() -> None:
 
 _quiet_native_logs()
 
-import nixl._api as nx  # noqa: E402  (UCX reads UCX_MODULES when NIXL loads it)
-import nixl._bindings as _nb  # noqa: E402
+
+def _torch_build_has_no_cuda() -> bool:
+    """True when an installed torch, not imported yet, is a CPU build: its ``version.py``, read
+    alone as NIXL's meta package reads it, says ``cuda = None``."""
+    if any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy")):
+        return False
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return False
+        version = importlib.util.spec_from_file_location(
+            "_kvxfer_torch_version", os.path.join(os.path.dirname(spec.origin), "version.py"))
+        if version is None or version.loader is None:
+            return False
+        module = importlib.util.module_from_spec(version)
+        version.loader.exec_module(module)
+    except Exception:  # noqa: BLE001 - unreadable: NIXL's own detection decides
+        return False
+    return getattr(module, "cuda", "unknown") is None
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """``nixl._api`` and ``nixl._bindings``, without the torch import NIXL's meta package makes
+    on a host whose torch is a CPU build.
+
+    To pick its CUDA wheel, ``nixl`` asks ``nixl_meta_utils.detect_cuda_major``: torch, CUDA
+    bindings or CuPy already imported, else torch's ``version.py`` read from disk, and when that
+    says "no CUDA", ``import torch`` to hear the same answer again (about 1 s of every process
+    that uses this backend; kvxfer itself never needs torch). Only in that last case is the
+    answer given without the import (``None``, which torch would have given); NIXL then picks
+    its wheel as it always does, and every other case goes to NIXL's own detection.
+    """
+    try:
+        import nixl_meta_utils
+    except ImportError:  # an older NIXL without the meta package: nothing to spare
+        nixl_meta_utils = None
+    detect = getattr(nixl_meta_utils, "detect_cuda_major", None)
+    spare = detect is not None and "nixl" not in sys.modules and _torch_build_has_no_cuda()
+    if spare:
+        nixl_meta_utils.detect_cuda_major = lambda: None
+    try:
+        import nixl._api as api
+        import nixl._bindings as bindings
+    finally:
+        if spare:
+            nixl_meta_utils.detect_cuda_major = detect
+
+    return api, bindings
+
+
+nx, _nb = _import_nixl()  # after the two above: UCX reads UCX_MODULES when NIXL loads it
 from kvxfer import (Allocation, BackendError, KvxferError, MemoryKind, PeerDisconnectedError, StalePeerError,
                     TransferCancelledError, UnsupportedError)
 
