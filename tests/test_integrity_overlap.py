@@ -4,7 +4,7 @@ backend copies them (``Folded``), or parts hashed on a worker as they land (``Ov
 Each test moves real bytes between two agents of one process: the source holds a seeded
 pattern, the destination the 0xAA sentinel; the delivered blocks are compared with numpy
 indexing over the logical arrays, and the blocks not read must still hold the sentinel.
-For parts, ``PART_BYTES`` is set so a request of a few small blocks is posted in four.
+For parts, ``PART_BYTES`` (and ``ROW_PART_BYTES``) is set so a request of a few small blocks is posted in four.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def folded() -> Iterator[Any]:
 @pytest.fixture
 def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
     monkeypatch.setattr(copies, "reports", lambda backend: False)  # parts also where the backend folds
     return folded
 
@@ -89,6 +90,7 @@ def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
 def test_a_backend_seen_folding_gets_its_verified_reads_whole(folded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loopback folds row checks into its copies: once seen doing so, no more parts for it."""
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)
+    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
     monkeypatch.setattr(copies, "_REPORTERS", set())
     p = folded("loopback")
     for whole in (False, True):
@@ -115,6 +117,7 @@ def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any
     """Row digests checked in the copy (loopback), or part by part on the worker (NIXL, parts)."""
     if parts:
         monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
+        monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
         monkeypatch.setattr(copies, "reports", lambda backend: False)
     p = folded(backend)
     expect = p.p.digest(RB, rows=True)

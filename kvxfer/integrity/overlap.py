@@ -24,6 +24,7 @@ worker reads memory the caller may free next.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -33,14 +34,25 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
+__all__ = ["PART_BYTES", "ROW_PART_BYTES", "MAX_PARTS", "TAIL_BYTES", "WINDOW", "Folded", "Overlapped", "Rows", "part_bounds"]
 
 #: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
 #: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
 #: nothing hides) is short. BENCHMARKS.md (issue 37, verified DRAM over NIXL) has the choice.
 PART_BYTES = 8 << 20
-#: At most this many parts per request (each costs a plan, a post and a hand-off).
+#: The same for row digests hashed in place (:class:`Folded`), one GIL-free call per row:
+#: larger, as the hash of a part still ends before the next part's copy, and fewer parts cost
+#: less. (A check of cells hashed piece by piece holds the GIL longer and keeps 8 MiB.)
+ROW_PART_BYTES = 16 << 20
+#: At most this many parts of :data:`PART_BYTES` per request (each costs a post and a hand-off);
+#: the last one's tail adds a few (:data:`TAIL_BYTES`).
 MAX_PARTS = 16
+#: The last part is cut in halves down to parts of about this many bytes (0: not cut): nothing
+#: hides the last part's hash, so it should be short, while the parts before stay large (each
+#: part costs ~50 us of posting and hand-off) and each half still hides the hash of the part
+#: before it (a row hashes about twice as fast as UCX's ``cma`` copies it here).
+#: BENCHMARKS.md (issue 37, verified DRAM: fewer parts, a short tail) has the choice.
+TAIL_BYTES = 1 << 20
 #: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
 #: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
 #: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
@@ -60,14 +72,24 @@ def _worker() -> ThreadPoolExecutor:
     return _pool
 
 
-def part_bounds(blocks: int, nbytes: int) -> list[tuple[int, int]]:
+def part_bounds(blocks: int, nbytes: int, rows: bool = False) -> list[tuple[int, int]]:
     """Positions ``[a, b)`` of each part of a request of ``blocks`` blocks and ``nbytes`` bytes;
-    one part (nothing to overlap) when it is smaller than two parts."""
-    k = min(MAX_PARTS, blocks, nbytes // PART_BYTES) if PART_BYTES > 0 else 1
+    one part (nothing to overlap) when it is smaller than two parts. ``rows``: a check of row
+    digests hashed in place (:data:`ROW_PART_BYTES`)."""
+    size = ROW_PART_BYTES if rows else PART_BYTES
+    k = min(MAX_PARTS, blocks, nbytes // size) if size > 0 and PART_BYTES > 0 else 1
     if k < 2:
         return [(0, blocks)]
     edges = [blocks * i // k for i in range(k + 1)]
-    return [(edges[i], edges[i + 1]) for i in range(k)]
+    bounds = [(edges[i], edges[i + 1]) for i in range(k - 1)]
+    a, b = edges[k - 1], blocks
+    least = max(1, TAIL_BYTES * blocks // nbytes) if TAIL_BYTES > 0 else b - a
+    while b - a >= 2 * least:  # the last part in halves: ..., 4, 2, 1, 1 (x least)
+        m = a + (b - a + 1) // 2
+        bounds.append((a, m))
+        a = m
+    bounds.append((a, b))
+    return bounds
 
 
 #: Posts part ``j`` (positions ``[a, b)``) for the transfer and returns how many of its posts
@@ -134,7 +156,8 @@ class Overlapped:
 
     def __call__(self) -> None:
         """Every part checked, else the first error. A part the worker has not started yet is
-        checked here (the caller would only wait), beside the worker's last."""
+        checked here (the caller would only wait); one it is hashing, if its check is ``shared``
+        (:class:`Rows`), is hashed by both threads, row by row."""
         if len(self._futures) != len(self._bounds):  # DONE over a part never posted: no proof of it
             raise IntegrityError(f"{len(self._bounds) - len(self._futures)} of {len(self._bounds)} parts of a "
                                  "verified read were never checked; refused")
@@ -145,6 +168,8 @@ class Overlapped:
                 if f.cancel():
                     self._checks[j]()
                 else:
+                    if getattr(self._checks[j], "shared", False):
+                        self._checks[j]()  # take the rows the worker has not reached
                     f.result()
             except KvxferError as exc:
                 first = first or exc
@@ -180,7 +205,7 @@ class Folded:
     check (:class:`kvxfer.integrity.verified.PairingCheck`), whose spans and blocks these are.
     """
 
-    __slots__ = ("expect", "spans", "lb", "view", "n", "offs", "at", "got", "seen", "_h")
+    __slots__ = ("expect", "spans", "lb", "view", "n", "offs", "at", "got", "seen", "hits", "_h")
 
     def __init__(self, expect: Digests, spans: object, lb: np.ndarray, view: memoryview, offs: list[int], n: int,
                  base: int) -> None:
@@ -188,6 +213,7 @@ class Folded:
         self.at = {base + o: (i, o) for i, o in enumerate(offs)}  # a row's address -> (position, offset)
         self.got = np.zeros(len(offs), dtype=np.uint64)
         self.seen = np.zeros(len(offs), dtype=bool)
+        self.hits = 0  # copies that hashed a row
         self._h = _xxh3()
 
     def copied(self, addr: int, nbytes: int) -> None:
@@ -200,20 +226,14 @@ class Folded:
             i, o = hit
             self.got[i] = self._h(self.view[o:o + n])
             self.seen[i] = True
+            self.hits += 1
             addr += n
 
-    def part(self, a: int, b: int) -> Callable[[], None]:
-        """The check of positions ``[a, b)`` once they landed: hash the rows not hashed in a copy
-        (one call per row, which releases the GIL), then compare them."""
-        def check() -> None:
-            h, view, n, offs, got, seen = self._h, self.view, self.n, self.offs, self.got, self.seen
-            for i in np.flatnonzero(~seen[a:b]).tolist():
-                o = offs[a + i]
-                got[a + i] = h(view[o:o + n])
-                seen[a + i] = True
-            pos = np.arange(a, b)
-            compare(self.expect.take(pos), got[a:b, None], self.lb[a:b])
-        return check
+    def part(self, a: int, b: int) -> "Rows":
+        """The hash of positions ``[a, b)`` once they landed: the rows no copy hashed, one call
+        per row (which releases the GIL). They are compared with the rest after DONE, all in one
+        numpy comparison (:meth:`__call__`)."""
+        return Rows(self, deque((np.flatnonzero(~self.seen[a:b]) + a).tolist()))
 
     def __call__(self) -> None:
         import dataclasses
@@ -223,3 +243,28 @@ class Folded:
             sp = self.spans
             self.got[left] = hash_rows(dataclasses.replace(sp, block=sp.block[left], sub=sp.sub[left]))  # type: ignore[type-var]
         compare(self.expect, self.got[:, None], self.lb)
+
+
+class Rows:
+    """Rows of one landed part still to hash, each taken by whichever thread comes first: the
+    worker, and the caller once it has nothing left but waiting (``shared``), so the last
+    part's hash, which nothing hides, runs on both cores. Taking is ``deque.popleft``, atomic
+    under the GIL: each row is hashed exactly once."""
+
+    __slots__ = ("fold", "left")
+    shared = True
+
+    def __init__(self, fold: Folded, left: "deque[int]") -> None:
+        self.fold, self.left = fold, left
+
+    def __call__(self) -> None:
+        f = self.fold
+        h, view, n, offs, got, seen, take = f._h, f.view, f.n, f.offs, f.got, f.seen, self.left.popleft
+        while True:
+            try:
+                i = take()
+            except IndexError:
+                return
+            o = offs[i]
+            got[i] = h(view[o:o + n])
+            seen[i] = True
