@@ -305,3 +305,44 @@ def test_parts_cut_from_the_request_plan_move_exactly_their_blocks(pair: Any, mo
     with pytest.raises(IntegrityError):
         p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
     assert (got()[:, LB[0]] == 0xAA).all()  # position 0 was never posted
+
+
+def test_part_bounds_cut_the_last_part_in_halves_and_cover_each_position_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows hashed in place: parts of ROW_PART_BYTES, the last cut down to TAIL_BYTES; other checks: even parts."""
+    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 16 << 20)
+    monkeypatch.setattr(overlap, "TAIL_BYTES", 4 << 20)
+    rows = overlap.part_bounds(128, 128 << 20, rows=True)
+    assert [b - a for a, b in rows] == [16] * 7 + [8, 4, 4]
+    plain = overlap.part_bounds(128, 128 << 20)
+    assert [b - a for a, b in plain] == [8] * 16
+    for bounds in (rows, plain, overlap.part_bounds(37, 37 << 20, rows=True)):
+        assert bounds[0][0] == 0 and bounds[-1][1] in (128, 37)
+        assert all(b > a for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_the_caller_hashed_in_the_tail_are_compared_after_done(pair: Any, backend: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts' row hashes compare nothing themselves: one comparison of every row runs after
+    DONE (``Folded.__call__``), also over the rows the caller took from the worker. Here the
+    worker is held, so the caller hashes every part, and the damaged one is the last of the tail."""
+    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 4 * L * PAGE)  # 8 blocks of 3 KiB: [0, 4) and [4, 8)
+    monkeypatch.setattr(overlap, "TAIL_BYTES", L * PAGE)  # the last cut to [4, 6), [6, 7), [7, 8)
+    c = faults.Corruption("flip", seed=3, page=PAGE, every=4)  # the fourth post: part [7, 8)
+    p = pair(backend, c)
+    hold = threading.Event()
+    overlap._worker().submit(hold.wait, 30)  # every part's check queues behind this: the caller runs them
+    try:
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert [t._parts._bounds[j] for j in range(t._parts.parts)] == [(0, 4), (4, 6), (6, 7), (7, 8)]
+        with pytest.raises(IntegrityError) as e:
+            t.wait(30)
+        assert c.done == 1 and e.value.block == LB[7]
+        # Control: the comparison after DONE switched off, the same damage is reported DONE.
+        monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
+        c.seen = 0
+        p.dst[...] = 0xAA
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
+        assert c.done == 2 and t.status is kvxfer.Status.DONE and not p.delivered()
+    finally:
+        hold.set()

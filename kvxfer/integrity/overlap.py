@@ -47,12 +47,13 @@ ROW_PART_BYTES = 16 << 20
 #: At most this many parts of :data:`PART_BYTES` per request (each costs a post and a hand-off);
 #: the last one's tail adds a few (:data:`TAIL_BYTES`).
 MAX_PARTS = 16
-#: The last part is cut in halves down to parts of about this many bytes (0: not cut): nothing
-#: hides the last part's hash, so it should be short, while the parts before stay large (each
-#: part costs ~50 us of posting and hand-off) and each half still hides the hash of the part
-#: before it (a row hashes about twice as fast as UCX's ``cma`` copies it here).
-#: BENCHMARKS.md (issue 37, verified DRAM: fewer parts, a short tail) has the choice.
-TAIL_BYTES = 1 << 20
+#: With row digests hashed in place, the last part is cut in halves down to parts of about this
+#: many bytes (0: not cut): nothing hides the last part's hash, so it should be short, while the
+#: parts before stay large (each costs ~50 us of posting and hand-off). Finer (1 MiB) left the
+#: worker, slowed by the copy beside it, a few rows behind at the end; cells hashed piece by
+#: piece measured worse with a tail and get none. BENCHMARKS.md (issue 37, verified DRAM:
+#: larger parts, a short tail) has the choice.
+TAIL_BYTES = 4 << 20
 #: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
 #: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
 #: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
@@ -83,7 +84,7 @@ def part_bounds(blocks: int, nbytes: int, rows: bool = False) -> list[tuple[int,
     edges = [blocks * i // k for i in range(k + 1)]
     bounds = [(edges[i], edges[i + 1]) for i in range(k - 1)]
     a, b = edges[k - 1], blocks
-    least = max(1, TAIL_BYTES * blocks // nbytes) if TAIL_BYTES > 0 else b - a
+    least = max(1, TAIL_BYTES * blocks // nbytes) if rows and TAIL_BYTES > 0 else b - a
     while b - a >= 2 * least:  # the last part in halves: ..., 4, 2, 1, 1 (x least)
         m = a + (b - a + 1) // 2
         bounds.append((a, m))
@@ -165,11 +166,12 @@ class Overlapped:
         for j in range(len(self._bounds)):
             f = self._futures[j]
             try:
+                check = self._checks[j]
                 if f.cancel():
-                    self._checks[j]()
+                    check()
                 else:
-                    if getattr(self._checks[j], "shared", False):
-                        self._checks[j]()  # take the rows the worker has not reached
+                    if getattr(check, "shared", False):  # the worker is on it: take the rows it has not reached
+                        check()
                     f.result()
             except KvxferError as exc:
                 first = first or exc
