@@ -152,7 +152,7 @@ def main() -> None:
                     help="VRAM mm8: the device path's one-pass kernel, or the torch ops it replaced")
     ap.add_argument("--parts", type=int, default=None,
                     help="MiB per part of a verified READ hashed on a worker as parts land "
-                         "(0: off; default: kvxfer.integrity.overlap.PART_BYTES, ROW_PART_BYTES for rows hashed in place)")
+                         "(0: off; default: kvxfer.integrity.overlap.PART_BYTES)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from kvxfer.integrity import digests, set_mm8_kernel
@@ -164,7 +164,7 @@ def main() -> None:
     from kvxfer.integrity import overlap
 
     if args.parts is not None:
-        overlap.PART_BYTES = overlap.ROW_PART_BYTES = args.parts << 20
+        overlap.PART_BYTES = args.parts << 20
     args.parts = overlap.PART_BYTES >> 20
     rows = []
     for b in args.backends.split(","):

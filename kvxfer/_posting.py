@@ -37,7 +37,7 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
         return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn, fused)
     fold = verify.folder() if verify is not None and hasattr(verify, "folder") and op is Op.READ else None
     if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend):
-        bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes, rows=fold is not None)
+        bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
             return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds, fold)
     if fold is not None:  # the backend may hash rows as it copies them (kvxfer.plugin.copies)

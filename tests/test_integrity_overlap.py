@@ -4,7 +4,7 @@ backend copies them (``Folded``), or parts hashed on a worker as they land (``Ov
 Each test moves real bytes between two agents of one process: the source holds a seeded
 pattern, the destination the 0xAA sentinel; the delivered blocks are compared with numpy
 indexing over the logical arrays, and the blocks not read must still hold the sentinel.
-For parts, ``PART_BYTES`` (and ``ROW_PART_BYTES``) is set so a request of a few small blocks is posted in four.
+For parts, ``PART_BYTES`` is set so a request of a few small blocks is posted in four.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def folded() -> Iterator[Any]:
 @pytest.fixture
 def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
-    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
     monkeypatch.setattr(copies, "reports", lambda backend: False)  # parts also where the backend folds
     return folded
 
@@ -90,7 +89,6 @@ def pair(monkeypatch: pytest.MonkeyPatch, folded: Any) -> Any:
 def test_a_backend_seen_folding_gets_its_verified_reads_whole(folded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loopback folds row checks into its copies: once seen doing so, no more parts for it."""
     monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)
-    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
     monkeypatch.setattr(copies, "_REPORTERS", set())
     p = folded("loopback")
     for whole in (False, True):
@@ -117,7 +115,6 @@ def test_a_source_row_unlike_its_digest_fails_typed_with_rows_folded(folded: Any
     """Row digests checked in the copy (loopback), or part by part on the worker (NIXL, parts)."""
     if parts:
         monkeypatch.setattr(overlap, "PART_BYTES", 2 * L * PAGE)  # 8 blocks of 3 KiB: 4 parts
-        monkeypatch.setattr(overlap, "ROW_PART_BYTES", 2 * L * PAGE)
         monkeypatch.setattr(copies, "reports", lambda backend: False)
     p = folded(backend)
     expect = p.p.digest(RB, rows=True)
@@ -307,37 +304,22 @@ def test_parts_cut_from_the_request_plan_move_exactly_their_blocks(pair: Any, mo
     assert (got()[:, LB[0]] == 0xAA).all()  # position 0 was never posted
 
 
-def test_part_bounds_cut_the_last_part_in_halves_and_cover_each_position_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows hashed in place: parts of ROW_PART_BYTES, the last cut down to TAIL_BYTES; other checks: even parts."""
-    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 16 << 20)
-    monkeypatch.setattr(overlap, "TAIL_BYTES", 4 << 20)
-    rows = overlap.part_bounds(128, 128 << 20, rows=True)
-    assert [b - a for a, b in rows] == [16] * 7 + [8, 4, 4]
-    plain = overlap.part_bounds(128, 128 << 20)
-    assert [b - a for a, b in plain] == [8] * 16
-    for bounds in (rows, plain, overlap.part_bounds(37, 37 << 20, rows=True)):
-        assert bounds[0][0] == 0 and bounds[-1][1] in (128, 37)
-        assert all(b > a for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_the_caller_hashed_in_the_tail_are_compared_after_done(pair: Any, backend: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The parts' row hashes compare nothing themselves: one comparison of every row runs after
     DONE (``Folded.__call__``), also over the rows the caller took from the worker. Here the
-    worker is held, so the caller hashes every part, and the damaged one is the last of the tail."""
-    monkeypatch.setattr(overlap, "ROW_PART_BYTES", 4 * L * PAGE)  # 8 blocks of 3 KiB: [0, 4) and [4, 8)
-    monkeypatch.setattr(overlap, "TAIL_BYTES", L * PAGE)  # the last cut to [4, 6), [6, 7), [7, 8)
-    c = faults.Corruption("flip", seed=3, page=PAGE, every=4)  # the fourth post: part [7, 8)
+    worker is held, so the caller hashes every part, and the damaged one is the last."""
+    c = faults.Corruption("flip", seed=3, page=PAGE, every=4)  # the fourth post: part [6, 8)
     p = pair(backend, c)
     hold = threading.Event()
     overlap._worker().submit(hold.wait, 30)  # every part's check queues behind this: the caller runs them
     try:
         t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
-        assert [t._parts._bounds[j] for j in range(t._parts.parts)] == [(0, 4), (4, 6), (6, 7), (7, 8)]
+        assert t._parts._bounds == [(0, 2), (2, 4), (4, 6), (6, 8)]
         with pytest.raises(IntegrityError) as e:
             t.wait(30)
-        assert c.done == 1 and e.value.block == LB[7]
+        assert c.done == 1 and e.value.block in LB[6:8].tolist()
         # Control: the comparison after DONE switched off, the same damage is reported DONE.
         monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
         c.seen = 0

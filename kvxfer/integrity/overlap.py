@@ -34,26 +34,14 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "ROW_PART_BYTES", "MAX_PARTS", "TAIL_BYTES", "WINDOW", "Folded", "Overlapped", "Rows", "part_bounds"]
+__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "Rows", "part_bounds"]
 
 #: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
 #: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
 #: nothing hides) is short. BENCHMARKS.md (issue 37, verified DRAM over NIXL) has the choice.
 PART_BYTES = 8 << 20
-#: The same for row digests hashed in place (:class:`Folded`), one GIL-free call per row:
-#: larger, as the hash of a part still ends before the next part's copy, and fewer parts cost
-#: less. (A check of cells hashed piece by piece holds the GIL longer and keeps 8 MiB.)
-ROW_PART_BYTES = 16 << 20
-#: At most this many parts of :data:`PART_BYTES` per request (each costs a post and a hand-off);
-#: the last one's tail adds a few (:data:`TAIL_BYTES`).
+#: At most this many parts per request (each costs a plan, a post and a hand-off).
 MAX_PARTS = 16
-#: With row digests hashed in place, the last part is cut in halves down to parts of about this
-#: many bytes (0: not cut): nothing hides the last part's hash, so it should be short, while the
-#: parts before stay large (each costs ~50 us of posting and hand-off). Finer (1 MiB) left the
-#: worker, slowed by the copy beside it, a few rows behind at the end; cells hashed piece by
-#: piece measured worse with a tail and get none. BENCHMARKS.md (issue 37, verified DRAM:
-#: larger parts, a short tail) has the choice.
-TAIL_BYTES = 4 << 20
 #: Parts in flight at once. Two would hide part ``j``'s completion latency (~65 us per part
 #: in process) behind part ``j + 1``'s copy, but leave two parts' hashes after the last copy:
 #: no better on NIXL here (BENCHMARKS.md, issue 37, verified DRAM over NIXL).
@@ -73,24 +61,16 @@ def _worker() -> ThreadPoolExecutor:
     return _pool
 
 
-def part_bounds(blocks: int, nbytes: int, rows: bool = False) -> list[tuple[int, int]]:
+def part_bounds(blocks: int, nbytes: int) -> list[tuple[int, int]]:
     """Positions ``[a, b)`` of each part of a request of ``blocks`` blocks and ``nbytes`` bytes;
-    one part (nothing to overlap) when it is smaller than two parts. ``rows``: a check of row
-    digests hashed in place (:data:`ROW_PART_BYTES`)."""
-    size = ROW_PART_BYTES if rows else PART_BYTES
-    k = min(MAX_PARTS, blocks, nbytes // size) if size > 0 and PART_BYTES > 0 else 1
+    one part (nothing to overlap) when it is smaller than two parts. (Larger parts for rows
+    hashed in place, and a last part cut in halves, measured no better: BENCHMARKS.md, issue 37,
+    verified DRAM, the tail shared.)"""
+    k = min(MAX_PARTS, blocks, nbytes // PART_BYTES) if PART_BYTES > 0 else 1
     if k < 2:
         return [(0, blocks)]
     edges = [blocks * i // k for i in range(k + 1)]
-    bounds = [(edges[i], edges[i + 1]) for i in range(k - 1)]
-    a, b = edges[k - 1], blocks
-    least = max(1, TAIL_BYTES * blocks // nbytes) if rows and TAIL_BYTES > 0 else b - a
-    while b - a >= 2 * least:  # the last part in halves: ..., 4, 2, 1, 1 (x least)
-        m = a + (b - a + 1) // 2
-        bounds.append((a, m))
-        a = m
-    bounds.append((a, b))
-    return bounds
+    return [(edges[i], edges[i + 1]) for i in range(k)]
 
 
 #: Posts part ``j`` (positions ``[a, b)``) for the transfer and returns how many of its posts
