@@ -35,11 +35,11 @@ def post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None
     fused = Expected.of(verify) if verify is not None and op is Op.READ else None
     if fused is not None:  # VRAM mm8 cells: the device path copies and checks them in one pass
         return _post(agent, op, peer, p, notify, t0, deadline, planned, verify, learn, fused)
-    fold = verify.folder() if verify is not None and hasattr(verify, "folder") and op is Op.READ else None
     if verify is not None and hasattr(verify, "part") and op is Op.READ and not copies.reports(agent.backend):
         bounds = part_bounds(int(verify.lb.shape[0]), p.nbytes)
         if len(bounds) > 1:
-            return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds, fold)
+            return post_parts(agent, op, peer, p, notify, t0, deadline, planned, verify, bounds)
+    fold = verify.folder() if verify is not None and hasattr(verify, "folder") and op is Op.READ else None
     if fold is not None:  # the backend may hash rows as it copies them (kvxfer.plugin.copies)
         verify = fold
         with copies.watching(agent.backend, fold.copied):
@@ -92,7 +92,7 @@ def _post(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | Non
 
 
 def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes | None, t0: float,
-               deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]], fold: Any = None) -> Transfer:
+               deadline: float, planned: float, check: Any, bounds: list[tuple[int, int]]) -> Transfer:
     """A verified READ in parts posted one after another, each checked on a worker once it
     landed while the next one moves (:mod:`kvxfer.integrity.overlap`). ``p`` (the whole
     request, planned and validated before anything moved) stays the transfer's plan; each part's
@@ -101,7 +101,7 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
     list each part's posts join (part ``j + 1`` is posted from the poll that saw ``j`` land)."""
     lb, rb = check.lb, check.expect.blocks
     route, backend = agent._route, agent.backend
-    # ``fold``: check.folder(), rows hashed in place, and in the backend's own copy where it makes one (loopback)
+    fold = check.folder()  # rows hashed in the backend's own copy where it makes one (loopback)
     posts: list[_Post] = []
     stats = TransferStats(p.descriptors, p.nbytes, 0, 0.0, backend=agent.backend_name, op=op.value, peer=peer.name,
                           mode=p.mode)
