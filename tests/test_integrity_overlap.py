@@ -305,7 +305,7 @@ def test_parts_cut_from_the_request_plan_move_exactly_their_blocks(pair: Any, mo
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_the_caller_hashed_in_the_tail_are_compared_after_done(pair: Any, backend: str,
+def test_rows_the_caller_hashed_are_compared_after_done(pair: Any, backend: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The parts' row hashes compare nothing themselves: one comparison of every row runs after
     DONE (``Folded.__call__``), also over the rows the caller took from the worker. Here the
