@@ -126,8 +126,9 @@ def post_parts(agent: Agent, op: Op, peer: Peer, p: TransferPlan, notify: bytes 
             else:
                 q = agent._plan(peer, lb[a:b], rb[a:b], op)
                 plan_chunks(route, q, peer.name, agent._local_prepared, peer.prepared, mine)
+            watch = fold is not None and (j == 0 or fold.hits > 0)  # a backend that folded none of part 0 never will
             for lp, li, rp, ri, cleanup in mine:
-                if fold is not None:
+                if watch:
                     with copies.watching(backend, fold.copied):
                         handle = route.post(op, lp, li, rp, ri, None)
                 else:

@@ -302,3 +302,29 @@ def test_parts_cut_from_the_request_plan_move_exactly_their_blocks(pair: Any, mo
     with pytest.raises(IntegrityError):
         p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
     assert (got()[:, LB[0]] == 0xAA).all()  # position 0 was never posted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_the_caller_hashed_are_compared_after_done(pair: Any, backend: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts' row hashes compare nothing themselves: one comparison of every row runs after
+    DONE (``Folded.__call__``), also over the rows the caller took from the worker. Here the
+    worker is held, so the caller hashes every part, and the damaged one is the last."""
+    c = faults.Corruption("flip", seed=3, page=PAGE, every=4)  # the fourth post: part [6, 8)
+    p = pair(backend, c)
+    hold = threading.Event()
+    overlap._worker().submit(hold.wait, 30)  # every part's check queues behind this: the caller runs them
+    try:
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True))
+        assert t._parts._bounds == [(0, 2), (2, 4), (4, 6), (6, 8)]
+        with pytest.raises(IntegrityError) as e:
+            t.wait(30)
+        assert c.done == 1 and e.value.block in LB[6:8].tolist()
+        # Control: the comparison after DONE switched off, the same damage is reported DONE.
+        monkeypatch.setattr(overlap.Folded, "__call__", lambda self: None)
+        c.seen = 0
+        p.dst[...] = 0xAA
+        t = p.d.read("prefill", LB, RB, expect=p.p.digest(RB, rows=True)).wait(30)
+        assert c.done == 2 and t.status is kvxfer.Status.DONE and not p.delivered()
+    finally:
+        hold.set()

@@ -24,6 +24,7 @@ worker reads memory the caller may free next.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -33,7 +34,7 @@ from ..errors import IntegrityError, KvxferError
 from .digests import Digests, compare, hash_rows
 from .mm8 import _xxh3
 
-__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "part_bounds"]
+__all__ = ["PART_BYTES", "MAX_PARTS", "WINDOW", "Folded", "Overlapped", "Rows", "part_bounds"]
 
 #: Bytes per part, 0 for none: large enough that a part's planning, post and hand-off to the
 #: worker (~0.1 ms) stay small beside its copy, small enough that the last part's hash (the one
@@ -62,7 +63,9 @@ def _worker() -> ThreadPoolExecutor:
 
 def part_bounds(blocks: int, nbytes: int) -> list[tuple[int, int]]:
     """Positions ``[a, b)`` of each part of a request of ``blocks`` blocks and ``nbytes`` bytes;
-    one part (nothing to overlap) when it is smaller than two parts."""
+    one part (nothing to overlap) when it is smaller than two parts. (Larger parts for rows
+    hashed in place, and a last part cut in halves, measured no better: BENCHMARKS.md, issue 37,
+    verified DRAM, the tail shared.)"""
     k = min(MAX_PARTS, blocks, nbytes // PART_BYTES) if PART_BYTES > 0 else 1
     if k < 2:
         return [(0, blocks)]
@@ -134,7 +137,8 @@ class Overlapped:
 
     def __call__(self) -> None:
         """Every part checked, else the first error. A part the worker has not started yet is
-        checked here (the caller would only wait), beside the worker's last."""
+        checked here (the caller would only wait); one it is hashing, if its check is ``shared``
+        (:class:`Rows`), is hashed by both threads, row by row."""
         if len(self._futures) != len(self._bounds):  # DONE over a part never posted: no proof of it
             raise IntegrityError(f"{len(self._bounds) - len(self._futures)} of {len(self._bounds)} parts of a "
                                  "verified read were never checked; refused")
@@ -142,9 +146,12 @@ class Overlapped:
         for j in range(len(self._bounds)):
             f = self._futures[j]
             try:
+                check = self._checks[j]
                 if f.cancel():
-                    self._checks[j]()
+                    check()
                 else:
+                    if getattr(check, "shared", False):  # the worker is on it: take the rows it has not reached
+                        check()
                     f.result()
             except KvxferError as exc:
                 first = first or exc
@@ -180,7 +187,7 @@ class Folded:
     check (:class:`kvxfer.integrity.verified.PairingCheck`), whose spans and blocks these are.
     """
 
-    __slots__ = ("expect", "spans", "lb", "view", "n", "offs", "at", "got", "seen", "_h")
+    __slots__ = ("expect", "spans", "lb", "view", "n", "offs", "at", "got", "seen", "hits", "_h")
 
     def __init__(self, expect: Digests, spans: object, lb: np.ndarray, view: memoryview, offs: list[int], n: int,
                  base: int) -> None:
@@ -188,6 +195,7 @@ class Folded:
         self.at = {base + o: (i, o) for i, o in enumerate(offs)}  # a row's address -> (position, offset)
         self.got = np.zeros(len(offs), dtype=np.uint64)
         self.seen = np.zeros(len(offs), dtype=bool)
+        self.hits = 0  # copies that hashed a row
         self._h = _xxh3()
 
     def copied(self, addr: int, nbytes: int) -> None:
@@ -200,20 +208,14 @@ class Folded:
             i, o = hit
             self.got[i] = self._h(self.view[o:o + n])
             self.seen[i] = True
+            self.hits += 1
             addr += n
 
-    def part(self, a: int, b: int) -> Callable[[], None]:
-        """The check of positions ``[a, b)`` once they landed: hash the rows not hashed in a copy
-        (one call per row, which releases the GIL), then compare them."""
-        def check() -> None:
-            h, view, n, offs, got, seen = self._h, self.view, self.n, self.offs, self.got, self.seen
-            for i in np.flatnonzero(~seen[a:b]).tolist():
-                o = offs[a + i]
-                got[a + i] = h(view[o:o + n])
-                seen[a + i] = True
-            pos = np.arange(a, b)
-            compare(self.expect.take(pos), got[a:b, None], self.lb[a:b])
-        return check
+    def part(self, a: int, b: int) -> "Rows":
+        """The hash of positions ``[a, b)`` once they landed: the rows no copy hashed, one call
+        per row (which releases the GIL). They are compared with the rest after DONE, all in one
+        numpy comparison (:meth:`__call__`)."""
+        return Rows(self, deque((np.flatnonzero(~self.seen[a:b]) + a).tolist()))
 
     def __call__(self) -> None:
         import dataclasses
@@ -223,3 +225,28 @@ class Folded:
             sp = self.spans
             self.got[left] = hash_rows(dataclasses.replace(sp, block=sp.block[left], sub=sp.sub[left]))  # type: ignore[type-var]
         compare(self.expect, self.got[:, None], self.lb)
+
+
+class Rows:
+    """Rows of one landed part still to hash, each taken by whichever thread comes first: the
+    worker, and the caller once it has nothing left but waiting (``shared``), so the last
+    part's hash, which nothing hides, runs on both cores. Taking is ``deque.popleft``, atomic
+    under the GIL: each row is hashed exactly once."""
+
+    __slots__ = ("fold", "left")
+    shared = True
+
+    def __init__(self, fold: Folded, left: "deque[int]") -> None:
+        self.fold, self.left = fold, left
+
+    def __call__(self) -> None:
+        f = self.fold
+        h, view, n, offs, got, seen, take = f._h, f.view, f.n, f.offs, f.got, f.seen, self.left.popleft
+        while True:
+            try:
+                i = take()
+            except IndexError:
+                return
+            o = offs[i]
+            got[i] = h(view[o:o + n])
+            seen[i] = True
