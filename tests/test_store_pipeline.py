@@ -149,3 +149,44 @@ def test_a_cancel_mid_pipeline_writes_nothing_after_and_publishes_nothing(tmp_pa
         assert not st.lookup(keys(N)).any() and not (st._index.state == RESERVED).any()
         st.offload(src.spec, np.arange(N), keys(N)).wait()
         assert _restored(st, X, keys(N), np.arange(N))
+
+
+def test_batch_publish_journals_what_per_key_records_would_and_replays(tmp_path) -> None:
+    """An offload publishes its keys with one batch encoding (``journal.encode_puts``) and
+    ``Index.put``: the journal's put records are byte for byte the per-key ``encode_put`` of
+    the published entries, a re-offloaded key replaces its old entry (old slot freed), and a
+    reopened store replays the same entries and restores the same bytes."""
+    from kvxfer.store import journal
+
+    X = logical(DIMS_A)
+    src = cache("row", DIMS_A, X)
+    half = N // 2
+    ks = keys(N)
+    cap = N * row_bytes(DIMS_A)
+    with kvxfer.Store(tmp_path, capacity=cap, layout=src.spec) as st:
+        st.offload(src.spec, np.arange(half), ks[:half]).wait()
+        old = {e.key: e.slot for e in st._index.lookup(ks[:2])}
+        st.offload(src.spec, np.arange(half, half + 2), ks[:2]).wait()  # replaces k0, k1
+        new = [e.slot for e in st._index.lookup(ks[:2])]
+        assert set(new).isdisjoint(old.values()) and (st._index.state[new] == 2).all()
+        assert all(st._index.state[s] == 0 for s in old.values())  # the replaced rows' slots are free
+        before = st._jbytes
+        st.discard([ks[2]])
+        assert st._jbytes - before == len(journal.encode_drop(ks[2]))
+        st.offload(src.spec, np.arange(half + 2, N), ks[half + 2:]).wait()
+        entries = st._index.lookup(ks)
+        gone = {2, half, half + 1}  # discarded, and two keys never offloaded
+        assert all((e is None) == (i in gone) for i, e in enumerate(entries))
+        gens = [e.generation for e in entries if e is not None]
+        assert len(set(gens)) == len(gens) and max(gens) == st._index.generation
+        recs = sorted((e for e in entries if e is not None), key=lambda e: e.generation)[-(N - half - 2):]
+        body = (tmp_path / st._slab.index_name).read_bytes()
+        ref = b"".join(journal.encode_put(e.key, e.generation, e.slot, e.digest) for e in recs)
+        assert body.endswith(ref)  # the last offload's records, as per-key encoding writes them
+        snap = {k: (e.slot, e.generation, e.digest) for k, e in zip(ks, entries) if e is not None}
+    with kvxfer.Store(tmp_path, capacity=cap, layout=src.spec) as st:  # replayed (then compacted)
+        again = {k: (e.slot, e.generation, e.digest) for k, e in zip(ks, st._index.lookup(ks)) if e is not None}
+        assert again == snap
+        src_of = np.array([half, half + 1] + list(range(3, half)) + list(range(half + 2, N)))
+        live = [ks[0], ks[1]] + ks[3:half] + ks[half + 2:]
+        assert _restored(st, X, live, src_of)

@@ -137,17 +137,14 @@ class Index:
     def unreserve(self, slots: np.ndarray) -> None:
         self.state[slots] = FREE
 
-    def records(self, keys: Sequence[bytes], slots: np.ndarray, digests: np.ndarray) -> list[Record]:
-        """The put records that would publish ``keys`` (journaled before :meth:`publish`)."""
+    def put(self, keys: Sequence[bytes], slots: np.ndarray, digests: np.ndarray) -> None:
+        """Turn reserved slots into entries, generations ``generation + 1`` on in key order
+        (what :func:`~.journal.encode_puts` journaled first); a key already present is replaced
+        (its old slot freed once unpinned). An old entry's slot is never one of ``slots``
+        (reserved slots were free or evicted), so they all turn live at once."""
         g = self.generation
-        return [Record("P", k, g + 1 + i, s, d) for i, (k, s, d) in enumerate(zip(keys, slots.tolist(),
-                                                                                   digests.tolist()))]
-
-    def publish(self, records: Sequence[Record]) -> None:
-        """Turn reserved slots into entries; a key already present is replaced (its old slot
-        freed once unpinned)."""
-        for r in records:
-            self._drop(r.key)
-            self.generation = r.generation
-            self.entries[r.key] = Entry(r.key, r.slot, r.generation, r.digest)
-            self.state[r.slot] = LIVE
+        for i, k, s, d in zip(range(g + 1, g + 1 + len(keys)), keys, slots.tolist(), digests.tolist()):
+            self._drop(k)
+            self.entries[k] = Entry(k, s, i, d)
+        self.generation = g + len(keys)
+        self.state[slots] = LIVE

@@ -34,7 +34,7 @@ from .rungroups import _Damaged, run
 from .index import Entry, Index, check_keys as _keys
 from .migrate import migrate
 from .dirs import StoreDir, run_all as _all
-from .journal import encode_drop, encode_put
+from .journal import encode_drops, encode_puts
 from .paths import Files, Mover, posix_mover
 from .stage import DeviceCopies, HostCopies, Stage
 from .slab import HEADER, Slab, geometry, slab_spec
@@ -153,7 +153,7 @@ class Store:
         ks = _keys(keys)
         with self._lock:
             gone = [k for k in dict.fromkeys(ks) if k in self._index.entries]
-            self._append(b"".join(encode_drop(k) for k in gone))
+            self._append(encode_drops(gone))
             self._index.drop(gone)
             self._compact_if_due()
         return len(gone)
@@ -179,7 +179,7 @@ class Store:
             raise BlockCountMismatchError(f"{blocks.shape[0]} local blocks for {len(ks)} keys; give one key per block")
         with self._lock:
             slots, evicted = self._index.reserve(len(ks))
-            self._append(b"".join(encode_drop(k) for k in evicted))  # cannot: nothing evicted
+            self._append(encode_drops(evicted))  # cannot: nothing evicted
             self._index.commit(slots, evicted)
             self._compact_if_due()
         if evicted:
@@ -207,10 +207,9 @@ class Store:
             with self._lock, job.lock:
                 if job.cancelled:
                     return
-                recs = self._index.records(ks, slots, digests)
                 # Journal first: a full disk raises here and nothing is published (cleanup frees the slots).
-                self._append(b"".join(encode_put(r.key, r.generation, r.slot, r.digest) for r in recs))
-                self._index.publish(recs)
+                self._append(encode_puts(ks, self._index.generation + 1, slots, digests))
+                self._index.put(ks, slots, digests)
                 job.published = True  # type: ignore[attr-defined]
                 self._compact_if_due()
 
@@ -266,7 +265,7 @@ class Store:
                 with self._lock:
                     gone = self._index.drop(lost)  # dropped even when the journal cannot say so:
                     try:  # after a restart the same rows fail their digests again
-                        self._append(b"".join(encode_drop(k) for k in gone))
+                        self._append(encode_drops(gone))
                         self._compact_if_due()
                     except StoreError:
                         pass
