@@ -36,8 +36,8 @@ from ..errors import StoreError
 from .digest import DIGEST_NAME, LEGACY_NAME
 from .dirs import StoreDir, typed
 
-__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "encode_puts", "encode_drops", "Reader", "replay", "records", "load", "rewrite",
-           "reopen", "Journal"]
+__all__ = ["Record", "MAX_KEY", "encode_put", "encode_drop", "encode_puts", "encode_drops", "Reader", "replay",
+           "records", "load", "rewrite", "reopen", "Journal"]
 
 MAX_KEY = 1024  # keys are opaque bytes (a prefix hash), bounded so a record stays small
 _HEAD = struct.Struct("<II")
@@ -77,26 +77,17 @@ def encode_drop(key: bytes) -> bytes:
 
 def encode_puts(keys: Sequence[bytes], first_generation: int, slots: np.ndarray, digests: np.ndarray) -> bytes:
     """The put records of one offload (generations ``first_generation``, +1, ...), byte for
-    byte :func:`encode_put`'s, without a :class:`Record` or a call per key: publishing 1,024
-    rows that way cost about 1 ms of the offload's critical path (BENCHMARKS.md, "Issue 37:
-    store offload, store4")."""
-    pack, head, crc = _PUT.pack, _HEAD.pack, zlib.crc32
-    out = []
-    for g, k, s, d in zip(range(first_generation, first_generation + len(keys)), keys, slots.tolist(),
-                          digests.tolist()):
-        p = pack(b"P", g, s, d, len(k)) + k
-        out.append(head(len(p), crc(p)) + p)
-    return b"".join(out)
+    byte :func:`encode_put`'s, without a :class:`Record` per key: publishing 1,024 rows that way
+    cost about 1 ms of the offload's critical path (BENCHMARKS.md, "Issue 37: store offload,
+    store4")."""
+    pack = _PUT.pack
+    return b"".join(_frame(pack(b"P", g, s, d, len(k)) + k) for g, k, s, d in
+                    zip(range(first_generation, first_generation + len(keys)), keys, slots.tolist(), digests.tolist()))
 
 
 def encode_drops(keys: Iterable[bytes]) -> bytes:
-    """Drop records for ``keys``, byte for byte :func:`encode_drop`'s (one join, no call per key)."""
-    pack, head, crc = _DROP.pack, _HEAD.pack, zlib.crc32
-    out = []
-    for k in keys:
-        p = pack(b"D", len(k)) + k
-        out.append(head(len(p), crc(p)) + p)
-    return b"".join(out)
+    """Drop records for ``keys``, one after another."""
+    return b"".join(encode_drop(k) for k in keys)
 
 
 class Reader:
