@@ -355,7 +355,8 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
                 return
             self._value, self._error, self._status = value, error, status
             callbacks, self._callbacks = self._callbacks, []
-            event.set()
+            event._set = True  # event.set(), inlined: only a finish sets it, and under this lock
+            event._lock.release()
         for fn in callbacks:
             _call(fn, self)
         self.posted = True
