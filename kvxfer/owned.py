@@ -26,6 +26,8 @@ class HandleOwner(Protocol):
     """What a handle asks of the :class:`~kvxfer.owner.Owner` it came from (a Protocol here,
     so this module needs nothing from the one that imports it)."""
 
+    _ident: int | None  # the owner's thread
+
     def _check_not_loop(self, what: str) -> None: ...
 
     def _cancel(self, t: "OwnedTransfer") -> None: ...
@@ -201,7 +203,13 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
 
     def __init__(self, owner: "HandleOwner", op: Any, route: str, local_blocks: Any, remote_blocks: Any,
                  notify: bytes | None, deadline: float, timeout: float) -> None:
-        super().__init__(owner)
+        # OwnedFuture.__init__, inlined (every owned READ builds one): ``_status`` set directly.
+        self._owner = owner
+        self._event = _Flag()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._status = Status.PENDING
         self.op, self.route = op, route
         self.local_blocks, self.remote_blocks, self.notify = local_blocks, remote_blocks, notify
         self.deadline, self.timeout = deadline, timeout
@@ -263,6 +271,33 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         if self._inner is not None:
             _direct.drive(self._owner, self, until)
 
+    def wait(self, timeout: float | None = None) -> "OwnedTransfer":
+        """As :meth:`OwnedFuture.wait`, with its helpers inlined (issue 37: every owned READ
+        waits here): a common timeout skips :func:`check_timeout`, the bound is a plain
+        monotonic reading, and a handle the waiter's own polling finished waits on nothing."""
+        owner = self._owner
+        if threading.get_ident() == owner._ident:
+            owner._check_not_loop("wait")  # raises
+        if timeout is None:
+            limit = until = None
+        else:
+            # int or float in (0, 1e18): what check_timeout accepts, without the call; anything
+            # else (bool, NaN, inf, a string) goes through it and raises its typed error.
+            tt = type(timeout)
+            limit = float(timeout) if (tt is float or tt is int) and 0 < timeout < 1e18 \
+                else check_timeout(timeout, "wait timeout")
+        event = self._event
+        if not event._set:
+            if limit is not None:
+                until = time.monotonic() + limit
+            if self._inner is not None:
+                _direct.drive(owner, self, until)
+            if not event._set and not event.wait(None if until is None else until - time.monotonic()):
+                self._timed_out(limit)  # type: ignore[arg-type]
+        if self._error is not None:  # what done() raises, once finished
+            raise self._error
+        return self
+
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """As :meth:`OwnedFuture.add_done_callback`; the owner's loop is woken to poll a posted
         transfer that a caller posted itself (kvxfer._direct), so ``fn`` runs there, soon."""
@@ -310,8 +345,21 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
             flag.set()
 
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
-        super()._finish(status, value, error)
-        self.posted = True  # _mark_posted(), inlined: every owned READ ends here once
+        """:meth:`OwnedFuture._finish`, inlined (every owned READ ends here once), setting
+        ``_status`` itself; then ``posted``, as :meth:`_mark_posted` does."""
+        if error is not None:
+            _detach(error)
+        event = self._event
+        with _CALLBACKS:
+            if event._set:
+                return
+            self._value, self._error, self._status = value, error, status
+            callbacks, self._callbacks = self._callbacks, []
+            event._set = True  # event.set(), inlined: only a finish sets it, and under this lock
+            event._lock.release()
+        for fn in callbacks:
+            _call(fn, self)
+        self.posted = True
         flag = self._posted
         if flag is not None:
             flag.set()

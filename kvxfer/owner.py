@@ -128,7 +128,7 @@ class Owner:
         if type(key) is not str:
             _args.peer_key(key)
         limit = self.agent.timeout if timeout is None else _args.timeout_or(self.agent.timeout, timeout)
-        t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
+        t = OwnedTransfer(self, op, key, local, remote, msg, Deadline(time.monotonic() + limit), limit)
         t.expect = expect
         with self._lock:
             if self._closing:
@@ -460,9 +460,11 @@ class Owner:
             self._held -= 1
             route = self._routes[t.route]
             route.held -= 1
-            self._forget_idle(route)
+            # _forget_idle's own test, its cheap part first: a peer the agent knows is kept, no call
+            if not route.held and route.fetch is None and route.peer not in self.agent._peers:
+                self._forget_idle(route)
         if error is None:
-            t._done()
+            t._finish(Status.DONE, t)  # t._done(), inlined
         else:
             t._fail(error)
 
