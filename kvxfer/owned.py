@@ -15,7 +15,7 @@ import traceback
 from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
 from . import _direct
-from .deadlines import Deadline, check_timeout
+from .deadlines import check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
 
@@ -91,7 +91,15 @@ class OwnedFuture(Generic[T]):
         self._callbacks: list[Callable[[Any], None]] = []
         self._value: T | None = None
         self._error: BaseException | None = None
-        self.status = Status.PENDING
+        self._status = Status.PENDING
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @status.setter
+    def status(self, value: Status) -> None:
+        self._status = value
 
     # -- asking ---------------------------------------------------------------------------
     def done(self) -> bool:
@@ -113,15 +121,23 @@ class OwnedFuture(Generic[T]):
 
     def wait(self: F, timeout: float | None = None) -> F:
         """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
-        which it does by the transfer's deadline). Raises the error if it failed."""
-        self._owner._check_not_loop("wait")
-        limit = None if timeout is None else check_timeout(timeout, "wait timeout")
-        if not self._event._set:
-            until = None if limit is None else Deadline.within(limit)
+        which it does by the transfer's deadline). Raises the error if it failed.
+
+        Every owned READ waits here (issue 37): the bound is a plain monotonic reading, a
+        common timeout skips :func:`check_timeout`, and a handle the waiter's own polling
+        finished (:meth:`_help`) waits on nothing."""
+        owner = self._owner
+        if threading.get_ident() == owner._ident:
+            owner._check_not_loop("wait")  # raises
+        limit = _limit(timeout)
+        event = self._event
+        if not event._set:
+            until = None if limit is None else time.monotonic() + limit
             self._help(until)
-            if not self._event.wait(None if until is None else until.left()):
+            if not event._set and not event.wait(None if until is None else until - time.monotonic()):
                 self._timed_out(limit)  # type: ignore[arg-type]
-        self.done()  # raises a failure
+        if self._error is not None:  # what done() raises, once finished
+            raise self._error
         return self
 
     def _help(self, until: float | None) -> None:
@@ -159,12 +175,14 @@ class OwnedFuture(Generic[T]):
     def _finish(self, status: Status, value: T | None = None, error: BaseException | None = None) -> None:
         if error is not None:
             _detach(error)
-        with self._lock:
-            if self._event.is_set():
+        event = self._event
+        with _CALLBACKS:
+            if event._set:
                 return
-            self._value, self._error, self.status = value, error, status
+            self._value, self._error, self._status = value, error, status
             callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
+            event._set = True  # event.set(), inlined: only a finish sets it, and under this lock
+            event._lock.release()
         for fn in callbacks:
             _call(fn, self)
 
@@ -190,6 +208,18 @@ def _detach(exc: BaseException) -> None:
         todo += [e.__cause__, e.__context__]
 
 
+def _limit(timeout: float | None) -> float | None:
+    """A wait's timeout in seconds: an int or float in (0, 1e18) as it is (what
+    :func:`check_timeout` accepts, without the call); anything else (bool, NaN, inf, a string)
+    goes through it and raises its typed error."""
+    if timeout is None:
+        return None
+    tt = type(timeout)
+    if (tt is float or tt is int) and 0 < timeout < 1e18:
+        return float(timeout)
+    return check_timeout(timeout, "wait timeout")
+
+
 def _call(fn: Callable[[Any], None], arg: Any) -> None:
     try:
         fn(arg)
@@ -203,13 +233,7 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
 
     def __init__(self, owner: "HandleOwner", op: Any, route: str, local_blocks: Any, remote_blocks: Any,
                  notify: bytes | None, deadline: float, timeout: float) -> None:
-        # OwnedFuture.__init__, inlined (every owned READ builds one): ``_status`` set directly.
-        self._owner = owner
-        self._event = _Flag()
-        self._callbacks: list[Callable[[Any], None]] = []
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._status = Status.PENDING
+        OwnedFuture.__init__(self, owner)
         self.op, self.route = op, route
         self.local_blocks, self.remote_blocks, self.notify = local_blocks, remote_blocks, notify
         self.deadline, self.timeout = deadline, timeout
@@ -271,33 +295,6 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
         if self._inner is not None:
             _direct.drive(self._owner, self, until)
 
-    def wait(self, timeout: float | None = None) -> "OwnedTransfer":
-        """As :meth:`OwnedFuture.wait`, with its helpers inlined (issue 37: every owned READ
-        waits here): a common timeout skips :func:`check_timeout`, the bound is a plain
-        monotonic reading, and a handle the waiter's own polling finished waits on nothing."""
-        owner = self._owner
-        if threading.get_ident() == owner._ident:
-            owner._check_not_loop("wait")  # raises
-        if timeout is None:
-            limit = until = None
-        else:
-            # int or float in (0, 1e18): what check_timeout accepts, without the call; anything
-            # else (bool, NaN, inf, a string) goes through it and raises its typed error.
-            tt = type(timeout)
-            limit = float(timeout) if (tt is float or tt is int) and 0 < timeout < 1e18 \
-                else check_timeout(timeout, "wait timeout")
-        event = self._event
-        if not event._set:
-            if limit is not None:
-                until = time.monotonic() + limit
-            if self._inner is not None:
-                _direct.drive(owner, self, until)
-            if not event._set and not event.wait(None if until is None else until - time.monotonic()):
-                self._timed_out(limit)  # type: ignore[arg-type]
-        if self._error is not None:  # what done() raises, once finished
-            raise self._error
-        return self
-
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """As :meth:`OwnedFuture.add_done_callback`; the owner's loop is woken to poll a posted
         transfer that a caller posted itself (kvxfer._direct), so ``fn`` runs there, soon."""
@@ -345,20 +342,8 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
             flag.set()
 
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
-        """:meth:`OwnedFuture._finish`, inlined (every owned READ ends here once), setting
-        ``_status`` itself; then ``posted``, as :meth:`_mark_posted` does."""
-        if error is not None:
-            _detach(error)
-        event = self._event
-        with _CALLBACKS:
-            if event._set:
-                return
-            self._value, self._error, self._status = value, error, status
-            callbacks, self._callbacks = self._callbacks, []
-            event._set = True  # event.set(), inlined: only a finish sets it, and under this lock
-            event._lock.release()
-        for fn in callbacks:
-            _call(fn, self)
+        """:meth:`OwnedFuture._finish`, then ``posted``, as :meth:`_mark_posted` does."""
+        OwnedFuture._finish(self, status, value, error)
         self.posted = True
         flag = self._posted
         if flag is not None:
