@@ -15,7 +15,7 @@ import traceback
 from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
 
 from . import _direct
-from .deadlines import check_timeout
+from .deadlines import Deadline, check_timeout
 from .errors import KvxferError, TransferTimeoutError
 from .transfer import Status, TransferStats
 
@@ -123,18 +123,17 @@ class OwnedFuture(Generic[T]):
         """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
         which it does by the transfer's deadline). Raises the error if it failed.
 
-        Every owned READ waits here (issue 37): the bound is a plain monotonic reading, a
-        common timeout skips :func:`check_timeout`, and a handle the waiter's own polling
-        finished (:meth:`_help`) waits on nothing."""
+        Every owned READ waits here (issue 37): a common timeout skips :func:`check_timeout`,
+        and a handle the waiter's own polling finished (:meth:`_help`) waits on nothing."""
         owner = self._owner
         if threading.get_ident() == owner._ident:
             owner._check_not_loop("wait")  # raises
         limit = _limit(timeout)
         event = self._event
         if not event._set:
-            until = None if limit is None else time.monotonic() + limit
+            until = None if limit is None else Deadline.within(limit)
             self._help(until)
-            if not event._set and not event.wait(None if until is None else until - time.monotonic()):
+            if not event._set and not event.wait(None if until is None else until.left()):
                 self._timed_out(limit)  # type: ignore[arg-type]
         if self._error is not None:  # what done() raises, once finished
             raise self._error

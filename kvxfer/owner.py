@@ -37,7 +37,6 @@ from .errors import (
     AgentClosedError,
     BackPressureError,
     InvalidArgumentError,
-    KvxferError,
     TransferCancelledError,
     UnknownPeerError,
 )
@@ -128,7 +127,7 @@ class Owner:
         if type(key) is not str:
             _args.peer_key(key)
         limit = self.agent.timeout if timeout is None else _args.timeout_or(self.agent.timeout, timeout)
-        t = OwnedTransfer(self, op, key, local, remote, msg, Deadline(time.monotonic() + limit), limit)
+        t = OwnedTransfer(self, op, key, local, remote, msg, Deadline.within(limit), limit)
         t.expect = expect
         with self._lock:
             if self._closing:
