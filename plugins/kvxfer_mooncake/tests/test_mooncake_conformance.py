@@ -131,6 +131,27 @@ def test_stopped_peer_times_out_within_the_deadline(op: str, fenced: bool, monke
     pytest.fail(f"control: the unfenced release never waited for the call (timed out, took): {seen}")
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped: ``kill`` returns before the stop takes hold,
+    and a peer thread already inside a system call may still serve one more request (CI saw a
+    READ posted right after SIGSTOP complete: "did not time out")."""
+    from kvxfer.deadlines import Deadline
+
+    deadline = Deadline.within(5.0)
+    while not deadline.expired():
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that ended meanwhile
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    pytest.fail(f"peer {pid} did not stop within 5 s of SIGSTOP")
+
+
 def _stopped_wait(op: str) -> tuple[bool, float]:
     """Stop a connected peer (SIGSTOP), move four blocks, ``wait(1)``: (timed out?, seconds)."""
     from kvxfer.errors import TransferTimeoutError
@@ -145,6 +166,7 @@ def _stopped_wait(op: str) -> tuple[bool, float]:
             agent.read(name, [15], [1]).wait(kit.timeout)  # connected before the peer stops
             os.kill(peer.pid, signal.SIGSTOP)
             stopped = True
+            _wait_stopped(peer.pid)
             move = agent.read if op == "read" else agent.write
             t = move(name, [0, 1, 2, 3], [0, 1, 2, 3])
             start = time.monotonic()
