@@ -39,7 +39,7 @@ def post(owner: Any, t: Any, route: Any) -> bool:
         return False
     try:
         agent = owner.agent
-        if not owner._sleeping or owner._inbox or route.queue or route.peer is None or route.fetching or t.expect is not None:
+        if not owner._sleeping or owner._inbox or route.queue or not route.ready or t.expect is not None:
             return False
         hot = agent._hot.get((route.peer, t.op))
         if hot is None:
@@ -54,10 +54,7 @@ def post(owner: Any, t: Any, route: Any) -> bool:
             return False
         t._inner = inner
         owner._inflight[t] = None
-        t.posted = True  # t._mark_posted(), inlined: either it sees the flag or wait_posted sees this
-        flag = t._posted
-        if flag is not None:
-            flag.set()
+        t._mark_posted()
         return True
     finally:
         engine.release()

@@ -26,8 +26,6 @@ class HandleOwner(Protocol):
     """What a handle asks of the :class:`~kvxfer.owner.Owner` it came from (a Protocol here,
     so this module needs nothing from the one that imports it)."""
 
-    _ident: int | None  # the owner's thread
-
     def _check_not_loop(self, what: str) -> None: ...
 
     def _cancel(self, t: "OwnedTransfer") -> None: ...
@@ -123,12 +121,9 @@ class OwnedFuture(Generic[T]):
         """Block until finished, at most ``timeout`` seconds (None: until the owner finishes it,
         which it does by the transfer's deadline). Raises the error if it failed.
 
-        Every owned READ waits here (issue 37): a common timeout skips :func:`check_timeout`,
-        and a handle the waiter's own polling finished (:meth:`_help`) waits on nothing."""
-        owner = self._owner
-        if threading.get_ident() == owner._ident:
-            owner._check_not_loop("wait")  # raises
-        limit = _limit(timeout)
+        A handle the waiter's own polling finished (:meth:`_help`) waits on nothing."""
+        self._owner._check_not_loop("wait")
+        limit = None if timeout is None else check_timeout(timeout, "wait timeout")
         event = self._event
         if not event._set:
             until = None if limit is None else Deadline.within(limit)
@@ -180,8 +175,7 @@ class OwnedFuture(Generic[T]):
                 return
             self._value, self._error, self._status = value, error, status
             callbacks, self._callbacks = self._callbacks, []
-            event._set = True  # event.set(), inlined: only a finish sets it, and under this lock
-            event._lock.release()
+            event.set()
         for fn in callbacks:
             _call(fn, self)
 
@@ -205,18 +199,6 @@ def _detach(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # skips frames still running
         todo += [e.__cause__, e.__context__]
-
-
-def _limit(timeout: float | None) -> float | None:
-    """A wait's timeout in seconds: an int or float in (0, 1e18) as it is (what
-    :func:`check_timeout` accepts, without the call); anything else (bool, NaN, inf, a string)
-    goes through it and raises its typed error."""
-    if timeout is None:
-        return None
-    tt = type(timeout)
-    if (tt is float or tt is int) and 0 < timeout < 1e18:
-        return float(timeout)
-    return check_timeout(timeout, "wait timeout")
 
 
 def _call(fn: Callable[[Any], None], arg: Any) -> None:

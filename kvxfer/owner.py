@@ -459,11 +459,9 @@ class Owner:
             self._held -= 1
             route = self._routes[t.route]
             route.held -= 1
-            # _forget_idle's own test, its cheap part first: a peer the agent knows is kept, no call
-            if not route.held and route.fetch is None and route.peer not in self.agent._peers:
-                self._forget_idle(route)
+            self._forget_idle(route)
         if error is None:
-            t._finish(Status.DONE, t)  # t._done(), inlined
+            t._done()
         else:
             t._fail(error)
 
