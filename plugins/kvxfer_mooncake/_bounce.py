@@ -86,7 +86,9 @@ class Arenas:
             if len(self._idle) <= _IDLE_KEPT:
                 return
             a = self._idle.pop(0)
-        self._engine.unregister_memory(a.base)
+            engine = self._engine
+        if engine is not None:  # None: closed, the engine unregisters everything as it stops
+            engine.unregister_memory(a.base)
 
     def hold(self, a: Arena) -> None:
         """Its READ ended while Mooncake may still write into it: never reused."""
@@ -95,12 +97,18 @@ class Arenas:
             self._held_bytes += a.nbytes
 
     def close(self) -> list[Arena]:
-        """Unregister the idle arenas; return the held ones, to be dropped after the engine."""
+        """Unregister the idle arenas; return the held ones, to be dropped after the engine.
+
+        It lets go of the engine too: kept here, the engine would outlive the backend's close
+        while the held arenas were freed, and a span still queued for one would land in freed
+        memory (the suite died of SIGABRT and SIGSEGV that way: RELIABILITY.md, "Mooncake: a
+        held landing area freed before its engine")."""
         with self._lock:
             idle, self._idle = self._idle, []
             held, self.held, self._held_bytes = self.held, [], 0
+            engine, self._engine = self._engine, None
         for a in idle:
-            self._engine.unregister_memory(a.base)
+            engine.unregister_memory(a.base)
         return held
 
 

@@ -31,7 +31,7 @@ from kvxfer.plugin import SpanIndex, check_timeout, current_deadline
 
 from . import _blob, _identity, _notify, _posts
 from ._bounce import Arenas, gather, scatter
-from ._engine import start_engine
+from ._engine import start_engine, stop_engine
 from ._posts import Post
 
 __all__ = ["MooncakeBackend"]
@@ -407,13 +407,6 @@ class MooncakeBackend(Backend):
         for regions in regs:
             self._unregister(regions)
         self._unregister([(self._scratch.ctypes.data, 0)])
-        held = self._arenas.close()
+        held: list[Any] = [*self._arenas.close(), self._scratch]  # the first contact's byte too
         engine, self._engine = [self._engine], None
-
-        def stop() -> None:
-            """Mooncake's destructor joins its threads (about 1 s); arenas of READs that ended
-            early stay alive until it returned, so a queued span still lands in memory we own."""
-            engine.clear()  # the last reference: the engine stops here, not in close
-            held.clear()
-
-        threading.Thread(target=stop, name="kvxfer-mooncake-close", daemon=True).start()
+        threading.Thread(target=stop_engine, args=(engine, held), name="kvxfer-mooncake-close", daemon=True).start()

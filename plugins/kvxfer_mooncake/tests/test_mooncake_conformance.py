@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -183,3 +184,73 @@ def _stopped_wait(op: str) -> tuple[bool, float]:
         if stopped:
             os.kill(peer.pid, signal.SIGCONT)
         peer.close()
+
+
+@pytest.mark.parametrize("case", ["fixed", "another-reference", "control-arenas-keep-the-engine",
+                                  "control-check-off"])
+def test_a_held_landing_area_is_freed_only_after_its_engine(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ that timed out on a stopped peer holds its landing area: the spans Mooncake
+    queued for it may still land. Closing the agent frees that area only once the engine is
+    gone (its destructor joined its threads), never while a resumed peer's spans could land in
+    freed memory (that corrupted the heap: the main suite died of SIGABRT and of SIGSEGV).
+    ``another-reference``: the test itself keeps the engine alive, so the area is kept, never
+    freed. Controls: the arenas keep their engine after close and the last-reference check is
+    off (the code before the fix); the test's reference with the check off. Either frees the
+    area while the engine lives. They run in a child process (:func:`_in_child`)."""
+    import weakref
+
+    from kvxfer.errors import TransferTimeoutError
+    from kvxfer_mooncake import _engine
+    from kvxfer_mooncake._bounce import Arenas
+
+    if case.startswith("control"):
+        if _in_child(f"test_a_held_landing_area_is_freed_only_after_its_engine[{case}]"):  # it frees memory
+            return  # Mooncake may still write into: a child's heap, not this suite's
+        monkeypatch.setattr(_engine, "_outlives", lambda engine: False)
+    if case == "control-arenas-keep-the-engine":
+        close = Arenas.close
+
+        def keep(self: Arenas) -> list[Any]:
+            engine, held = self._engine, close(self)
+            self._engine = engine
+            return held
+
+        monkeypatch.setattr(Arenas, "close", keep)
+    kit = _Stoppable()
+    peer = kit._spawn("packed", seed=41, name="stopped")
+    freed: list[bool] = []  # per held area freed: was its engine still alive then?
+    finalizers: list[Any] = []
+    try:
+        agent = kit.make_agent("local")
+        agent.register(make_cache("packed", num_blocks=16, memory="DRAM", **GEOM).views, replicated=True)
+        name = agent.add_peer(peer.metadata)
+        agent.read(name, [15], [1]).wait(kit.timeout)
+        os.kill(peer.pid, signal.SIGSTOP)
+        _wait_stopped(peer.pid)
+        with pytest.raises(TransferTimeoutError):
+            agent.read(name, [0, 1, 2, 3], [0, 1, 2, 3]).wait(1.0)
+        backend = agent.backend
+        held = list(backend._arenas.held)
+        assert held, "the timed-out READ held no landing area: nothing to check"
+        alive = weakref.ref(backend._engine)
+        extra = backend._engine if case in ("another-reference", "control-check-off") else None
+        for a in held:
+            finalizers.append(weakref.finalize(a.buffer, lambda: freed.append(alive() is not None)))
+        del held, a
+        agent.close()
+        for t in threading.enumerate():
+            if t.name == "kvxfer-mooncake-close":
+                t.join(30)
+        if case == "fixed":
+            assert alive() is None, "the engine did not stop at close"
+            assert freed == [False] * len(finalizers), f"areas freed with the engine alive: {freed}"
+        elif case == "another-reference":
+            assert freed == [], "an area was freed while the test still held its engine"
+        else:
+            assert True in freed, f"control: no area was freed while its engine lived ({freed})"
+        del extra, backend
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.close()
+        for f in finalizers:
+            f.detach()
