@@ -199,9 +199,10 @@ def test_a_held_landing_area_is_freed_only_after_its_engine(case: str, monkeypat
     area while the engine lives. They run in a child process (:func:`_in_child`)."""
     import weakref
 
-    from kvxfer.errors import TransferTimeoutError
     from kvxfer_mooncake import _engine
     from kvxfer_mooncake._bounce import Arenas
+
+    from kvxfer.errors import TransferTimeoutError
 
     if case.startswith("control"):
         if _in_child(f"test_a_held_landing_area_is_freed_only_after_its_engine[{case}]"):  # it frees memory
