@@ -15,10 +15,13 @@ from kvxfer.table import Column, count, print_table
 __all__ = ["samples", "Column", "count", "print_table"]
 
 
-def samples(fn: Callable[[], object], repeat: int) -> list[float]:
-    """Seconds taken by each of ``repeat`` calls of ``fn`` (warm it up first yourself)."""
+def samples(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds taken by each of ``repeat`` calls of ``fn`` (warm it up first yourself);
+    ``setup`` runs before each call, untimed."""
     out = []
     for _ in range(repeat):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)

@@ -150,7 +150,7 @@ class RawPosix:
 
 
 def _paired(args: argparse.Namespace, given: dict[tuple[str, str], Any], offload: Any, restore: Any, raw: RawPosix,
-            out: list[dict[str, object]]) -> list[str]:
+            out: list[dict[str, object]], room: Any, once: Any) -> list[str]:
     """Whole rows, the store's own path against raw NIXL POSIX, alternating in one process with
     the same agents alive (like with like): rows for the table, and each ratio's lines."""
     lines = []
@@ -162,13 +162,15 @@ def _paired(args: argparse.Namespace, given: dict[tuple[str, str], Any], offload
     for what, fn, op, spec in (("offload", offload, "WRITE", "src rows"), ("restore", restore, "READ", "dst rows")):
         store_s: list[float] = []
         raw_s: list[float] = []
-        fn(given[("pwritev", spec)])  # warm both
+        once(fn, given[("pwritev", spec)])  # warm both
         raw.xfer(op, False)
         for k in range(args.repeat):  # raw, store, store, raw, ...: the neighbours' load falls on both
             for who in ((raw_s, store_s) if k % 2 == 0 else (store_s, raw_s)):
-                who += samples((lambda: raw.xfer(op, False)) if who is raw_s else
-                               (lambda: fn(given[("pwritev", spec)])), 1)
-        t = fn(given[("pwritev", spec)])
+                if who is raw_s:
+                    who += samples(lambda: raw.xfer(op, False), 1)
+                else:
+                    who += samples(lambda: fn(given[("pwritev", spec)]), 1, room(fn))
+        t = once(fn, given[("pwritev", spec)])
         out.append(raw.row(op, False, raw_s, "paired: raw NIXL POSIX"))
         out.append({"run": f"paired: store {what} ({t.stats.path})", "cache": "rows", "requests": t.stats.posts,
                     "descriptors": t.stats.descriptors, "ios": t.stats.telemetry[0]["ios"],
@@ -212,8 +214,20 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
     out = []
 
     def offload(spec: Any) -> kvxfer.Transfer:
-        store.discard(keys)
         return store.offload(spec, local, keys).wait()
+
+    def room(fn: Any) -> Any:
+        """What runs, untimed, before ``fn``: an offload of keys already stored writes nothing,
+        so they are discarded first. Not part of an offload (raw NIXL POSIX has no index to
+        clear); BENCHMARKS.md, "Issue 37: the store's discard, untimed"."""
+        return (lambda: store.discard(keys)) if fn is offload else None
+
+    def once(fn: Any, spec: Any) -> kvxfer.Transfer:
+        """``fn`` untimed, its room made first."""
+        setup = room(fn)
+        if setup is not None:
+            setup()
+        return fn(spec)  # type: ignore[no-any-return]
 
     def restore(spec: Any) -> kvxfer.Transfer:
         return store.restore(keys, spec, local).wait()
@@ -240,35 +254,36 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
                                                            ("src layers", "offload", offload, None),
                                                            ("dst layers", "restore", restore, "layers"))
                                         if (p, s) in given]:
-        t = fn(given[(path, spec)])  # warm-up, and the bytes checked once
+        t = once(fn, given[(path, spec)])  # warm-up, and the bytes checked once
         assert t.stats.path in ((path, "preadv") if path == "pwritev" else (path, path + "+stage")), t.stats.path
         if dst == "rows":
             assert np.array_equal(keep_dst[0].view(np.uint16), keep_src[0].view(np.uint16)), "restored rows differ"
             keep_dst[0].view(np.uint8)[...] = 0xAA
         elif dst == "layers":
             assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(keep_dst[1:], keep_src[1:])), "restored pages differ"
-        secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
+        secs = samples(lambda: fn(given[(path, spec)]), args.repeat, room(fn))
         ios = t.stats.telemetry[0]["ios"]  # system calls, staged row runs, or NIXL's one I/O per descriptor
         out.append({"run": f"store {what} ({t.stats.path})", "cache": spec.split()[1], "requests": t.stats.posts,
                     "descriptors": t.stats.descriptors, "ios": ios, "per_layer_ios": n * 2 * LAYERS,
                     **_rates(nbytes, secs)})
-    paired = _paired(args, given, offload, restore, raw, out) if raw is not None else []
+    paired = _paired(args, given, offload, restore, raw, out, room, once) if raw is not None else []
     if args.stub_digests:  # what the data path costs without the row digests (never a product setting)
         import kvxfer.store.store as store_module
 
-        real = store_module.row_digests
-        store_module.row_digests = lambda mapped, slots: np.zeros(slots.shape[0], np.uint64)
+        real = store_module.row_digests, store_module.local_row_digests
+        store_module.row_digests = store_module.local_row_digests = \
+            lambda spec, rows: np.zeros(rows.shape[0], np.uint64)  # the slab's digests and the cache's alike
         try:
             for path in ("pwritev", "nixl-posix"):
                 for spec, what, fn in (("src rows", "offload", offload), ("dst rows", "restore", restore)):
                     if (path, spec) in given:
-                        t = fn(given[(path, spec)])
-                        secs = samples(lambda: fn(given[(path, spec)]), args.repeat)
+                        t = once(fn, given[(path, spec)])
+                        secs = samples(lambda: fn(given[(path, spec)]), args.repeat, room(fn))
                         out.append({"run": f"store {what} ({t.stats.path}), digests stubbed", "cache": "rows",
                                     "requests": t.stats.posts, "descriptors": t.stats.descriptors,
                                     **_rates(nbytes, secs)})
         finally:
-            store_module.row_digests = real
+            store_module.row_digests, store_module.local_row_digests = real
     slots = np.arange(n)
     secs = samples(lambda: row_digests(store._slab.mapped, slots), args.repeat)
     out.append({"run": "row digests alone (kvxfer.integrity xxh3 rows, one thread)", "cache": "-",
