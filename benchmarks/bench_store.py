@@ -220,13 +220,11 @@ def run(args: argparse.Namespace, n: int, work: str) -> None:
         """What runs, untimed, before ``fn``: an offload of keys already stored writes nothing,
         so they are discarded first. Not part of an offload (raw NIXL POSIX has no index to
         clear); BENCHMARKS.md, "Issue 37: the store's discard, untimed"."""
-        return (lambda: store.discard(keys)) if fn is offload else None
+        return (lambda: store.discard(keys)) if fn is offload else (lambda: None)
 
     def once(fn: Any, spec: Any) -> kvxfer.Transfer:
         """``fn`` untimed, its room made first."""
-        setup = room(fn)
-        if setup is not None:
-            setup()
+        room(fn)()
         return fn(spec)  # type: ignore[no-any-return]
 
     def restore(spec: Any) -> kvxfer.Transfer:

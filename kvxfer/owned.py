@@ -323,9 +323,6 @@ class OwnedTransfer(OwnedFuture["OwnedTransfer"]):
             flag.set()
 
     def _finish(self, status: Status, value: Any = None, error: BaseException | None = None) -> None:
-        """:meth:`OwnedFuture._finish`, then ``posted``, as :meth:`_mark_posted` does."""
+        """:meth:`OwnedFuture._finish`, then :meth:`_mark_posted`: a finished transfer was posted."""
         OwnedFuture._finish(self, status, value, error)
-        self.posted = True
-        flag = self._posted
-        if flag is not None:
-            flag.set()
+        self._mark_posted()

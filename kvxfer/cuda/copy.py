@@ -35,7 +35,7 @@ import numpy as np
 
 from ._driver import NOT_READY, Cuda, CudaError, MemcpyAttributes, MemLocation
 
-__all__ = ["FEW", "PIECE", "Copier", "CopyHandle", "few_shape", "piece_size", "pieces"]
+__all__ = ["FEW", "PIECE", "Copier", "CopyHandle", "few_shape", "launch_grid", "piece_size", "pieces"]
 
 #: Longest piece one CTA copies: long spans are cut so a few huge ones still use every SM.
 PIECE = 1 << 20
@@ -58,6 +58,14 @@ _HOST_MAPPED = 3  # cudaHostAllocPortable | cudaHostAllocMapped: the watcher rea
 _GATE_WORDS = 3  # struct Gate in batch_copy.cu: host, state, finished
 #: A gated launch's extra block (block 0): the watcher that mirrors the host's gate word.
 WATCHER = 1
+#: Worker blocks of one launch at most: CUDA's grid limit, less the watcher's block.
+_MAX_WORKERS = (1 << 31) - 2
+
+
+def launch_grid(workers: int, gated: bool) -> int:
+    """The grid of a launch of ``workers`` worker blocks (at least one, at most
+    :data:`_MAX_WORKERS`), plus the watcher where the launch is gated."""
+    return max(1, min(workers, _MAX_WORKERS)) + (WATCHER if gated else 0)
 
 
 def piece_size(total: int) -> int:
@@ -288,7 +296,7 @@ class Copier:
                          "uploading the copy table")
             arg_t, arg_n, arg_g = ctypes.c_ulonglong(slot.dev), ctypes.c_ulonglong(n), ctypes.c_ulonglong(gate[1])
             args = (ctypes.c_void_p * 3)(ctypes.addressof(arg_t), ctypes.addressof(arg_n), ctypes.addressof(arg_g))
-            grid = max(1, min(n, (1 << 31) - 2)) + (WATCHER if gate[1] else 0)
+            grid = launch_grid(n, bool(gate[1]))
             self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, 0, d.stream, args, None),
                              "launching the copy kernel")
         except BaseException:
@@ -309,8 +317,8 @@ class Copier:
             piece, first = few_shape(sizes)
             if len(d.shapes) >= _MAX_SHAPES:
                 d.shapes.clear()
-            shape = d.shapes[key] = (piece, first, max(1, min(int(first[-1]), (1 << 31) - 2)))
-        piece, first, grid = shape
+            shape = d.shapes[key] = (piece, first, int(first[-1]))
+        piece, first, workers = shape
         n = sizes.shape[0]
         with d.few_lock:
             f = d.few
@@ -322,7 +330,7 @@ class Copier:
             f[_FEW_WORDS - 1] = gate[1]
             if d.few_args is None:
                 d.few_args = (ctypes.c_void_p * 1)(f.ctypes.data)
-            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, grid + (WATCHER if gate[1] else 0), 1, 1, THREADS, 1, 1, 0,
+            self.c.check_drv(self.c.drv.cuLaunchKernel(fn, launch_grid(workers, bool(gate[1])), 1, 1, THREADS, 1, 1, 0,
                                                        d.stream, d.few_args, None),
                              "launching the copy kernel")
         return CopyHandle(device, 0, engine="sm", gate=gate[0])

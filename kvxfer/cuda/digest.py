@@ -24,7 +24,7 @@ import numpy as np
 
 from ..integrity.mm8 import CHUNK, fold_weights, length_key, mix, sketch_matrix  # noqa: F401 (length_key: the definition)
 from ._driver import CudaError
-from .copy import WATCHER, Copier, CopyHandle
+from .copy import Copier, CopyHandle, launch_grid
 
 __all__ = ["mm8", "mm8_table", "post", "result"]
 
@@ -133,7 +133,7 @@ def post(copier: Copier, device: int, src: np.ndarray, lengths: np.ndarray,
                 (tslot.dev, pieces, k.kp, k.r, oslot.dev)
             a = [ctypes.c_ulonglong(v) for v in words]
             args = (ctypes.c_void_p * len(a))(*[ctypes.addressof(x) for x in a])
-            grid = max(1, min(pieces, (1 << 31) - 2)) + (WATCHER if name == "kvxfer_mm8_tc" and d.gates[ev][1] else 0)
+            grid = launch_grid(pieces, name == "kvxfer_mm8_tc" and bool(d.gates[ev][1]))
             c.check_drv(c.drv.cuLaunchKernel(fn, grid, 1, 1, _DTHREADS, 1, 1, 0, d.stream, args, None),
                         "launching the mm8 kernel")
             c.check(c.rt.cudaMemcpyAsync(oslot.host, oslot.dev, 8 * n, _D2H, d.stream), "reading the mm8 sums")

@@ -80,8 +80,7 @@ def encode_puts(keys: Sequence[bytes], first_generation: int, slots: np.ndarray,
     byte :func:`encode_put`'s, without a :class:`Record` per key: publishing 1,024 rows that way
     cost about 1 ms of the offload's critical path (BENCHMARKS.md, "Issue 37: store offload,
     store4")."""
-    pack = _PUT.pack
-    return b"".join(_frame(pack(b"P", g, s, d, len(k)) + k) for g, k, s, d in
+    return b"".join(encode_put(k, g, s, d) for g, k, s, d in
                     zip(range(first_generation, first_generation + len(keys)), keys, slots.tolist(), digests.tolist()))
 
 
