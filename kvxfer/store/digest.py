@@ -22,7 +22,7 @@ from ..integrity.cells import Cells, source_spans
 from ..integrity.digests import _combine, _in_place, hash_spans
 from ..integrity.mm8 import _xxh3
 
-__all__ = ["row_digests", "local_row_digests", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
+__all__ = ["row_digests", "local_row_digests", "buffer_row_digests", "bounces", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
 
 DIGEST_NAME = "integrity-xxh3-row2"
 LEGACY_NAME = "integrity-xxh3-rows"
@@ -69,6 +69,24 @@ def local_row_digests(spec: KVCacheSpec, blocks: np.ndarray) -> np.ndarray:
     hashes its source (warm, already mapped) instead of the slab's map (cold pages, a page
     fault each), a restore the rows it just read (:meth:`kvxfer.Store._run`)."""
     return _digests(spec, blocks)
+
+
+def bounces(mapped: KVCacheSpec) -> bool:
+    """Whether the slab's rows are runs (always, for the slab kvxfer lays out), so a bounce
+    buffer holding slots as the slab does can be hashed by :func:`buffer_row_digests`."""
+    return _runs(mapped) is not None
+
+
+def buffer_row_digests(mapped: KVCacheSpec, buf: np.ndarray, lo: int, slots: np.ndarray) -> np.ndarray:
+    """The digests of ``slots`` where a buffer ``buf`` holds them as the slab would from slot
+    ``lo`` on (:mod:`.bounce`: what an offload writes, hashed before it is written)."""
+    run = _runs(mapped)
+    if run is None:
+        raise ValueError("the slab's rows are not runs")  # bounces() said so first
+    _, at, stride, n = run
+    h, mv = _xxh3(), memoryview(buf)
+    return np.fromiter([h(mv[o:o + n]) for o in (at + (slots - lo) * stride).tolist()], dtype=np.uint64,
+                       count=slots.shape[0])
 
 
 def legacy_row_digests(mapped: KVCacheSpec, slots: np.ndarray) -> np.ndarray:

@@ -8,12 +8,13 @@ its I/O, which is where a corrupted row is stopped (docs/storage.md, "Digests").
 from __future__ import annotations
 
 from concurrent.futures import Future, wait
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import StoreCorruptError
 from ..geometry._spec import KVCacheSpec
+from .bounce import offload
 from .fileio import Calls, Job, wipe
 from .paths import Hook, Mover
 
@@ -29,16 +30,20 @@ class _Damaged(Exception):
 
 
 def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover,
-        local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
+        local: tuple[KVCacheSpec, np.ndarray] | None = None,
+        source: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
     """Move the calls group by group on the worker threads (:func:`~.fileio.groups`); returns
     the digests. ``local`` (a host cache and its blocks): an offload digests a group's rows
-    in the cache right after writing them (warm in the CPU caches: BENCHMARKS.md, "Issue 37:
-    store offload"; a row changed meanwhile fails its digest at restore, a miss); a restore
+    in the cache while writing them (BENCHMARKS.md, "Issue 37: the digest beside its write";
+    a row changed meanwhile fails its digest at restore, a miss); a restore
     reads a group into the cache, then
     checks its rows there while warm, and zeroes the group's memory if any row fails or
     the read is cut short, inside the fence (no unchecked byte stays, none lands after).
     Otherwise a restore (``want``: the digests on record) checks a group's rows in the slab
-    right before copying them, an offload digests them in the slab right after writing."""
+    right before copying them, an offload digests them in the slab right after writing.
+
+    ``source`` (a per-layer host cache's ``(address, nbytes)`` ranges, on the store's own
+    path): an offload of more than one group goes through bounce buffers (:mod:`.bounce`)."""
     if not st._slab.intact():
         raise StoreCorruptError("the slab file was truncated while open; its rows cannot be trusted")
     write = want is None
@@ -97,8 +102,11 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
             dig[i:j] = st._digest_slots(uniq[i:j])
 
     todo = st._groups(calls, mover)
+    if write and mover.bridges and source is not None and len(todo) > 1:
+        offload(st, job, calls, todo, mover, cancelled, hook, source, uniq, dig)
+        return dig[inverse]
     if write and mover.bridges and len(todo) > 1:
-        _pipeline(st, job, calls, todo, mover, cancelled, hook, digest)
+        _pipeline(st, job, calls, todo, mover, cancelled, hook, digest, beside=local is not None)
     else:
         futs = [st._pool.submit(one, *g) for g in todo]
         for f in futs:  # wait for all (no call may outlive the job), then raise the first error
@@ -113,23 +121,36 @@ def run(st: Any, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | N
 
 
 def _pipeline(st: Any, job: Job, calls: Calls, todo: list[tuple[int, int, int, int]], mover: Mover,
-              cancelled: Callable[[], bool], hook: Hook, digest: Callable[[int, int], None]) -> None:
+              cancelled: Callable[[], bool], hook: Hook, digest: Callable[[int, int], None],
+              beside: bool) -> None:
     """An offload on the store's own path: one writer (this thread) writes the groups in file
-    order while the pool digests each written group (its rows still in the CPU caches).
+    order while the pool digests each group. ``beside`` (rows hashed in the cache): a group's
+    digest task is handed over right before its write, so the hash and the kernel's copy read
+    the same rows at the same time (one fetch from memory serves both) and no digest is left
+    to wait for after the last write (BENCHMARKS.md, "Issue 37: the digest beside its write").
+    Otherwise (rows hashed in the slab's map) a group is digested once it is written.
 
     Buffered writes to one file serialise on its inode lock in the kernel: several writer
     threads only spin there, taking the core the digests need (BENCHMARKS.md, "Issue 37:
     store offload"), and one thread already writes at the file's speed. The writer hands a
     group over without waiting, so writes never wait for a hand-off. Every digest task is
-    waited for before this returns or raises: a failed or cancelled write publishes nothing,
-    and no task reads the cache after the job has ended."""
+    waited for before this returns or raises (a failed or cancelled write publishes nothing),
+    and runs inside the job's fence: once a cancel returned, no task reads the cache."""
     hashes: list[Future[None]] = []
+
+    def fenced(lo: int, hi: int) -> None:
+        with job.io():  # a cancel returns only once no digest reads the cache (refused after it)
+            digest(lo, hi)
+
     try:
         for a, b, lo, hi in todo:
             part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
+            if beside:
+                hashes.append(st._pool.submit(fenced, lo, hi))
             with job.io():  # the fence, as for any call (refused once cancelled)
                 mover(True, part, cancelled, hook)
-            hashes.append(st._pool.submit(digest, lo, hi))
+            if not beside:
+                hashes.append(st._pool.submit(fenced, lo, hi))
     finally:
         wait(hashes)
     for f in hashes:

@@ -28,7 +28,8 @@ from ..pairing._templates import Pairing, pair
 from ..planner import TransferPlan, as_block_ids, plan
 from ..transfer import Transfer, TransferStats, _Post
 from . import journal
-from .digest import local_row_digests, row_digests
+from .bounce import Buffers
+from .digest import bounces, local_row_digests, row_digests
 from .fileio import ENGINE, MAX_CALL, Calls, Job, JobTransfer, build_calls, groups, run_calls
 from .rungroups import _Damaged, run
 from .index import Entry, Index, check_keys as _keys
@@ -98,6 +99,7 @@ class Store:
         self._pairings: dict[int, Pairing] = {}
         self._files = Files(self._slab.fd, self._slab.size)  # the slab's registrations with file paths
         self._posix = posix_mover(self._slab.fd)
+        self._bounce = Buffers(max(1, MAX_CALL // g.stride) * g.stride)  # an offload's groups, gathered
         self._stages: dict[tuple[MemoryKind, int, int], Stage] = {}
         self._closed = False
         lifecycle.store_event("store_open", self.path, f"{'created' if self._slab.created else 'opened'}, "
@@ -194,9 +196,10 @@ class Store:
             raise
 
         local = (spec, blocks) if self._in_place(spec, mover) else None
+        source = [(a.address, a.nbytes) for a in spec.allocations] if self._bounces(spec, mover) else None
 
         def body(job: Job) -> None:
-            digests = self._run(job, calls, slots, None, mover, local)
+            digests = self._run(job, calls, slots, None, mover, local, source)
             if self.durable:
                 try:
                     os.fdatasync(self._slab.fd)
@@ -368,11 +371,19 @@ class Store:
         cells a row in Python, and staged rows are checked in the slab before they are copied."""
         return MemoryKind.VRAM not in spec.kinds and not mover.staged and len(spec.regions) == 1
 
+    def _bounces(self, spec: KVCacheSpec, mover: Mover) -> bool:
+        """An offload of a per-layer host cache on the store's own path goes through bounce
+        buffers (:mod:`.bounce`). A one-region cache's rows are already runs: the kernel copies
+        them as fast from the cache, and a gather would be one more copy on a 2-core budget."""
+        return (mover.bridges and len(spec.regions) > 1 and MemoryKind.VRAM not in spec.kinds
+                and bounces(self._slab.mapped))
+
     def _run(self, job: Job, calls: Calls, slots: np.ndarray, want: np.ndarray | None, mover: Mover,
-             local: tuple[KVCacheSpec, np.ndarray] | None = None) -> np.ndarray:
+             local: tuple[KVCacheSpec, np.ndarray] | None = None,
+             source: list[tuple[int, int]] | None = None) -> np.ndarray:
         """Move the calls group by group on the worker threads and digest or check the rows
         (:func:`.rungroups.run`); returns the digests (raises ``_Damaged`` for rows that failed)."""
-        return run(self, job, calls, slots, want, mover, local)
+        return run(self, job, calls, slots, want, mover, local, source)
 
     def _groups(self, calls: Calls, mover: Mover) -> list[tuple[int, int, int, int]]:
         """Groups of whole rows, one task each: runs of calls for the store's own path, cells of
