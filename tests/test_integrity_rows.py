@@ -95,3 +95,32 @@ def test_version_1_digests_are_refused_typed_and_xxh3_rows_need_the_bytes() -> N
         compute(spec, BLOCKS, algorithm="xxh3").rows()
     m = compute(spec, BLOCKS, algorithm="mm8")
     assert m.rows() == compute(spec, BLOCKS, algorithm="mm8", rows=True)  # mm8 rows still fold cell digests
+
+
+@pytest.mark.parametrize("shape", ["packed", "layers", "swapped", "strided"])
+def test_rows_found_in_place_are_exactly_the_cells_that_run_on(shape: str) -> None:
+    """Where every block is laid out alike, ``_in_place`` checks the cells once, not per block:
+    its answer and row offsets equal the per-block check over every cell's address (numpy
+    here). ``swapped``: the pages of a row out of order (not one run); ``strided``: layer 1
+    with a block stride of its own in the same allocation (the per-block path decides)."""
+    from kvxfer.integrity.digests import _in_place
+
+    st = np.zeros((NB * 2, L * PAGE + 64), np.uint8)
+    if shape == "packed":
+        t = {f"layer.{i}": st[:NB, i * PAGE:(i + 1) * PAGE] for i in range(L)}
+    elif shape == "swapped":
+        t = {f"layer.{i}": st[:NB, (L - 1 - i) * PAGE:(L - i) * PAGE] for i in range(L)}
+    elif shape == "strided":
+        t = {"layer.0": st[:NB, :PAGE], "layer.1": st[::2, PAGE:2 * PAGE], "layer.2": st[:NB, 2 * PAGE:3 * PAGE]}
+    else:
+        t = _cache("layers", None)[0]
+    spec = kvxfer.spec_from_tensors(t)
+    spans = local_spans(spec, BLOCKS, Cells.pages(spec, [f"layer.{i}" for i in range(L)]))
+    addr = spans.base[None, :] + BLOCKS[:, None] * spans.stride[None, :]  # [B, C], computed here
+    one = len(set(spans.alloc.tolist())) == 1
+    runs = one and bool((addr[:, 1:] == addr[:, :-1] + spans.length[None, :-1]).all())
+    got = _in_place(spans)
+    assert (got is not None) is runs is (shape == "packed")
+    if runs:
+        base = spans.allocations[int(spans.alloc[0])].address
+        assert got[1].tolist() == (addr[:, 0] - base).tolist() and got[2] == L * PAGE

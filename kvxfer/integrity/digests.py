@@ -137,12 +137,19 @@ def _combine(values: np.ndarray) -> np.ndarray:
 def _in_place(spans: CellSpans) -> tuple[memoryview, np.ndarray, int] | None:
     """Each block's cells as one run of one host allocation (cell ``c + 1`` starts where ``c``
     ends): the allocation's view, the runs' offsets and their length; else None."""
-    if not (spans.alloc == spans.alloc[0]).all():
+    if not spans.alloc.shape[0] or not (spans.alloc == spans.alloc[0]).all():
         return None
     a = spans.allocations[int(spans.alloc[0])]
     if a.kind is MemoryKind.VRAM:
         return None
-    addr = spans.addresses()
+    st, ss = spans.stride, spans.substride
+    if (st == st[0]).all() and (ss == ss[0]).all():  # every block laid out alike: its cells are checked once
+        b = spans.base
+        if b.shape[0] > 1 and not (b[1:] == b[:-1] + spans.length[:-1]).all():
+            return None
+        start = b[0] + spans.block * st[0] + spans.sub * ss[0]
+        return _host_view(a.address, a.nbytes), start - a.address, int(spans.length.sum())
+    addr = spans.addresses()  # [B, C]: each block's cells checked
     if addr.shape[1] > 1 and not (addr[:, 1:] == addr[:, :-1] + spans.length[None, :-1]).all():
         return None
     return _host_view(a.address, a.nbytes), addr[:, 0] - a.address, int(spans.length.sum())

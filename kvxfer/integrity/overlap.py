@@ -137,8 +137,11 @@ class Overlapped:
 
     def __call__(self) -> None:
         """Every part checked, else the first error. A part the worker has not started yet is
-        checked here (the caller would only wait); one it is hashing, if its check is ``shared``
-        (:class:`Rows`), is hashed by both threads, row by row."""
+        checked here (the caller would only wait); a ``shared`` check (:class:`Rows`) is
+        joined at once, started or not, so the worker hashes beside the caller as soon as it
+        wakes (cancelling it first left the whole last part to the caller whenever the
+        worker's wake-up was slower than the caller: BENCHMARKS.md, "Issue 37: verified DRAM,
+        the last part shared")."""
         if len(self._futures) != len(self._bounds):  # DONE over a part never posted: no proof of it
             raise IntegrityError(f"{len(self._bounds) - len(self._futures)} of {len(self._bounds)} parts of a "
                                  "verified read were never checked; refused")
@@ -147,11 +150,13 @@ class Overlapped:
             f = self._futures[j]
             try:
                 check = self._checks[j]
-                if f.cancel():
+                if getattr(check, "shared", False):  # take the rows the worker has not reached, then
+                    check()  # its task, if it never started (a wake-up costs tens of us on a VM)
+                    if not f.cancel():
+                        f.result()
+                elif f.cancel():
                     check()
                 else:
-                    if getattr(check, "shared", False):  # the worker is on it: take the rows it has not reached
-                        check()
                     f.result()
             except KvxferError as exc:
                 first = first or exc
@@ -215,6 +220,8 @@ class Folded:
         """The hash of positions ``[a, b)`` once they landed: the rows no copy hashed, one call
         per row (which releases the GIL). They are compared with the rest after DONE, all in one
         numpy comparison (:meth:`__call__`)."""
+        if not self.hits:  # no copy hashed a row (NIXL, UCX): every row of the part is left
+            return Rows(self, deque(range(a, b)))
         return Rows(self, deque((np.flatnonzero(~self.seen[a:b]) + a).tolist()))
 
     def __call__(self) -> None:
