@@ -28,7 +28,7 @@ from .digest import buffer_row_digests
 from .fileio import _SCRATCH, Calls, Job
 from .paths import Hook, Mover, descriptors
 from .slab import HEADER
-from .stage import HostCopies, _inside, _table
+from .stage import HostCopies, _inside, _table, ranges
 
 __all__ = ["Buffers", "offload"]
 
@@ -125,6 +125,7 @@ class _Sources:
 
     def __init__(self, source: Sequence[tuple[int, int]], ln: int) -> None:
         self.memory = list(source)
+        self.ranges = ranges(self.memory)  # sorted once: every group's pages are checked against them
         lo = min(a for a, _ in self.memory)
         self.lo, self.ln = lo, ln
         aligned = ln > 0 and all((a - lo) % ln == 0 for a, _ in self.memory)
@@ -139,7 +140,7 @@ class _Sources:
         dst = off[real].astype(np.int64) - at
         if not dst.size:
             return
-        _inside(src, size, self.memory)  # nothing outside the cache is read
+        _inside(src, size, self.ranges)  # nothing outside the cache is read
         ln = self.ln
         if (self.table is not None and bool((size == ln).all()) and bool(((src - self.lo) % ln == 0).all())
                 and int(dst[-1]) - int(dst[0]) == (dst.shape[0] - 1) * ln):  # one run of whole pages in the buffer

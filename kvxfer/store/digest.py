@@ -22,7 +22,8 @@ from ..integrity.cells import Cells, source_spans
 from ..integrity.digests import _combine, _in_place, hash_spans
 from ..integrity.mm8 import _xxh3
 
-__all__ = ["row_digests", "local_row_digests", "buffer_row_digests", "bounces", "legacy_row_digests", "DIGEST_NAME", "LEGACY_NAME"]
+__all__ = ["row_digests", "local_row_digests", "buffer_row_digests", "bounces", "legacy_row_digests", "DIGEST_NAME",
+           "LEGACY_NAME"]
 
 DIGEST_NAME = "integrity-xxh3-row2"
 LEGACY_NAME = "integrity-xxh3-rows"

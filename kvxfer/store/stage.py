@@ -71,11 +71,18 @@ class HostCopies:
                 _scatter(d, ln, rows)
 
 
-def _inside(addr: np.ndarray, sizes: np.ndarray, memory: Sequence[tuple[int, int]]) -> None:
-    """Every ``[addr, addr + size)`` lies inside one ``(start, nbytes)`` range of ``memory``."""
-    ranges = sorted(memory)
-    starts = np.array([a for a, _ in ranges], dtype=np.int64)
-    ends = np.array([a + n for a, n in ranges], dtype=np.int64)
+def ranges(memory: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``memory``'s ``(start, nbytes)`` ranges as sorted start and end arrays, for :func:`_inside`
+    (made once where many checks share them)."""
+    rs = sorted(memory)
+    return np.array([a for a, _ in rs], dtype=np.int64), np.array([a + n for a, n in rs], dtype=np.int64)
+
+
+def _inside(addr: np.ndarray, sizes: np.ndarray,
+            memory: Sequence[tuple[int, int]] | tuple[np.ndarray, np.ndarray]) -> None:
+    """Every ``[addr, addr + size)`` lies inside one ``(start, nbytes)`` range of ``memory``
+    (or of :func:`ranges`' arrays)."""
+    starts, ends = memory if isinstance(memory, tuple) else ranges(memory)
     i = np.searchsorted(starts, addr, side="right") - 1
     if (i < 0).any() or (addr + sizes > ends[np.maximum(i, 0)]).any():
         raise StoreError("a staged copy leaves the cache's memory")  # the planner's bounds make this unreachable
