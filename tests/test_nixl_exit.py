@@ -52,7 +52,14 @@ def _rdma_userspace_without_devices() -> bool:
 
 @pytest.mark.skipif(not _rdma_userspace_without_devices(), reason="needs libibverbs installed and no RDMA device")
 def test_control_loading_every_ucx_module_crashes_at_exit() -> None:
-    """The control: with the workaround overridden (every module), the same program dies at exit."""
+    """The control: with the workaround overridden (every module), the same program dies at exit.
+
+    Where the host's kernel gives UCX's netlink probe what it wants, nothing crashes even so
+    (RELIABILITY.md, "NIXL exits": a Firecracker 6.18 VM did not): the control then says that it
+    cannot show the crash here, as a skip, instead of failing a suite whose fix is not in question."""
     env = dict(os.environ, UCX_MODULES="*")
     r = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=120)
+    if r.returncode == 0 and r.stdout.strip() == "ok":
+        pytest.skip("this host's UCX exits cleanly with every module loaded: the crash the workaround avoids "
+                    "does not happen here, so the control cannot show it")
     assert r.stdout.strip() == "ok" and r.returncode == -11, (r.returncode, r.stderr[-2000:])
