@@ -28,7 +28,7 @@ from .digest import buffer_row_digests
 from .fileio import _SCRATCH, Calls, Job
 from .paths import Hook, Mover, descriptors
 from .slab import HEADER
-from .stage import HostCopies, _inside, _table, ranges
+from .stage import HostCopies, _inside, _table, buffer_runs, ranges
 
 __all__ = ["Buffers", "offload"]
 
@@ -88,7 +88,7 @@ def offload(st: Any, job: Job, calls: Calls, todo: list[tuple[int, int, int, int
         part = Calls(calls.iov, calls.first[a:b], calls.count[a:b], calls.offset[a:b], calls.nbytes[a:b], 0)
         with job.io():  # the fence: a cancel returns only once no gather reads the cache
             src.gather(part, buf, at)
-        return _runs(part, np.uint64(buf.ctypes.data), at)
+        return buffer_runs(part, np.uint64(buf.ctypes.data), at)
 
     def gatherer() -> None:
         for k, fut in enumerate(ready):
@@ -149,19 +149,3 @@ class _Sources:
             return
         addr = int(buf.ctypes.data)
         HostCopies().copy(addr + dst, src, size, self.memory + [(addr, buf.shape[0])])
-
-
-def _runs(part: Calls, addr: np.uint64, at: int) -> Calls:
-    """``part``'s calls as contiguous runs of the buffer at ``addr`` (holding file offset
-    ``at`` onwards): one iovec per run, runs that follow each other in the file merged."""
-    off, n = part.offset.astype(np.int64), part.nbytes.astype(np.int64)
-    start = np.ones(off.shape[0], dtype=bool)
-    start[1:] = off[1:] != off[:-1] + n[:-1]
-    first = np.flatnonzero(start)
-    offset = off[first]
-    nbytes = np.add.reduceat(n, first)
-    iov = np.empty((first.shape[0], 2), dtype=np.uint64)
-    iov[:, 0] = addr + (offset - at).astype(np.uint64)
-    iov[:, 1] = nbytes.astype(np.uint64)
-    k = first.shape[0]
-    return Calls(iov, np.arange(k), np.ones(k, dtype=np.int64), offset, nbytes, k)

@@ -33,7 +33,7 @@ from ..memory import Allocation, MemoryKind
 from .fileio import Calls
 from .paths import Hook, Mover, descriptors
 
-__all__ = ["HostCopies", "DeviceCopies", "Stage"]
+__all__ = ["HostCopies", "DeviceCopies", "Stage", "buffer_runs", "ranges"]
 
 
 class HostCopies:
@@ -56,8 +56,9 @@ class HostCopies:
 
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, memory: Sequence[tuple[int, int]]) -> None:
         dst, src, sizes = (np.asarray(x, dtype=np.int64) for x in (dst, src, sizes))
-        _inside(dst, sizes, memory)
-        _inside(src, sizes, memory)
+        bounds = ranges(memory)
+        _inside(dst, sizes, bounds)
+        _inside(src, sizes, bounds)
         for ln in np.unique(sizes).tolist():
             sel = sizes == ln
             d, s = (dst, src) if sel.all() else (dst[sel], src[sel])
@@ -71,6 +72,23 @@ class HostCopies:
                 _scatter(d, ln, rows)
 
 
+def buffer_runs(part: Calls, addr: np.uint64, at: int) -> Calls:
+    """``part``'s calls as contiguous runs of a buffer at ``addr`` that holds the slab's bytes
+    from file offset ``at`` on (a stage, a bounce buffer): one iovec per run, runs that follow
+    each other in the file merged into one call."""
+    off, n = part.offset.astype(np.int64), part.nbytes.astype(np.int64)
+    start = np.ones(off.shape[0], dtype=bool)
+    start[1:] = off[1:] != off[:-1] + n[:-1]
+    first = np.flatnonzero(start)
+    offset = off[first]
+    nbytes = np.add.reduceat(n, first)
+    iov = np.empty((first.shape[0], 2), dtype=np.uint64)
+    iov[:, 0] = addr + (offset - at).astype(np.uint64)
+    iov[:, 1] = nbytes.astype(np.uint64)
+    k = first.shape[0]
+    return Calls(iov, np.arange(k), np.ones(k, dtype=np.int64), offset, nbytes, k)
+
+
 def ranges(memory: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """``memory``'s ``(start, nbytes)`` ranges as sorted start and end arrays, for :func:`_inside`
     (made once where many checks share them)."""
@@ -78,11 +96,9 @@ def ranges(memory: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([a for a, _ in rs], dtype=np.int64), np.array([a + n for a, n in rs], dtype=np.int64)
 
 
-def _inside(addr: np.ndarray, sizes: np.ndarray,
-            memory: Sequence[tuple[int, int]] | tuple[np.ndarray, np.ndarray]) -> None:
-    """Every ``[addr, addr + size)`` lies inside one ``(start, nbytes)`` range of ``memory``
-    (or of :func:`ranges`' arrays)."""
-    starts, ends = memory if isinstance(memory, tuple) else ranges(memory)
+def _inside(addr: np.ndarray, sizes: np.ndarray, bounds: tuple[np.ndarray, np.ndarray]) -> None:
+    """Every ``[addr, addr + size)`` lies inside one of the ranges :func:`ranges` made."""
+    starts, ends = bounds
     i = np.searchsorted(starts, addr, side="right") - 1
     if (i < 0).any() or (addr + sizes > ends[np.maximum(i, 0)]).any():
         raise StoreError("a staged copy leaves the cache's memory")  # the planner's bounds make this unreachable
@@ -210,12 +226,7 @@ class Stage:
         issue = (lambda stage: hook(stage) if stage == "issue" else None) if hook is not None else None  # noqa: E731
         try:
             stage = np.uint64(addr) + (off - at)
-            # One iovec per contiguous file run of the group: stage bytes -> file, whole.
-            runs = np.empty((len(part), 2), dtype=np.uint64)
-            runs[:, 0] = np.uint64(addr) + (part.offset.astype(np.uint64) - at)
-            runs[:, 1] = part.nbytes.astype(np.uint64)
-            one = Calls(runs, np.arange(len(part)), np.ones(len(part), dtype=np.int64), part.offset, part.nbytes,
-                        len(part))
+            one = buffer_runs(part, np.uint64(addr), int(at))  # stage bytes <-> file, whole runs
             if write:
                 self._copy(stage, local[:, 0], local[:, 1], False, memory)
                 self.io(True, one, cancelled, issue)
