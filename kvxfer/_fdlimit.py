@@ -4,8 +4,11 @@ NIXL keeps descriptors per peer (RELIABILITY.md: a peer re-added often adds up),
 holds thousands of its own, and the default soft limit is often 1,024. At the limit native
 code fails with whatever its own error is (NIXL says ``NIXL_ERR_BACKEND``), which reads as a
 bad peer. So the first agent of a process raises the soft limit to the hard one (and logs
-it), and a failed ``add_peer`` near the limit is reported as what it is:
-:class:`~kvxfer.errors.DescriptorLimitError`, with the count and the limit.
+it), and ``add_peer`` near the limit is refused as what it is:
+:class:`~kvxfer.errors.DescriptorLimitError`, with the count and the limit. It is refused
+*before* the transport sees the peer: a NIXL agent whose UCX endpoint creation ran out of
+descriptors kept that peer "unreachable" after the descriptors came back (RELIABILITY.md,
+"A peer added at the descriptor limit stayed unreachable"); checked after a failure as well.
 """
 
 from __future__ import annotations

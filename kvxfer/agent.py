@@ -262,6 +262,9 @@ class Agent:
             lifecycle.peer_restarted(self, known, md.generation)
             self._drop_peer(known)
         pairing = self._pair_with(md.spec, self._adding_source) if self.spec is not None and md.spec is not None else None
+        ran_out = limit_error(f"adding peer {md.name!r}")  # before the transport: at the limit, UCX's
+        if ran_out is not None:  # failed endpoint left that peer unreachable for the worker's life
+            raise ran_out
         try:
             self._route.add_remote(md.name, md.blob, md.device)
         except BaseException as exc:
